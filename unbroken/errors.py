@@ -43,3 +43,31 @@ class InjectedFault(UnbrokenError):
 
 class JobFailed(UnbrokenError):
     """The job ended without success (restart budget spent, or no recovery possible)."""
+
+
+class OptimizerError(UnbrokenError):
+    """The sharded optimizer was set up or used in a way it cannot honour (layout, replicas,
+    parameters changed after construction, a state dict from another layout)."""
+
+
+class CollectiveAborted(UnbrokenError):
+    """A collective was abandoned because the caller's abort check returned True.
+
+    The pending work objects are kept referenced by their owner (``abandoned_work``) until
+    they end on their own at the process-group timeout; gloo cannot cancel them.
+    """
+
+
+class NoLiveReplica(UnbrokenError):
+    """Every rank holding some piece of training state is gone: in-flight recovery of that
+    piece is impossible and only a checkpoint can restore it.
+
+    ``piece`` names the piece, ``holders`` all ranks that held it, ``dead`` those not alive.
+    """
+
+    def __init__(self, message: str, *, piece: object = None, holders: tuple[int, ...] = (),
+                 dead: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.piece = piece
+        self.holders = holders
+        self.dead = dead

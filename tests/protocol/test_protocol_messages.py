@@ -1,0 +1,201 @@
+"""Typed control messages: registration, encode/decode round trips, strict validation."""
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import msgpack
+import pytest
+
+from unbroken.errors import ProtocolError
+from unbroken.protocol import messages as m
+from unbroken.protocol.messages import Message, decode, encode, message, message_types
+
+EXAMPLES = [
+    m.AgentRegister(node_rank=1, nproc=8, host="node-1", pid=4242),
+    m.WorkerStarted(rank=3, pid=100, attempt=0),
+    m.WorkerExited(rank=3, pid=100, attempt=2, exit_code=None, signal=9, last_lines=["a", "b"]),
+    m.WorkerExited(rank=0, pid=1, attempt=0, exit_code=1, signal=None, last_lines=[]),
+    m.WorkersStopped(node_rank=0, attempt=1),
+    m.StartWorkers(attempt=1, store_host="10.0.0.1", store_port=29500, world_size=16),
+    m.StopWorkers(attempt=1, reason="rank 3 died"),
+    m.KillWorker(rank=3, pid=100, reason="hung for 30 s"),
+    m.Shutdown(exit_code=0, reason="done"),
+    m.WorkerRegister(rank=5, pid=77, attempt=0),
+    m.Progress(
+        rank=0, attempt=0, step=12, phase="train",
+        metrics={"loss": 2.5, "tokens": 1024, "ok": True, "tags": ["x", None], "raw": b"\x00"},
+    ),
+    m.Heartbeat(rank=7),
+    m.ClaimFault(rank=2, fault_id="f-1"),
+    m.FaultClaim(fault_id="f-1", granted=False),
+    m.Ack(ok=True, detail=""),
+]
+
+
+def _sample(annotation: Any) -> Any:
+    """A valid value for any supported annotation (so new messages are covered too)."""
+    simple = {int: 7, float: 1.5, str: "s", bool: True, bytes: b"\x01", Any: {"k": [1]}}
+    if annotation in simple:
+        return simple[annotation]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return _sample(next(a for a in args if a is not type(None)))
+    if origin is list:
+        return [_sample(args[0]), _sample(args[0])]
+    assert origin is dict, annotation
+    return {"a": _sample(args[1])}
+
+
+def _wire(obj: dict) -> dict:
+    """What the peer gets after msgpack, as in a real frame."""
+    return msgpack.unpackb(msgpack.packb(obj, use_bin_type=True), raw=False)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda msg: type(msg).__name__)
+def test_examples_round_trip_through_msgpack(msg: Message) -> None:
+    obj = encode(msg)
+    assert obj["type"] == msg.TYPE
+    assert decode(_wire(obj)) == msg
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("type_name", sorted(message_types()))
+def test_every_registered_message_round_trips(type_name: str) -> None:
+    cls = message_types()[type_name]
+    hints = typing.get_type_hints(cls)
+    msg = cls(**{f.name: _sample(hints[f.name]) for f in dataclasses.fields(cls)})
+    assert decode(_wire(encode(msg))) == msg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        msg.x = 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(20)
+def test_initial_messages_are_registered_at_version_1() -> None:
+    assert m.PROTOCOL_VERSION == 1
+    expected = {type(msg).TYPE for msg in EXAMPLES}
+    assert expected <= set(message_types())
+    assert m.Progress.TYPE == "progress" and m.Ack.TYPE == "ack"
+
+
+def _progress(**changes: Any) -> dict:
+    obj = encode(m.Progress(rank=0, attempt=0, step=1, phase="train", metrics={}))
+    obj.update(changes)
+    return obj
+
+
+BAD = [
+    (_progress(step="3"), "message 'progress': field 'step' must be int, got str"),
+    (_progress(step=True), "field 'step' must be int, got bool"),
+    (_progress(step=None), "field 'step' must be int, got None"),
+    (_progress(step=1.0), "field 'step' must be int, got float"),
+    (_progress(step=2**70), "field 'step' must be int, got int"),
+    (_progress(phase=b"train"), "field 'phase' must be str, got bytes"),
+    (_progress(metrics=[1]), "field 'metrics' must be dict[str, Any], got list"),
+    (_progress(metrics={"a": {1: 2}}), "field 'metrics' must be dict[str, Any], got key 1 of type int"),
+    (_progress(metrics={"a": [1, {2, 3}]}), "field 'metrics' must be dict[str, Any], got set"),
+    (_progress(extra=1), "message 'progress': unknown field 'extra'"),
+    ({"type": "ack", "ok": True}, "message 'ack': missing required field 'detail' (str)"),
+    ({"type": "ack", "ok": 1, "detail": ""}, "message 'ack': field 'ok' must be bool, got int"),
+    ({"type": "fault_claim", "fault_id": 3, "granted": True}, "field 'fault_id' must be str, got int"),
+    (
+        {"type": "worker_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
+         "signal": "KILL", "last_lines": []},
+        "message 'worker_exited': field 'signal' must be int | None, got str",
+    ),
+    (
+        {"type": "worker_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
+         "signal": None, "last_lines": ["ok", 3]},
+        "message 'worker_exited': field 'last_lines' must be list[str], got int at [1]",
+    ),
+    (
+        {"type": "worker_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
+         "signal": None, "last_lines": "ok"},
+        "field 'last_lines' must be list[str], got str",
+    ),
+    ({"type": "no_such_thing"}, "unknown message type 'no_such_thing'"),
+    ({"type": 5}, "unknown message type 5"),
+    ({"rank": 1}, "message has no 'type' field"),
+    ([1, 2], "a message must be a map, got list"),
+]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("obj, text", BAD, ids=[text for _, text in BAD])
+def test_bad_messages_raise_protocol_error_naming_the_field(obj: Any, text: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(obj)
+    assert text in str(info.value)
+
+
+@pytest.mark.timeout(20)
+def test_nested_position_is_named() -> None:
+    obj = _progress(metrics={"hist": [1, 2, {"deep": object()}]})
+    with pytest.raises(ProtocolError, match=r"got object \(not msgpack-able\) at \['hist'\]\[2\]\['deep'\]"):
+        decode(obj)
+
+
+@pytest.mark.timeout(20)
+def test_float_field_accepts_int_but_not_bool() -> None:
+    @message("zz_test_protocol_float")
+    class Scaled(Message):
+        factor: float
+        note: str | None = None  # optional on the wire: it has a default
+
+    got = decode({"type": "zz_test_protocol_float", "factor": 3})
+    assert got == Scaled(factor=3.0) and type(got.factor) is float  # type: ignore[attr-defined]
+    with pytest.raises(ProtocolError, match="field 'factor' must be float, got bool"):
+        decode({"type": "zz_test_protocol_float", "factor": True})
+    assert encode(Scaled(factor=1.0, note="n")) == {"type": "zz_test_protocol_float", "factor": 1.0, "note": "n"}
+
+
+@pytest.mark.timeout(20)
+def test_encode_checks_fields_too() -> None:
+    with pytest.raises(ProtocolError, match="message 'heartbeat': field 'rank' must be int, got str"):
+        encode(m.Heartbeat(rank="0"))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="not a registered message"):
+        encode(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(20)
+def test_registration_refuses_mistakes() -> None:
+    with pytest.raises(TypeError, match="already taken"):
+
+        @message("progress")
+        class Again(Message):
+            rank: int
+
+    with pytest.raises(TypeError, match="unsupported annotation"):
+
+        @message("zz_test_protocol_set")
+        class WithSet(Message):
+            ranks: set[int]
+
+    with pytest.raises(TypeError, match="may not be named 'type'"):
+
+        @message("zz_test_protocol_type_field")
+        class WithType(Message):
+            type: str
+
+    with pytest.raises(TypeError, match="frozen"):
+
+        @message("zz_test_protocol_mutable")
+        @dataclasses.dataclass
+        class Mutable(Message):
+            rank: int
+
+    with pytest.raises(TypeError, match="reserved"):
+
+        @message("hello")
+        class Hello(Message):
+            rank: int
+
+    with pytest.raises(TypeError, match="subclass of Message"):
+
+        @message("zz_test_protocol_plain")
+        class Plain:
+            rank: int
+
+    assert not {"zz_test_protocol_set", "zz_test_protocol_type_field"} & set(message_types())

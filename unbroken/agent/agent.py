@@ -1,0 +1,179 @@
+"""The agent: one per node. Spawns, watches and stops this node's worker processes.
+
+It runs the controller's orders (start an attempt, stop it, kill one hung worker, shut
+down) received over its control connection, in the thread that calls :meth:`Agent.run`.
+A watcher thread notices a worker's exit within ``WATCH_INTERVAL_S`` and reports it
+with the exit code or signal and the last lines of its output. One reader thread per
+worker prefixes the worker's output lines with its rank.
+
+Worker states (``WorkerProc.state``): running -> exited (on its own) | stopped (by us).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from unbroken.config import LaunchConfig, worker_env
+from unbroken.errors import ConnectionClosed, ProtocolError
+from unbroken.protocol import messages as m
+from unbroken.protocol.wire import Connection, connect
+
+log = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.05
+TAIL_LINES = 20
+
+
+@dataclass
+class WorkerProc:
+    rank: int
+    local_rank: int
+    attempt: int
+    popen: subprocess.Popen
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    reader: threading.Thread | None = None
+    state: str = "running"
+
+
+class Agent:
+    def __init__(self, cfg: LaunchConfig, controller_host: str, controller_port: int,
+                 output: TextIO | None = None) -> None:
+        self.cfg = cfg
+        self.node_rank = cfg.node_rank
+        self.controller = f"{controller_host}:{controller_port}"
+        self._controller_addr = (controller_host, controller_port)
+        self._output = output
+        self._out_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._procs: dict[int, WorkerProc] = {}
+        self._conn: Connection | None = None
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
+
+    def run(self, connect_timeout_s: float = 30.0) -> tuple[int, str]:
+        """Serve the controller until it says shut down; return (exit code, reason)."""
+        host, port = self._controller_addr
+        self._conn = connect(host, port, self.cfg.secret.encode(), "agent",
+                             {"node_rank": self.node_rank}, timeout_s=connect_timeout_s)
+        self._conn.send(m.AgentRegister(node_rank=self.node_rank, nproc=self.cfg.nproc_per_node,
+                                        host=socket.gethostname(), pid=os.getpid()))
+        self._watcher.start()
+        try:
+            while True:
+                try:
+                    msg = self._conn.recv()
+                except (ConnectionClosed, ProtocolError, OSError) as exc:
+                    return 1, f"lost the controller at {self.controller}: {exc}"
+                if isinstance(msg, m.StartWorkers):
+                    self._start(msg)
+                elif isinstance(msg, m.StopWorkers):
+                    self._stop_all(msg.attempt)
+                    self._send(m.WorkersStopped(node_rank=self.node_rank, attempt=msg.attempt))
+                elif isinstance(msg, m.KillWorker):
+                    self._kill(msg.rank, msg.pid)
+                elif isinstance(msg, m.Shutdown):
+                    return msg.exit_code, msg.reason
+        finally:
+            self._stop.set()
+            self._stop_all(None)
+            self._conn.close()
+
+    # -- workers -------------------------------------------------------------------------
+    def _start(self, msg: m.StartWorkers) -> None:
+        for local_rank in range(self.cfg.nproc_per_node):
+            rank = self.node_rank * self.cfg.nproc_per_node + local_rank
+            env = dict(os.environ)
+            env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=msg.attempt,
+                                  controller=self.controller, store_host=msg.store_host,
+                                  store_port=msg.store_port))
+            popen = subprocess.Popen([sys.executable, "-u", self.cfg.script, *self.cfg.script_args],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = WorkerProc(rank, local_rank, msg.attempt, popen)
+            proc.reader = threading.Thread(target=self._read_output, args=(proc,),
+                                           name=f"unbroken-out-r{rank}", daemon=True)
+            proc.reader.start()
+            with self._lock:
+                self._procs[rank] = proc
+            self._send(m.WorkerStarted(rank=rank, pid=popen.pid, attempt=msg.attempt))
+
+    def _read_output(self, proc: WorkerProc) -> None:
+        assert proc.popen.stdout is not None
+        for raw in iter(proc.popen.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            proc.tail.append(line)
+            if self._output is not None:
+                with self._out_lock:
+                    self._output.write(f"[rank {proc.rank}] {line}\n")
+                    self._output.flush()
+        proc.popen.stdout.close()
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            with self._lock:
+                exited = [p for p in self._procs.values() if p.state == "running" and p.popen.poll() is not None]
+                for p in exited:
+                    p.state = "exited"
+            for p in exited:
+                if p.reader is not None:
+                    p.reader.join(timeout=0.5)  # the last lines matter for the root cause
+                code = p.popen.returncode
+                self._send(m.WorkerExited(rank=p.rank, pid=p.popen.pid, attempt=p.attempt,
+                                          exit_code=code if code >= 0 else None,
+                                          signal=-code if code < 0 else None, last_lines=list(p.tail)))
+
+    def _kill(self, rank: int, pid: int) -> None:
+        with self._lock:
+            proc = self._procs.get(rank)
+        if proc is not None and proc.popen.pid == pid and proc.popen.poll() is None:
+            _signal_group(proc.popen, signal.SIGKILL)
+
+    def _stop_all(self, attempt: int | None) -> None:
+        """Stop every live worker (SIGTERM, then SIGKILL after the grace period) and reap it."""
+        with self._lock:
+            procs = [p for p in self._procs.values() if attempt is None or p.attempt <= attempt]
+            for p in procs:
+                if p.state == "running":
+                    p.state = "stopped"
+        for p in procs:
+            if p.popen.poll() is None:
+                _signal_group(p.popen, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.stop_grace_s
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(p.popen, signal.SIGKILL)  # also reaps any child the worker left
+            p.popen.wait()
+            if p.reader is not None:
+                p.reader.join(timeout=1.0)
+        with self._lock:
+            for p in procs:
+                if self._procs.get(p.rank) is p:
+                    del self._procs[p.rank]
+
+    def _send(self, msg: m.Message) -> None:
+        if self._conn is None:
+            return
+        try:
+            self._conn.send(msg)
+        except (OSError, ProtocolError) as exc:
+            log.warning("agent %d: could not send %s: %s", self.node_rank, type(msg).__name__, exc)
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,84 @@
+"""`unbroken run` as a function: node 0 hosts the controller, every node runs an agent.
+
+:func:`run_job` prepares the run directory, starts the controller (node 0 only) and the
+agent, blocks until the job ends, and returns a :class:`JobResult`. Ctrl-C stops every
+worker and ends the job with exit code 130.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, TextIO
+
+from unbroken.agent.agent import Agent
+from unbroken.config import LaunchConfig
+from unbroken.controller.eventlog import EventLog
+from unbroken.controller.machine import Failure
+from unbroken.controller.server import Controller
+from unbroken.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class JobResult:
+    exit_code: int
+    reason: str
+    run_dir: Path
+    first_failure: Failure | None = None
+
+
+def resolve(cfg: LaunchConfig) -> LaunchConfig:
+    """Fill in what the user may leave out: job id, secret, absolute run dir. Checks the script."""
+    if not Path(cfg.script).is_file():
+        raise ConfigError(f"training script not found: {cfg.script!r} (give the path of a Python file)")
+    job_id = cfg.job_id or secrets.token_hex(4)
+    secret = cfg.secret or secrets.token_hex(32)
+    run_dir = Path(cfg.run_dir).absolute()
+    return replace(cfg, job_id=job_id, secret=secret, run_dir=run_dir)
+
+
+def _prepare_run_dir(cfg: LaunchConfig) -> None:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = cfg.run_dir / f"config.node{cfg.node_rank}.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(cfg.to_json() + "\n")
+
+
+def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
+            on_controller: Callable[[Controller], None] | None = None) -> JobResult:
+    """Run this node's part of a job to its end. ``cfg`` must come from :func:`resolve`."""
+    _prepare_run_dir(cfg)
+    controller: Controller | None = None
+    events: EventLog | None = None
+    try:
+        if cfg.node_rank == 0:
+            events = EventLog(cfg.run_dir)
+            controller = Controller(cfg, host=cfg.master_addr, port=cfg.master_port, events=events)
+            controller.start()
+            if on_controller is not None:
+                on_controller(controller)
+            host, port = cfg.master_addr, controller.port
+        else:
+            host, port = cfg.master_addr, cfg.master_port
+        agent = Agent(cfg, host, port, output=output)
+        try:
+            code, reason = agent.run()
+        except KeyboardInterrupt:
+            if controller is not None:
+                threading.Thread(target=controller.abort, args=("interrupted (Ctrl-C)",), daemon=True).start()
+            code, reason = 130, "interrupted (Ctrl-C)"
+        failure = controller.first_failure if controller is not None else None
+        if controller is not None:
+            outcome = controller.wait(timeout_s=0)
+            if outcome is not None:
+                code, reason = outcome.exit_code, outcome.reason
+        return JobResult(code, reason, cfg.run_dir, failure)
+    finally:
+        if controller is not None:
+            controller.close()
+        if events is not None:
+            events.close()

@@ -1,0 +1,128 @@
+"""Functions behind `unbroken ckpt ls|show|verify|export DIR`: they return data, never print.
+
+Read-only except `export`, which writes one new file at the path it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from unbroken.checkpoint.storage import StorageTier, describe, step_dir_name
+from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError, NoCheckpoint
+
+EXPORT_FORMATS = ("safetensors", "torch")
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def list_steps(root: str | os.PathLike) -> list[dict]:
+    """`describe(root)` (newest first) with `latest: bool` marking the step loads pick."""
+    latest = StorageTier(root).latest_step()
+    return [{**row, "latest": row["step"] == latest} for row in describe(root)]
+
+
+def show_step(root: str | os.PathLike, step: int | None = None) -> dict:
+    """What a committed step holds: meta, and per rank its file, bytes, crc32, meta and
+    tensors (name, dtype, shape, bytes), read from headers without loading the data."""
+    tier = StorageTier(root)
+    step = _resolve_step(tier, step)
+    manifest = tier._read_manifest(step)
+    ranks = []
+    for entry in manifest["ranks"]:
+        record = tier._read_record(step, entry["rank"])
+        path = tier.root / step_dir_name(step) / entry["file"]
+        ranks.append({"rank": entry["rank"], "file": str(path), "bytes": entry["bytes"],
+                      "crc32": entry["crc32"], "meta": record.get("meta") or {},
+                      "tensors": _tensor_table(path)})
+    return {"step": step, "world_size": manifest["world_size"],
+            "created_unix": manifest.get("created_unix"), "meta": manifest.get("meta") or {},
+            "ranks": ranks}
+
+
+def verify(root: str | os.PathLike, step: int | None = None) -> list[str]:
+    """Problems in `step`, or in every committed step when None; empty means all OK."""
+    tier = StorageTier(root)
+    if not Path(root).is_dir():
+        return [f"{root}: no such checkpoint directory"]
+    if step is not None:
+        return tier.verify_step(step)
+    steps = tier.committed_steps()
+    if not steps:
+        return [f"{root}: no committed checkpoint (no step_XXXXXXXX/MANIFEST.json of ours)"]
+    return [problem for s in steps for problem in tier.verify_step(s)]
+
+
+def export(root: str | os.PathLike, out_path: str | os.PathLike, step: int | None = None,
+           fmt: str = "safetensors", rank: int = 0, subtree: str = "model") -> dict:
+    """Write `rank`'s `subtree` (a flat {name: tensor} state dict) of `step` to one file.
+
+    `fmt="safetensors"` loads with `safetensors.torch.load_file`, `fmt="torch"` with
+    `torch.load(path, weights_only=True)`. Returns {path, step, rank, tensors, bytes}.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise ConfigError(f"export format {fmt!r} is not supported; use one of {EXPORT_FORMATS}")
+    tier = StorageTier(root)
+    step = _resolve_step(tier, step)
+    state, _ = tier.load_rank(step, rank)
+    if not isinstance(state, dict) or subtree not in state:
+        keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"step {step} rank {rank} has no {subtree!r} entry to export "
+                              f"(top-level keys: {keys})")
+    tensors = _plain_state_dict(state[subtree], f"{subtree!r} of step {step} rank {rank}")
+    out = Path(out_path)
+    tmp = out.with_name(f".{out.name}.tmp-{os.urandom(4).hex()}")
+    try:
+        if fmt == "safetensors":
+            safetensors.torch.save_file(tensors, str(tmp), metadata={"unbroken.step": str(step)})
+        else:
+            torch.save(tensors, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"path": str(out), "step": step, "rank": rank, "tensors": len(tensors),
+            "bytes": out.stat().st_size}
+
+
+def _resolve_step(tier: StorageTier, step: int | None) -> int:
+    if step is None:
+        step = tier.latest_step()
+        if step is None:
+            raise NoCheckpoint(f"{tier.root}: no committed checkpoint to read")
+    return step
+
+
+def _plain_state_dict(tree: Any, what: str) -> dict[str, torch.Tensor]:
+    """A flat str -> tensor dict with no shared storage (tied weights get their own copy)."""
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{what} is a {type(tree).__name__}, not a state dict")
+    out, seen = {}, set()
+    for name, value in tree.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{what}: entry {name!r} ({type(value).__name__}) is not a "
+                                  "str -> tensor pair; only flat state dicts can be exported")
+        ptr = value.untyped_storage().data_ptr()
+        out[name] = value.clone() if ptr in seen else value.contiguous()
+        if value.untyped_storage().nbytes():
+            seen.add(ptr)
+    return out
+
+
+def _tensor_table(path: Path) -> list[dict]:
+    """[{name, dtype, shape, bytes}] from a safetensors header (data is not read)."""
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > _MAX_HEADER_BYTES:
+                raise ValueError(f"header length {header_len} is implausible")
+            header = json.loads(f.read(header_len))
+        return [{"name": name, "dtype": info["dtype"], "shape": info["shape"],
+                 "bytes": info["data_offsets"][1] - info["data_offsets"][0]}
+                for name, info in header.items() if name != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise CheckpointCorrupt(f"{path}: unreadable safetensors header ({exc})") from exc

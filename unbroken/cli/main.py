@@ -1,0 +1,182 @@
+"""The `unbroken` command line: `run`, `demo`, `ckpt`. The only place that prints.
+
+Usage errors exit with code 2 and a message naming the flag, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from unbroken.config import (CheckpointConfig, HangConfig, LaunchConfig, parse_strategies,
+                             secret_from_env)
+from unbroken.errors import ConfigError, UnbrokenError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own usage errors: exit code 2
+        self.print_usage(sys.stderr)
+        self.exit(2, f"unbroken: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _nnodes(text: str) -> int:
+    if ":" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: elastic node ranges are not supported; give a fixed number of nodes")
+    return _positive_int(text)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    # torchrun's flags, in both spellings (--nproc-per-node and --nproc_per_node).
+    def flag(name: str, **kw) -> None:
+        names = [f"--{name}"] + ([f"--{name.replace('-', '_')}"] if "-" in name else [])
+        p.add_argument(*names, **kw)
+
+    flag("nproc-per-node", type=_positive_int, default=1, help="worker processes on this node")
+    flag("nnodes", type=_nnodes, default=1, help="number of nodes (one `unbroken run` per node)")
+    flag("node-rank", type=_positive_int, default=0, help="this node's index")
+    flag("master-addr", default="127.0.0.1", help="node 0's address (controller)")
+    flag("master-port", type=_positive_int, default=0, help="controller port on node 0 (0: a free one)")
+    flag("max-restarts", type=_positive_int, default=32767, help="job restarts allowed (default 32767)")
+    flag("standalone", action="store_true", help="accepted for torchrun compatibility (single node)")
+    flag("rdzv-endpoint", default=None, help="torchrun-style HOST:PORT of node 0")
+    flag("rdzv-id", default="", help="job id (torchrun-style)")
+    flag("rdzv-backend", default="c10d", help="accepted for torchrun compatibility")
+    flag("monitor-interval", type=_float, default=None, help="accepted for torchrun compatibility")
+    flag("run-dir", default=None, help="run directory: event log, config (default runs/<job-id>)")
+    flag("save", default=None, metavar="DIR", help="write checkpoints to DIR")
+    flag("load", default=None, metavar="DIR", help="resume from the newest complete checkpoint in DIR")
+    flag("ckpt-every-steps", type=_positive_int, default=0, help="checkpoint every K steps (0: never)")
+    flag("keep-checkpoints", type=_positive_int, default=3, help="committed checkpoints kept")
+    flag("inject", default="", metavar="PLAN", help="faults to inject, e.g. kill:rank=2:step=30")
+    flag("recover-strategy", default="exit", help="allowed recovery strategies, a comma list")
+    flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
+    flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
+    flag("pg-timeout-s", type=_float, default=60.0, help="process-group timeout of the workers")
+    p.add_argument("script", help="training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="unbroken", description="Keeps distributed PyTorch training running through failures.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the library's info messages")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_run_flags(sub.add_parser("run", help="launch a training script (torchrun-compatible)"))
+    demo = sub.add_parser("demo", help="a 4-rank training run that survives injected faults")
+    demo.add_argument("--steps", type=_positive_int, default=60)
+    demo.add_argument("--nproc-per-node", type=_positive_int, default=4)
+    demo.add_argument("--run-dir", default=None)
+    demo.add_argument("--plain", action="store_true", help="no live view (for logs and CI)")
+    ckpt = sub.add_parser("ckpt", help="inspect, verify and export checkpoints")
+    ckpt.add_argument("action", choices=["ls", "show", "verify", "export"])
+    ckpt.add_argument("dir")
+    ckpt.add_argument("--step", type=_positive_int, default=None)
+    ckpt.add_argument("--out", default=None, help="export: output file")
+    ckpt.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    return parser
+
+
+def launch_config(args: argparse.Namespace) -> LaunchConfig:
+    """Resolve `unbroken run` flags into a LaunchConfig (environment < command line)."""
+    master_addr, master_port = args.master_addr, args.master_port
+    if args.rdzv_endpoint:
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--rdzv-endpoint {args.rdzv_endpoint!r} must be HOST:PORT")
+        master_addr, master_port = host, int(port)
+    job_id = args.rdzv_id or ""
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    script_args = list(args.script_args)
+    if script_args[:1] == ["--"]:  # `unbroken run ... script.py -- --flag` also works
+        script_args = script_args[1:]
+    cfg = LaunchConfig(
+        script=args.script,
+        script_args=tuple(script_args),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        max_restarts=args.max_restarts,
+        run_dir=run_dir or Path("runs") / (job_id or "latest"),
+        secret=secret_from_env(),
+        job_id=job_id,
+        inject=args.inject,
+        recover_strategy=parse_strategies(args.recover_strategy),
+        pg_timeout_s=args.pg_timeout_s,
+        checkpoint=CheckpointConfig(save_dir=args.save, load_dir=args.load,
+                                    every_steps=args.ckpt_every_steps, keep=args.keep_checkpoints),
+        hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
+    )
+    from unbroken.faults.plan import parse_plan, validate_plan
+
+    validate_plan(parse_plan(cfg.inject), cfg.world_size)
+    return cfg
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from unbroken.agent.launcher import resolve, run_job
+
+    cfg = resolve(launch_config(args))
+    result = run_job(cfg, output=sys.stdout)
+    if result.exit_code == 0:
+        print(f"unbroken: job finished: {result.reason} (run dir {result.run_dir})")
+    else:
+        print(f"unbroken: job failed (exit {result.exit_code}): {result.reason}", file=sys.stderr)
+        f = result.first_failure
+        if f is not None and f.last_lines:
+            print(f"unbroken: last output of rank {f.rank}:", file=sys.stderr)
+            for line in f.last_lines[-10:]:
+                print(f"    {line}", file=sys.stderr)
+    return result.exit_code
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from unbroken.cli.demo import run_demo
+
+    return run_demo(steps=args.steps, nproc=args.nproc_per_node, run_dir=args.run_dir, live=not args.plain)
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from unbroken.cli.ckpt import run_ckpt
+
+    return run_ckpt(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    else:
+        logging.basicConfig(level=logging.WARNING, format="unbroken: %(message)s")
+    commands = {"run": cmd_run, "demo": cmd_demo, "ckpt": cmd_ckpt}
+    try:
+        return commands[args.command](args)
+    except ConfigError as exc:
+        print(f"unbroken: error: {exc}", file=sys.stderr)
+        return 2
+    except UnbrokenError as exc:
+        print(f"unbroken: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

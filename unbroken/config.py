@@ -1,0 +1,287 @@
+"""The configuration tree: frozen dataclasses, validated when built.
+
+Precedence is defaults < environment < command line. Only this module reads
+``os.environ``: the launcher resolves a :class:`LaunchConfig` from its flags, and passes
+each worker a :class:`WorkerConfig` through environment variables that
+:func:`worker_config_from_env` reads back. Everything else takes config objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from unbroken.errors import ConfigError
+
+#: Strategies of the recovery ladder, cheapest first (DESIGN.md section 6).
+STRATEGIES = ("retry", "recover-in-place", "recover", "elastic", "dump", "exit")
+#: Strategies this version can carry out.
+IMPLEMENTED_STRATEGIES = ("exit",)
+
+# Environment variables the launcher sets for its workers (beyond torchrun's own).
+ENV_CONTROLLER = "UNBROKEN_CONTROLLER"  # host:port of the controller
+ENV_SECRET = "UNBROKEN_JOB_SECRET"
+ENV_JOB_ID = "UNBROKEN_JOB_ID"
+ENV_RUN_DIR = "UNBROKEN_RUN_DIR"
+ENV_SAVE_DIR = "UNBROKEN_SAVE_DIR"
+ENV_LOAD_DIR = "UNBROKEN_LOAD_DIR"
+ENV_CKPT_EVERY = "UNBROKEN_CKPT_EVERY_STEPS"
+ENV_KEEP = "UNBROKEN_KEEP_CHECKPOINTS"
+ENV_INJECT = "UNBROKEN_INJECT"
+ENV_PG_TIMEOUT = "UNBROKEN_PG_TIMEOUT_S"
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class HangConfig:
+    """How the controller decides that a live worker is hung (no step progress).
+
+    A rank that has not completed a step in the current attempt gets
+    ``first_step_timeout_s`` (imports, process-group setup, restore). After that the
+    timeout is ``max(floor_s, factor * median step time)``, calibrated from observed
+    steps, unless ``timeout_s`` fixes it.
+    """
+
+    timeout_s: float | None = None
+    floor_s: float = 5.0
+    factor: float = 3.0
+    first_step_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(self.timeout_s is None or self.timeout_s > 0,
+                 f"--hang-timeout-s must be > 0, got {self.timeout_s}")
+        _require(self.floor_s > 0, f"hang floor must be > 0 s, got {self.floor_s}")
+        _require(self.factor >= 1, f"hang factor must be >= 1, got {self.factor}")
+        _require(self.first_step_timeout_s > 0,
+                 f"--first-step-timeout-s must be > 0, got {self.first_step_timeout_s}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often tracked state is checkpointed."""
+
+    save_dir: str | None = None
+    load_dir: str | None = None
+    every_steps: int = 0  # 0: never
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 0,
+                 f"--ckpt-every-steps must be >= 0 (0 turns checkpoints off), got {self.every_steps}")
+        _require(self.keep >= 1, f"--keep-checkpoints must be >= 1, got {self.keep}")
+        _require(not (self.every_steps and not self.save_dir),
+                 "--ckpt-every-steps needs --save DIR (where to write the checkpoints)")
+
+    @property
+    def resume_dir(self) -> str | None:
+        """Where a (re)started job looks for checkpoints: what it saves, else what it was given."""
+        return self.save_dir or self.load_dir
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything `unbroken run` needs; written to ``run_dir/config.json`` at start."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (single node only)
+    max_restarts: int = 32767
+    run_dir: Path = Path("runs/latest")
+    secret: str = ""
+    job_id: str = ""
+    inject: str = ""
+    recover_strategy: tuple[str, ...] = ("exit",)
+    stop_grace_s: float = 3.0
+    pg_timeout_s: float = 60.0
+    omp_num_threads: int = 1
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hang: HangConfig = field(default_factory=HangConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.nproc_per_node >= 1,
+                 f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        _require(self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}")
+        _require(0 <= self.node_rank < self.nnodes,
+                 f"--node-rank must be in [0, {self.nnodes - 1}] for --nnodes {self.nnodes}, got {self.node_rank}")
+        _require(0 <= self.master_port < 65536, f"--master-port must be in [0, 65535], got {self.master_port}")
+        _require(not (self.nnodes > 1 and self.master_port == 0),
+                 "--master-port is required with --nnodes > 1 (every node's agent must reach node 0)")
+        _require(not (self.nnodes > 1 and not self.secret),
+                 f"a job with --nnodes > 1 needs a shared secret: set {ENV_SECRET} on every node")
+        _require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
+        _require(self.stop_grace_s >= 0, f"stop grace must be >= 0 s, got {self.stop_grace_s}")
+        _require(self.pg_timeout_s > 0, f"--pg-timeout-s must be > 0, got {self.pg_timeout_s}")
+        _require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
+        for name in self.recover_strategy:
+            _require(name in STRATEGIES,
+                     f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(STRATEGIES)})")
+        _require(bool(self.recover_strategy), "--recover-strategy must name at least one strategy")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["run_dir"] = str(self.run_dir)
+        data["secret"] = "<redacted>" if self.secret else ""
+        return json.dumps(data, indent=2, sort_keys=True)
+
+
+def parse_strategies(text: str) -> tuple[str, ...]:
+    """Parse ``--recover-strategy`` / the ``recover-strategy`` annotation: a comma list."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    for name in names:
+        _require(name in STRATEGIES,
+                 f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(STRATEGIES)})")
+    _require(bool(names), f"--recover-strategy: empty list (allowed: {', '.join(STRATEGIES)})")
+    return names
+
+
+def secret_from_env(env: Mapping[str, str] | None = None) -> str:
+    """The job secret from the environment, or '' when none is set."""
+    env = os.environ if env is None else env
+    return env.get(ENV_SECRET, "")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker process knows about its job: resolved once, in :func:`worker_config_from_env`.
+
+    ``mode`` is ``managed`` under `unbroken run`, ``torchrun`` under plain torchrun, and
+    ``single`` for a plain ``python`` process.
+    """
+
+    mode: str = "single"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    attempt: int = 0
+    controller: str = ""
+    secret: str = ""
+    job_id: str = ""
+    run_dir: str | None = None
+    inject: str = ""
+    pg_timeout_s: float = 60.0
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={raw!r} must be an integer") from None
+
+
+def _env_float(env: Mapping[str, str], key: str, default: float) -> float:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={raw!r} must be a number") from None
+
+
+def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) -> WorkerConfig:
+    """Build a worker's config from torchrun's and our environment; ``overrides`` win."""
+    env = os.environ if env is None else env
+    controller = env.get(ENV_CONTROLLER, "")
+    if controller:
+        mode = "managed"
+    elif "WORLD_SIZE" in env and "RANK" in env:
+        mode = "torchrun"
+    else:
+        mode = "single"
+    ckpt = CheckpointConfig(
+        save_dir=env.get(ENV_SAVE_DIR) or None,
+        load_dir=env.get(ENV_LOAD_DIR) or None,
+        every_steps=_env_int(env, ENV_CKPT_EVERY, 0),
+        keep=_env_int(env, ENV_KEEP, 3),
+    )
+    ckpt_fields = {k: overrides.pop(k) for k in ("save_dir", "load_dir", "every_steps", "keep") if k in overrides}
+    if ckpt_fields:
+        ckpt = dataclasses.replace(ckpt, **ckpt_fields)
+    cfg = WorkerConfig(
+        mode=mode,
+        rank=_env_int(env, "RANK", 0),
+        world_size=_env_int(env, "WORLD_SIZE", 1),
+        local_rank=_env_int(env, "LOCAL_RANK", 0),
+        local_world_size=_env_int(env, "LOCAL_WORLD_SIZE", 1),
+        node_rank=_env_int(env, "GROUP_RANK", 0),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_env_int(env, "MASTER_PORT", 0),
+        attempt=_env_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        controller=controller,
+        secret=env.get(ENV_SECRET, ""),
+        job_id=env.get(ENV_JOB_ID, ""),
+        run_dir=env.get(ENV_RUN_DIR) or None,
+        inject=env.get(ENV_INJECT, ""),
+        pg_timeout_s=_env_float(env, ENV_PG_TIMEOUT, 60.0),
+        checkpoint=ckpt,
+    )
+    cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
+    _require(cfg.world_size >= 1, f"WORLD_SIZE must be >= 1, got {cfg.world_size}")
+    _require(0 <= cfg.rank < cfg.world_size, f"RANK={cfg.rank} must be in [0, WORLD_SIZE={cfg.world_size})")
+    if cfg.mode == "managed":
+        _require(bool(cfg.secret), f"{ENV_CONTROLLER} is set but {ENV_SECRET} is not")
+    return cfg
+
+
+def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
+               controller: str, store_host: str, store_port: int) -> dict[str, str]:
+    """The environment a worker gets from the agent: torchrun's variables plus ours."""
+    ckpt = cfg.checkpoint
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(cfg.world_size),
+        "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+        "GROUP_RANK": str(cfg.node_rank),
+        "GROUP_WORLD_SIZE": str(cfg.nnodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(cfg.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": store_host,
+        "MASTER_PORT": str(store_port),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "TORCHELASTIC_RUN_ID": cfg.job_id,
+        # The store lives in the controller (a fresh one per attempt): every rank is a client.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        # Results depend on the intra-op thread count (FACTS.md): pin it for every process.
+        "OMP_NUM_THREADS": str(cfg.omp_num_threads),
+        "PYTHONUNBUFFERED": "1",
+        ENV_CONTROLLER: controller,
+        ENV_SECRET: cfg.secret,
+        ENV_JOB_ID: cfg.job_id,
+        ENV_RUN_DIR: str(cfg.run_dir),
+        ENV_INJECT: cfg.inject,
+        ENV_CKPT_EVERY: str(ckpt.every_steps),
+        ENV_KEEP: str(ckpt.keep),
+        ENV_PG_TIMEOUT: str(cfg.pg_timeout_s),
+    }
+    if ckpt.save_dir:
+        env[ENV_SAVE_DIR] = ckpt.save_dir
+    if ckpt.load_dir:
+        env[ENV_LOAD_DIR] = ckpt.load_dir
+    return env

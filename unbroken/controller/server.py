@@ -1,0 +1,339 @@
+"""The controller: one per job, inside node 0's agent process (threads, no subprocess).
+
+It owns the control-plane server, the job's TCPStore (a fresh one per attempt, so no
+stale rendezvous keys survive a restart and rank 0 dying loses nothing), the view of
+every worker (step, phase, last progress), the hang monitor, the fault claims of the
+injection plan and the event log. Decisions are made by the pure
+:func:`unbroken.controller.machine.transition`; this module only turns messages and
+timers into events and carries out the resulting actions.
+
+Threads: one per control connection (the protocol server's), one hang monitor. All
+state is guarded by one lock; actions are carried out under it (they only send small
+messages).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from unbroken.config import LaunchConfig
+from unbroken.controller import machine as sm
+from unbroken.controller.eventlog import EventLog
+from unbroken.errors import ConnectionClosed, ProtocolError
+from unbroken.protocol import messages as m
+from unbroken.protocol.wire import Connection, Server
+
+log = logging.getLogger(__name__)
+
+MONITOR_INTERVAL_S = 0.1
+
+
+@dataclass
+class WorkerView:
+    """What the controller knows of one rank in the current attempt."""
+
+    rank: int
+    pid: int = 0
+    attempt: int = -1
+    started_t: float = 0.0
+    last_progress_t: float = 0.0
+    step: int | None = None  # steps completed, as last reported
+    phase: str = "starting"
+    steps_in_attempt: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    state: str = "starting"  # starting | running | finished | failed | stopped
+    conn: Connection | None = None
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    reason: str
+
+
+class Controller:
+    def __init__(self, cfg: LaunchConfig, *, host: str, port: int, events: EventLog) -> None:
+        self.cfg = cfg
+        self.host = host
+        self.events = events
+        self._lock = threading.RLock()
+        self._state = sm.JobState(world_size=cfg.world_size, nnodes=cfg.nnodes,
+                                  max_restarts=cfg.max_restarts, allowed=cfg.recover_strategy)
+        self._agents: dict[int, Connection] = {}
+        self._workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
+        self._step_times: deque[float] = deque(maxlen=200)
+        self._fired: set[str] = set()
+        self._store: dist.TCPStore | None = None
+        self._stores: list[dist.TCPStore] = []
+        self._outcome: Outcome | None = None
+        self._done = threading.Event()
+        self._fault_t: float | None = None  # when the failure being recovered was detected
+        self._fault_step = 0
+        self._server = Server(host, port, cfg.secret.encode(), self._on_connection)
+        self._monitor = threading.Thread(target=self._monitor_loop, name="unbroken-hang-monitor", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self._server.start()
+        self._monitor.start()
+        self.events.emit("controller_started", address=self.address, world_size=self.cfg.world_size,
+                         nnodes=self.cfg.nnodes, max_restarts=self.cfg.max_restarts,
+                         recover_strategy=list(self.cfg.recover_strategy))
+
+    def wait(self, timeout_s: float | None = None) -> Outcome | None:
+        self._done.wait(timeout_s)
+        return self._outcome
+
+    def abort(self, reason: str, exit_code: int = 130) -> None:
+        """Stop the job from outside (Ctrl-C): every agent stops its workers."""
+        with self._lock:
+            self._execute([sm.StopAttempt(self._state.attempt, reason), sm.Finish(exit_code, reason)])
+
+    def close(self) -> None:
+        self._done.set()
+        self._server.close()
+        self._stores.clear()
+        self._store = None
+
+    # -- views for status and the demo ---------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "phase": self._state.phase.value,
+                "attempt": self._state.attempt,
+                "restarts_used": self._state.restarts_used,
+                "median_step_s": self._median_step_s(),
+                "workers": [
+                    {"rank": w.rank, "pid": w.pid, "step": w.step, "phase": w.phase, "state": w.state,
+                     "metrics": dict(w.metrics)} for w in self._workers.values()],
+            }
+
+    @property
+    def first_failure(self) -> sm.Failure | None:
+        with self._lock:
+            return self._state.first_failure
+
+    # -- connections ---------------------------------------------------------------------
+    def _on_connection(self, conn: Connection) -> None:
+        try:
+            if conn.role == "agent":
+                self._serve_agent(conn)
+            elif conn.role == "worker":
+                self._serve_worker(conn)
+            else:
+                raise ProtocolError(f"unknown role {conn.role!r} from {conn.peer} (allowed: agent, worker)")
+        except ConnectionClosed:
+            pass
+        finally:
+            conn.close()
+
+    def _serve_agent(self, conn: Connection) -> None:
+        first = conn.recv(timeout_s=10.0)
+        if not isinstance(first, m.AgentRegister):
+            raise ProtocolError(f"agent {conn.peer} must register first, sent {type(first).__name__}")
+        node = first.node_rank
+        if not 0 <= node < self.cfg.nnodes or first.nproc != self.cfg.nproc_per_node:
+            conn.send(m.Shutdown(exit_code=2, reason=(
+                f"agent of node {node} with --nproc-per-node {first.nproc} does not fit this job "
+                f"(--nnodes {self.cfg.nnodes}, --nproc-per-node {self.cfg.nproc_per_node})")))
+            return
+        with self._lock:
+            self._agents[node] = conn
+            self.events.emit("agent_joined", node_rank=node, host=first.host, pid=first.pid)
+            self._apply(sm.AgentJoined(node))
+        try:
+            while True:
+                self._on_agent_message(conn.recv())
+        except ConnectionClosed:
+            with self._lock:
+                if self._agents.get(node) is conn and not self._done.is_set():
+                    del self._agents[node]
+                    self.events.emit("agent_lost", node_rank=node)
+                    self._apply(sm.AgentLost(node))
+            raise
+
+    def _on_agent_message(self, msg: m.Message) -> None:
+        with self._lock:
+            if isinstance(msg, m.WorkerStarted):
+                w = self._workers[msg.rank]
+                now = time.monotonic()
+                w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
+                w.step, w.phase, w.state, w.steps_in_attempt = None, "starting", "starting", 0
+                self.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
+            elif isinstance(msg, m.WorkerExited):
+                self._on_worker_exited(msg)
+            elif isinstance(msg, m.WorkersStopped):
+                self.events.emit("workers_stopped", node_rank=msg.node_rank, attempt=msg.attempt)
+                self._apply(sm.AgentStopped(msg.node_rank, msg.attempt))
+            elif isinstance(msg, m.Heartbeat):
+                pass
+            else:
+                log.warning("controller: unexpected %s from an agent", type(msg).__name__)
+
+    def _on_worker_exited(self, msg: m.WorkerExited) -> None:
+        w = self._workers[msg.rank]
+        if msg.attempt != self._state.attempt:
+            return
+        w.state = "finished" if msg.exit_code == 0 else "failed"
+        detected_t = time.monotonic()
+        self.events.emit("worker_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
+                         exit_code=msg.exit_code, signal=msg.signal, step=w.step)
+        if msg.exit_code != 0 and self._fault_t is None:
+            self._fault_t = detected_t
+            self._fault_step = max((v.step or 0) for v in self._workers.values())
+        self._apply(sm.WorkerExited(msg.rank, msg.attempt, msg.exit_code, msg.signal, w.step,
+                                    tuple(msg.last_lines)))
+
+    def _serve_worker(self, conn: Connection) -> None:
+        first = conn.recv(timeout_s=10.0)
+        if not isinstance(first, m.WorkerRegister) or not 0 <= first.rank < self.cfg.world_size:
+            raise ProtocolError(f"worker {conn.peer} must register with a rank in [0, {self.cfg.world_size})")
+        with self._lock:
+            if first.attempt != self._state.attempt:
+                # Fencing: a process of an older attempt never joins the current one.
+                self.events.emit("worker_fenced", rank=first.rank, pid=first.pid, attempt=first.attempt)
+                return
+            w = self._workers[first.rank]
+            w.conn, w.pid, w.state = conn, first.pid, "running"
+        while True:
+            self._on_worker_message(first.rank, first.attempt, conn, conn.recv())
+
+    def _on_worker_message(self, rank: int, attempt: int, conn: Connection, msg: m.Message) -> None:
+        with self._lock:
+            if attempt != self._state.attempt:
+                return
+            w = self._workers[rank]
+            if isinstance(msg, m.Progress):
+                now = time.monotonic()
+                if w.steps_in_attempt:
+                    self._step_times.append(now - w.last_progress_t)
+                w.last_progress_t, w.step, w.phase = now, msg.step, msg.phase
+                w.steps_in_attempt += 1
+                w.metrics = dict(msg.metrics)
+                self._check_recovered()
+            elif isinstance(msg, m.ClaimFault):
+                granted = msg.fault_id not in self._fired
+                self._fired.add(msg.fault_id)
+                if granted:
+                    self.events.emit("fault_injected", rank=rank, fault=msg.fault_id, step=w.step)
+                conn.send(m.FaultClaim(fault_id=msg.fault_id, granted=granted))
+            elif isinstance(msg, m.WorkerEvent):
+                self.events.emit(msg.name, rank=rank, attempt=attempt, **msg.fields)
+            elif isinstance(msg, m.Heartbeat):
+                pass
+
+    def _check_recovered(self) -> None:
+        """After a restart: once every rank is back at the step the fault hit, log the recovery."""
+        if self._fault_t is None or self._state.phase is not sm.JobPhase.RUNNING:
+            return
+        if all((w.step or 0) >= self._fault_step for w in self._workers.values()):
+            restored = [r for r in self.events.records("restored") if r.get("attempt") == self._state.attempt]
+            self.events.emit("recovered", attempt=self._state.attempt, step=self._fault_step,
+                             recover_s=round(time.monotonic() - self._fault_t, 4),
+                             restored_step=restored[0]["step"] if restored else 0,
+                             tier=restored[0]["tier"] if restored else "none")
+            self._fault_t = None
+
+    # -- hang monitor ----------------------------------------------------------------------
+    def _median_step_s(self) -> float | None:
+        return statistics.median(self._step_times) if self._step_times else None
+
+    def hang_timeout_s(self, w: WorkerView) -> float:
+        hang = self.cfg.hang
+        if w.steps_in_attempt == 0:
+            return hang.first_step_timeout_s
+        if hang.timeout_s is not None:
+            return hang.timeout_s
+        median = self._median_step_s() or 0.0
+        return max(hang.floor_s, hang.factor * median)
+
+    def _monitor_loop(self) -> None:
+        while not self._done.wait(MONITOR_INTERVAL_S):
+            with self._lock:
+                if self._state.phase is sm.JobPhase.RUNNING and not self._state.hung_ranks:
+                    self._check_hangs(time.monotonic())
+
+    def _check_hangs(self, now: float) -> None:
+        live = [w for w in self._workers.values()
+                if w.attempt == self._state.attempt and w.state in ("starting", "running")]
+        hung = [w for w in live if now - w.last_progress_t > self.hang_timeout_s(w)]
+        if not hung:
+            return
+        # Ranks blocked in a collective ('sync') are usually waiting for the hung one:
+        # suspect the others first, the longest silent first.
+        w = min(hung, key=lambda v: (v.phase == "sync", v.last_progress_t))
+        silent = now - w.last_progress_t
+        if self._fault_t is None:
+            self._fault_t, self._fault_step = now, max((v.step or 0) for v in self._workers.values())
+        self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(silent, 3),
+                         timeout_s=round(self.hang_timeout_s(w), 3), attempt=w.attempt)
+        self._apply(sm.WorkerHung(w.rank, w.attempt, w.step, silent))
+
+    # -- the state machine and its actions ---------------------------------------------
+    def _apply(self, event: sm.Event) -> None:
+        self._state, actions = sm.transition(self._state, event)
+        self._execute(actions)
+
+    def _execute(self, actions: list[sm.Action]) -> None:
+        for action in actions:
+            if isinstance(action, sm.StartAttempt):
+                self._start_attempt(action.attempt)
+            elif isinstance(action, sm.StopAttempt):
+                self.events.emit("stop_workers", attempt=action.attempt, reason=action.reason)
+                self._broadcast(m.StopWorkers(attempt=action.attempt, reason=action.reason))
+            elif isinstance(action, sm.KillWorker):
+                w = self._workers[action.rank]
+                self.events.emit("kill_worker", rank=action.rank, pid=w.pid, reason=action.reason)
+                self._send_to_node(action.rank // self.cfg.nproc_per_node,
+                                   m.KillWorker(rank=action.rank, pid=w.pid, reason=action.reason))
+            elif isinstance(action, sm.Decide):
+                f = action.failure
+                self.events.emit("decision", rung=action.rung, rank=f.rank, kind=f.kind, step=f.step,
+                                 attempt=f.attempt, reason=action.reason)
+            elif isinstance(action, sm.Finish):
+                self._finish(action)
+
+    def _start_attempt(self, attempt: int) -> None:
+        # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts).
+        store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        self._stores = [store]  # the previous attempt's store goes: all its workers are dead
+        self._store = store
+        for w in self._workers.values():
+            w.state, w.steps_in_attempt = "starting", 0
+        self.events.emit("attempt_started", attempt=attempt, store_port=store.port)
+        self._broadcast(m.StartWorkers(attempt=attempt, store_host=self.host, store_port=store.port,
+                                       world_size=self.cfg.world_size))
+
+    def _finish(self, action: sm.Finish) -> None:
+        self._outcome = Outcome(action.exit_code, action.reason)
+        self.events.emit("job_finished", exit_code=action.exit_code, reason=action.reason)
+        self._broadcast(m.Shutdown(exit_code=action.exit_code, reason=action.reason))
+        self._done.set()
+
+    def _broadcast(self, msg: m.Message) -> None:
+        for node in list(self._agents):
+            self._send_to_node(node, msg)
+
+    def _send_to_node(self, node: int, msg: m.Message) -> None:
+        conn = self._agents.get(node)
+        if conn is None:
+            return
+        try:
+            conn.send(msg)
+        except (OSError, ProtocolError) as exc:
+            log.warning("controller: could not send %s to node %d: %s", type(msg).__name__, node, exc)

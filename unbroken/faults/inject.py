@@ -1,0 +1,87 @@
+"""Carrying out injected faults inside a worker: real faults, fired once per job.
+
+The worker session calls :meth:`FaultInjector.at` at every phase of every step. A fault
+whose (rank, step, phase) matches is *claimed* first (from the controller under
+`unbroken run`, from a marker file in the run directory otherwise) so that it fires once
+per job, not again after a restart; then it happens for real: SIGKILL, a loop that stops
+making progress, an exception, or an exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from unbroken.errors import InjectedFault
+from unbroken.faults.plan import Fault, FaultKind
+
+log = logging.getLogger(__name__)
+
+Claim = Callable[[Fault], bool]
+
+
+def file_claim(run_dir: str | os.PathLike | None) -> Claim:
+    """A claim that survives restarts through a marker file per fault (no controller needed).
+
+    Without a run directory, a fault is claimed once per process.
+    """
+    fired: set[str] = set()
+
+    def claim(fault: Fault) -> bool:
+        if run_dir is None:
+            if fault.fault_id in fired:
+                return False
+            fired.add(fault.fault_id)
+            return True
+        marker_dir = Path(run_dir) / "faults-fired"
+        marker_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        name = fault.fault_id.replace(":", "_").replace("=", "-").replace("/", "_")
+        try:
+            fd = os.open(marker_dir / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return False
+        os.close(fd)
+        return True
+
+    return claim
+
+
+class FaultInjector:
+    """Fires this rank's faults of a plan at the matching step and phase."""
+
+    def __init__(self, faults: Iterable[Fault], rank: int, claim: Claim) -> None:
+        self._pending = [f for f in faults if f.rank == rank]
+        self._claim = claim
+        self.rank = rank
+
+    def at(self, step: int, phase: str) -> None:
+        for fault in self._pending:
+            if fault.step == step and fault.at == phase:
+                self._pending.remove(fault)
+                if self._claim(fault):
+                    self._fire(fault)
+                return
+
+    def _fire(self, fault: Fault) -> None:
+        log.warning("rank %d: injecting fault %s", self.rank, fault)
+        kind = fault.kind
+        if kind is FaultKind.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # SIGKILL is asynchronous; never continue past it
+        elif kind is FaultKind.HANG:
+            # A hang: the process stays alive (heartbeats go on) but the loop makes no progress.
+            while True:
+                time.sleep(3600)
+        elif kind is FaultKind.RAISE:
+            raise InjectedFault(f"injected fault {fault} (rank {self.rank}, step {fault.step})")
+        elif kind is FaultKind.EXIT:
+            code = int(dict(fault.params).get("code", "1"))
+            sys.stdout.flush()
+            os._exit(code)
+        else:
+            raise InjectedFault(f"fault kind {kind.value!r} ({fault}) is not supported by this version")

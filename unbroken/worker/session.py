@@ -1,0 +1,312 @@
+"""The worker session: what a training script sees of unbroken.
+
+A :class:`Job` lives in one training process (one rank) and runs in its main thread. It
+joins the job (process group, controller link), knows which objects are training state
+(:meth:`Job.track`), resumes the loop at the right step (:meth:`Job.steps`), marks the
+fault boundary of each step (:meth:`Job.step`), reports step and phase, fires injected
+faults, and writes and restores checkpoints.
+
+Phases of a step, in order: ``compute`` -> ``sync`` -> ``update`` -> ``done`` (the
+optimizer reports ``sync``/``update``/``done`` through :meth:`Job.phase`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from unbroken.checkpoint.storage import StorageTier
+from unbroken.config import WorkerConfig, worker_config_from_env
+from unbroken.errors import CheckpointError, ConfigError
+from unbroken.faults.inject import FaultInjector, file_claim
+from unbroken.faults.plan import parse_plan, validate_plan
+from unbroken.worker.control import ControlClient
+
+log = logging.getLogger(__name__)
+
+PHASES = ("compute", "sync", "update", "done")
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, gauss_value = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss_value))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class Job:
+    """One rank's session of a training job. Create it with :func:`unbroken.init`."""
+
+    def __init__(self, cfg: WorkerConfig, *, device: torch.device | None = None,
+                 backend: str | None = None) -> None:
+        self.cfg = cfg
+        self.rank = cfg.rank
+        self.world_size = cfg.world_size
+        self.local_rank = cfg.local_rank
+        self.attempt = cfg.attempt
+        self.device = device or self._build_device()
+        self._tracked: dict[str, Any] = {}
+        self._metrics: dict[str, Any] = {}
+        self._step = 0  # index of the step in flight (== number of completed steps)
+        self._phase = "done"
+        self._step_started = time.monotonic()
+        self._last_step_s = 0.0
+        self._restored = False
+        self._warned_save_failure = False
+        self._control = self._build_control()
+        self._injector = self._build_injector()
+        self._storage = self._build_storage()
+        self._build_process_group(backend or _default_backend(self.device))
+
+    # -- construction -----------------------------------------------------------------
+    def _build_device(self) -> torch.device:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def _build_control(self) -> ControlClient | None:
+        if self.cfg.mode != "managed":
+            return None
+        return ControlClient(self.cfg.controller, self.cfg.secret, rank=self.rank,
+                             pid=os.getpid(), attempt=self.attempt)
+
+    def _build_injector(self) -> FaultInjector:
+        faults = parse_plan(self.cfg.inject)
+        validate_plan(faults, self.world_size)
+        if self._control is not None:
+            control = self._control
+            claim = lambda fault: control.claim_fault(fault.fault_id)  # noqa: E731
+        else:
+            claim = file_claim(self.cfg.run_dir)
+        return FaultInjector(faults, self.rank, claim)
+
+    def _build_storage(self) -> StorageTier | None:
+        ckpt = self.cfg.checkpoint
+        return StorageTier(ckpt.resume_dir, keep=ckpt.keep) if ckpt.resume_dir else None
+
+    def _build_process_group(self, backend: str) -> None:
+        if dist.is_initialized():
+            return
+        timeout = timedelta(seconds=self.cfg.pg_timeout_s)
+        if self.cfg.mode == "managed":
+            # The store lives in the controller, one per attempt; generations get a prefix.
+            store = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
+                                  is_master=False, timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore("gen0/", store), rank=self.rank,
+                                    world_size=self.world_size, timeout=timeout)
+        elif self.cfg.mode == "torchrun":
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+    # -- the training-loop API ---------------------------------------------------------
+    def track(self, **objects: Any) -> None:
+        """Declare training state: objects with ``state_dict``/``load_state_dict``, or tensors.
+
+        Optimizers that report phases (``on_phase`` attribute) are wired to this session.
+        """
+        for name, obj in objects.items():
+            if obj is None:
+                continue
+            if not isinstance(obj, torch.Tensor) and not (
+                    hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"job.track({name}=...): a {type(obj).__name__} has no state_dict/"
+                                  "load_state_dict; track modules, optimizers, schedulers, samplers or tensors")
+            if self._restored:
+                raise ConfigError(f"job.track({name}=...) after job.steps() started: track all state first")
+            self._tracked[name] = obj
+            if hasattr(obj, "on_phase") and getattr(obj, "on_phase") is None:
+                obj.on_phase = self._on_optimizer_phase
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step indices from where the job resumes up to ``total`` (exclusive)."""
+        if total < 0:
+            raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
+        self._step = self._restore()
+        while self._step < total:
+            index = self._step
+            self._step_started = time.monotonic()
+            yield index
+            if self._step == index:  # the loop body did not use `with job.step():`
+                self._end_step(index)
+            self._report_progress()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[int]:
+        """The fault boundary of one step. Faults injected at ``compute`` fire on entry."""
+        index = self._step
+        self.phase("compute")
+        yield index
+        self._end_step(index)
+
+    def phase(self, name: str, step: int | None = None) -> None:
+        """Record the phase of the step in flight; fires injected faults planned for it."""
+        if name not in PHASES and name != "checkpoint":
+            raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(PHASES)}, checkpoint)")
+        self._phase = name
+        self._injector.at(self._step if step is None else step, name)
+
+    def _on_optimizer_phase(self, name: str, step: int) -> None:
+        if name != "done":  # 'done' is recorded at the end of the step by the boundary
+            self.phase(name)
+
+    def report(self, **metrics: Any) -> None:
+        """Attach metrics (loss, ...) to this step's progress report."""
+        for key, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            self._metrics[key] = value
+
+    def checkpoint(self) -> None:
+        """Checkpoint the state now (after the last completed step)."""
+        self._save(self._step)
+
+    @property
+    def step_index(self) -> int:
+        """The index of the step in flight (equals the number of completed steps)."""
+        return self._step
+
+    def close(self) -> None:
+        """Leave the job: closes the controller link. Safe to call twice."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+
+    # -- internals -----------------------------------------------------------------------
+    def _end_step(self, index: int) -> None:
+        self._phase = "done"
+        self._step = index + 1
+        self._last_step_s = time.monotonic() - self._step_started
+        every = self.cfg.checkpoint.every_steps
+        if every and self._step % every == 0:
+            self._save(self._step)
+
+    def _report_progress(self) -> None:
+        if self._control is not None:
+            metrics = dict(self._metrics, step_s=self._last_step_s)
+            self._control.progress(self._step, self._phase, metrics)
+
+    def _event(self, name: str, **fields: Any) -> None:
+        if self._control is not None:
+            self._control.event(name, fields)
+
+    def _state(self) -> dict[str, Any]:
+        tracked = {name: (obj if isinstance(obj, torch.Tensor) else obj.state_dict())
+                   for name, obj in self._tracked.items()}
+        return {"tracked": tracked, "rng": _rng_state()}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        tracked = state["tracked"]
+        missing = sorted(set(self._tracked) - set(tracked))
+        if missing:
+            raise CheckpointError(f"checkpoint has no state for tracked object(s) {missing} "
+                                  f"(it holds {sorted(tracked)})")
+        for name, obj in self._tracked.items():
+            if isinstance(obj, torch.Tensor):
+                with torch.no_grad():
+                    obj.copy_(tracked[name])
+            else:
+                obj.load_state_dict(tracked[name])
+        _set_rng_state(state["rng"])
+
+    def _all_min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def _save(self, step: int) -> None:
+        if self._storage is None or self.cfg.checkpoint.save_dir is None:
+            return
+        started = time.monotonic()
+        previous, self._phase = self._phase, "checkpoint"
+        ok = 1
+        try:
+            self._storage.save_rank(step, self.rank, self.world_size, self._state(), {"step": step})
+        except (CheckpointError, OSError) as exc:
+            ok = 0
+            self._save_failed(step, exc)
+        self._injector.at(step, "checkpoint")
+        # The step is committed only when every rank's part is durable.
+        if self._all_min(ok) and self.rank == 0:
+            try:
+                self._storage.commit(step, self.world_size)
+            except (CheckpointError, OSError) as exc:
+                self._save_failed(step, exc)
+                ok = 0
+        self._phase = previous
+        if ok:
+            self._event("checkpoint_saved", step=step, tier="storage", seconds=time.monotonic() - started)
+
+    def _save_failed(self, step: int, exc: Exception) -> None:
+        self._event("checkpoint_failed", step=step, reason=str(exc))
+        if not self._warned_save_failure:
+            self._warned_save_failure = True
+            log.warning("rank %d: checkpoint of step %d failed, training continues with the previous "
+                        "checkpoint: %s (reported once)", self.rank, step, exc)
+
+    def _restore(self) -> int:
+        """Agree with every rank on the newest step all can load, load it; return the step."""
+        if self._restored:
+            return self._step
+        self._restored = True
+        if self._storage is None:
+            return 0
+        started = time.monotonic()
+        local = self._storage.newest_loadable_step(self.rank)
+        while True:
+            agreed = self._all_min(-1 if local is None else local)
+            if agreed < 0:
+                return 0
+            local = self._storage.newest_loadable_step(self.rank, at_or_below=agreed)
+            if self._all_min(1 if local == agreed else 0):
+                break
+        state, _meta = self._storage.load_rank(agreed, self.rank)
+        self._load_state(state)
+        seconds = time.monotonic() - started
+        log.info("rank %d: restored step %d from storage in %.3f s", self.rank, agreed, seconds)
+        self._event("restored", step=agreed, tier="storage", seconds=seconds)
+        return agreed
+
+
+def init(**overrides: Any) -> Job:
+    """Join the job this process belongs to and return its session.
+
+    Works under `unbroken run`, under plain `torchrun`, and in a plain ``python`` process
+    (world size 1). Keyword arguments override the environment: ``save_dir``,
+    ``load_dir``, ``every_steps``, ``keep``, ``run_dir``, ``inject``, ``pg_timeout_s``;
+    ``device`` and ``backend`` choose the device and the process-group backend.
+    """
+    device = overrides.pop("device", None)
+    backend = overrides.pop("backend", None)
+    cfg: WorkerConfig = worker_config_from_env(**overrides)
+    return Job(cfg, device=device, backend=backend)

@@ -369,7 +369,9 @@ def main(argv: list[str] | None = None) -> None:
             _, loss = model(x, y)
             loss.backward()
             if sync_gradients:
+                job.phase("sync")       # tell unbroken where we are (ShardedOptimizer reports it itself)
                 all_reduce_gradients(params, job.world_size)  # ShardedOptimizer does this in step()
+                job.phase("update")
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()

@@ -11,6 +11,7 @@ Worker states (``WorkerProc.state``): running -> exited (on its own) | stopped (
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05
 TAIL_LINES = 20
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -98,7 +100,8 @@ class Agent:
                                   store_port=msg.store_port))
             popen = subprocess.Popen([sys.executable, "-u", self.cfg.script, *self.cfg.script_args],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
             proc = WorkerProc(rank, local_rank, msg.attempt, popen)
             proc.reader = threading.Thread(target=self._read_output, args=(proc,),
                                            name=f"unbroken-out-r{rank}", daemon=True)
@@ -170,6 +173,15 @@ class Agent:
             self._conn.send(msg)
         except (OSError, ProtocolError) as exc:
             log.warning("agent %d: could not send %s: %s", self.node_rank, type(msg).__name__, exc)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if the agent dies, so no worker outlives its agent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the agent's own clean-up still stops workers
+        pass
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -128,6 +128,15 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _require(obj: Any, path: Path, kind: str, **types: type) -> None:
+    """CheckpointCorrupt naming `path` unless `obj` is a dict whose fields have `types`."""
+    for key, expected in types.items():
+        value = obj.get(key) if isinstance(obj, dict) else None
+        if type(value) is not expected:
+            raise CheckpointCorrupt(f"{path}: malformed {kind}: field {key!r} should be "
+                                    f"{expected.__name__}, found {type(value).__name__}")
+
+
 def _to_json(obj: Any, what: str, indent: int | None = None) -> bytes:
     try:
         return json.dumps(obj, allow_nan=False, indent=indent).encode()
@@ -364,33 +373,26 @@ class StorageTier:
     def _read_manifest(self, step: int) -> dict:
         path = self._step_dir(step) / MANIFEST
         manifest = self._read_json(path, "manifest, so the step is not committed")
-        try:
-            ranks = manifest["ranks"]
-            ok = (manifest["step"] == step and type(manifest["world_size"]) is int
-                  and [r["rank"] for r in ranks] == list(range(manifest["world_size"]))
-                  and all(type(r["bytes"]) is int and type(r["crc32"]) is int
-                          and isinstance(r["file"], str) for r in ranks))
-        except (KeyError, TypeError) as exc:
-            raise CheckpointCorrupt(f"{path}: malformed manifest ({exc!r})") from exc
-        if not ok:
-            raise CheckpointCorrupt(f"{path}: malformed manifest (step, world_size or ranks "
-                                    f"do not match step {step})")
+        _require(manifest, path, "manifest", step=int, world_size=int, ranks=list)
+        if manifest["step"] != step or len(manifest["ranks"]) != manifest["world_size"]:
+            raise CheckpointCorrupt(f"{path}: malformed manifest (step {manifest['step']}, "
+                                    f"{len(manifest['ranks'])} ranks for world_size "
+                                    f"{manifest['world_size']}; expected step {step})")
+        for rank, entry in enumerate(manifest["ranks"]):
+            _require(entry, path, f"manifest entry {rank}", rank=int, file=str, bytes=int,
+                     crc32=int)
+            if entry["rank"] != rank or entry["file"] != rank_file_names(rank)[0]:
+                raise CheckpointCorrupt(f"{path}: malformed manifest entry {rank}: {entry}")
         return manifest
 
     def _read_record(self, step: int, rank: int) -> dict:
         path = self._step_dir(step) / rank_file_names(rank)[1]
         record = self._read_json(path, f"record of rank {rank}")
-        try:
-            ok = (record["step"] == step and record["rank"] == rank
-                  and type(record["world_size"]) is int and isinstance(record["file"], str)
-                  and type(record["bytes"]) is int and type(record["crc32"]) is int
-                  and isinstance(record["spec"], dict))
-        except KeyError as exc:
-            raise CheckpointCorrupt(f"{path}: malformed rank record (no {exc})") from exc
-        if not ok:
-            raise CheckpointCorrupt(f"{path}: rank record does not describe rank {rank} of "
-                                    f"step {step} (found rank {record['rank']!r}, step "
-                                    f"{record['step']!r})")
+        _require(record, path, "rank record", step=int, rank=int, world_size=int, file=str,
+                 bytes=int, crc32=int, spec=dict)
+        if (record["step"], record["rank"]) != (step, rank):
+            raise CheckpointCorrupt(f"{path}: describes rank {record['rank']} of step "
+                                    f"{record['step']}, expected rank {rank} of step {step}")
         return record
 
     def _check_metadata(self, step: int, rank: int) -> tuple[Path, dict, dict]:

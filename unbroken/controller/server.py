@@ -219,13 +219,17 @@ class Controller:
                 return
             w = self._workers[rank]
             if isinstance(msg, m.Progress):
-                now = time.monotonic()
-                if w.steps_in_attempt:
-                    self._step_times.append(now - w.last_progress_t)
-                w.last_progress_t, w.step, w.phase = now, msg.step, msg.phase
-                w.steps_in_attempt += 1
-                w.metrics = dict(msg.metrics)
-                self._check_recovered()
+                w.phase = msg.phase
+                if msg.phase == "finished":
+                    w.state = "finishing"
+                if msg.phase == "done":  # a completed step: the progress the hang monitor watches
+                    now = time.monotonic()
+                    if w.steps_in_attempt:
+                        self._step_times.append(now - w.last_progress_t)
+                    w.last_progress_t, w.step = now, msg.step
+                    w.steps_in_attempt += 1
+                    w.metrics = dict(msg.metrics)
+                    self._check_recovered()
             elif isinstance(msg, m.ClaimFault):
                 granted = msg.fault_id not in self._fired
                 self._fired.add(msg.fault_id)
@@ -281,7 +285,8 @@ class Controller:
         if self._fault_t is None:
             self._fault_t, self._fault_step = now, max((v.step or 0) for v in self._workers.values())
         self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(silent, 3),
-                         timeout_s=round(self.hang_timeout_s(w), 3), attempt=w.attempt)
+                         timeout_s=round(self.hang_timeout_s(w), 3), median_step_s=self._median_step_s(),
+                         attempt=w.attempt)
         self._apply(sm.WorkerHung(w.rank, w.attempt, w.step, silent))
 
     # -- the state machine and its actions ---------------------------------------------

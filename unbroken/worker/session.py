@@ -160,6 +160,8 @@ class Job:
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
             self._report_progress()
+        if self._control is not None:  # past the loop: no step progress to expect any more
+            self._control.progress(self._step, "finished", {})
 
     @contextlib.contextmanager
     def step(self) -> Iterator[int]:
@@ -174,6 +176,8 @@ class Job:
         if name not in PHASES and name != "checkpoint":
             raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(PHASES)}, checkpoint)")
         self._phase = name
+        if self._control is not None:  # the controller's view of where each rank is
+            self._control.progress(self._step, name, {})
         self._injector.at(self._step if step is None else step, name)
 
     def _on_optimizer_phase(self, name: str, step: int) -> None:

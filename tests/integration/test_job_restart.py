@@ -1,0 +1,111 @@
+"""Job-level recovery (the `exit` rung) with 4 real gloo ranks: exact weights after faults."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import EXAMPLE, free_port
+from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, train
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final weights of the fault-free 4-rank run (computed once per module)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    result, out, _ = train(tmp, "reference", steps=STEPS)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_sigkill_of_one_worker_resumes_bit_exact(tmp_path, reference):
+    result, out, run_dir = train(tmp_path, "kill", steps=STEPS, flags=[
+        "--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5", "--inject", "kill:rank=2:step=7"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_same_weights(reference, out)
+    (decision,) = events(run_dir, "decision")
+    assert (decision["rung"], decision["rank"], decision["kind"]) == ("exit", 2, "crash")
+    restored = events(run_dir, "restored")
+    assert {e["step"] for e in restored} == {5} and len(restored) == 4
+    (recovered,) = events(run_dir, "recovered")
+    assert recovered["step"] == 7 and recovered["restored_step"] == 5
+
+
+@pytest.mark.timeout(200)
+def test_hung_worker_is_detected_killed_and_the_job_restarted(tmp_path, reference):
+    result, out, run_dir = train(tmp_path, "hang", steps=STEPS, flags=[
+        "--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5", "--inject", "hang:rank=1:step=8"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_same_weights(reference, out)
+    (injected,) = events(run_dir, "fault_injected")
+    (detected,) = events(run_dir, "hang_detected")
+    assert detected["rank"] == 1
+    restart = [e for e in events(run_dir, "attempt_started") if e["attempt"] == 1][0]
+    bound_s = max(10.0, 5 * (detected["median_step_s"] or 0))
+    assert restart["t"] - injected["t"] <= bound_s, (restart["t"] - injected["t"], bound_s)
+
+
+@pytest.mark.timeout(200)
+def test_sigkill_under_plain_torchrun_resumes_bit_exact(tmp_path, reference):
+    """The same script under plain torchrun: job-level restart with our checkpoints."""
+    out = tmp_path / "torchrun.safetensors"
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", UNBROKEN_SAVE_DIR=str(tmp_path / "ckpt"),
+               UNBROKEN_CKPT_EVERY_STEPS="5", UNBROKEN_INJECT="kill:rank=2:step=7",
+               UNBROKEN_RUN_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(EXAMPLE),
+           "--steps", str(STEPS), "--out", str(out), *TRAIN_ARGS]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_same_weights(reference, out)
+
+
+@pytest.mark.timeout(200)
+def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    result, _, _ = train(tmp_path, "first", steps=STEPS, flags=["--save", str(ckpt), "--ckpt-every-steps", "5"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    victim = ckpt / "step_00000010" / "rank_00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    result, out, run_dir = train(tmp_path, "resumed", steps=STEPS, flags=["--load", str(ckpt)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert str(victim) in result.stdout + result.stderr, "the warning must name the corrupt file"
+    assert {e["step"] for e in events(run_dir, "restored")} == {5}
+    assert_same_weights(reference, out)
+
+
+@pytest.mark.timeout(200)
+def test_two_agents_on_loopback_recover_a_crash_on_the_second_node(tmp_path, reference):
+    port = free_port()
+    env = dict(os.environ, UNBROKEN_JOB_SECRET="test-secret-" + "x" * 20)
+    out = tmp_path / "multinode.safetensors"
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-port", str(port), "--run-dir", str(tmp_path / f"node{node}"),
+               "--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5", "--inject", "kill:rank=3:step=7",
+               str(EXAMPLE), "--steps", str(STEPS), "--out", str(out), *TRAIN_ARGS]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert_same_weights(reference, out)
+    (decision,) = events(tmp_path / "node0", "decision")
+    assert decision["rank"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_restart_budget_spent_reports_the_root_cause(tmp_path):
+    result, _, run_dir = train(tmp_path, "budget", steps=6, nproc=2, flags=[
+        "--max-restarts", "0", "--inject", "raise:rank=1:step=3"])
+    assert result.returncode == 1
+    assert "root cause: rank 1" in result.stderr
+    assert "InjectedFault" in result.stderr  # the last lines of the failed rank's output
+    assert events(run_dir, "job_finished")[0]["exit_code"] == 1

@@ -252,11 +252,13 @@ def resolve_num_replicas(requested: int, world_size: int) -> int:
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace, num_replicas: int) -> torch.optim.Optimizer:
-    # One parameter group: nanoGPT exempts gains from weight decay, which matters little at
-    # this size and keeps the sharded optimizer's contract (a flat parameter list) simple.
-    hyper = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    # As nanoGPT: weight decay on matrices (weights, embeddings) only, not on LayerNorm gains.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    hyper = dict(lr=args.lr, betas=(0.9, 0.95))
     if args.optimizer == "plain":
-        return torch.optim.AdamW(model.parameters(), **hyper)
+        return torch.optim.AdamW(groups, **hyper)
     # ZeRO-1: optimizer state sharded over the ranks, each shard held by num_replicas ranks
     # so that a lost rank's shard survives on a peer. It averages gradients inside step().
     try:
@@ -264,8 +266,7 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace, num_replicas: in
     except ImportError as exc:
         raise SystemExit(f"train_gpt.py: --optimizer sharded needs unbroken.optim.ShardedOptimizer, "
                          f"which this unbroken lacks ({exc}); run with --optimizer plain") from None
-    return ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                            num_replicas=num_replicas, **hyper)
+    return ShardedOptimizer(groups, optimizer_class=torch.optim.AdamW, num_replicas=num_replicas, **hyper)
 
 
 def _positive_int(text: str) -> int:

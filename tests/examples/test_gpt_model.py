@@ -107,7 +107,7 @@ def test_config_rejects_heads_that_do_not_divide_width(train_gpt):
 def _train(train_gpt, tokens, vocab, steps, seed=1337):
     torch.manual_seed(seed)
     model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=len(vocab)))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = train_gpt.build_optimizer(model, train_gpt.parse_args(["--optimizer", "plain"]), num_replicas=1)
     losses = []
     for step in range(steps):
         x, y = _batch(train_gpt, tokens, step, rank=0, seed=seed)
@@ -150,6 +150,16 @@ def test_num_replicas(train_gpt):
     assert train_gpt.resolve_num_replicas(4, 4) == 4
     with pytest.raises(ValueError, match="does not divide the world size 3"):
         train_gpt.resolve_num_replicas(2, 3)
+
+
+def test_plain_optimizer_decays_matrices_only(train_gpt, data):
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=len(data[1])))
+    opt = train_gpt.build_optimizer(model, train_gpt.parse_args(["--optimizer", "plain"]), num_replicas=1)
+    assert isinstance(opt, torch.optim.AdamW)
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
 
 
 def test_all_reduce_gradients_is_identity_for_one_rank(train_gpt):

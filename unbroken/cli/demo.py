@@ -63,6 +63,7 @@ def _run(console: Console, title: str, cfg: LaunchConfig, live: bool) -> JobResu
         finally:
             stop.set()
             viewer.join()
+    console.print()
     console.print(f"{title}: exit {result.exit_code} in {time.monotonic() - started:.1f} s ({result.reason})")
     return result
 
@@ -109,7 +110,7 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
     s = summarize(faulty.run_dir)
     table = Table(title="recoveries")
     for col in ("fault", "detected as", "strategy", "restored from", "recover_s", "steps redone"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for fault, detection, decision, recovery in zip(s["faults"], s["detections"], s["decisions"], s["recoveries"]):
         how = "hang (no progress)" if detection["event"] == "hang_detected" else (
             f"exit, signal {detection.get('signal')}" if detection.get("signal") else f"exit {detection.get('exit_code')}")

@@ -282,8 +282,8 @@ class Controller:
         # suspect the others first, the longest silent first.
         w = min(hung, key=lambda v: (v.phase == "sync", v.last_progress_t))
         silent = now - w.last_progress_t
-        if self._fault_t is None:
-            self._fault_t, self._fault_step = now, max((v.step or 0) for v in self._workers.values())
+        if self._fault_t is None:  # the hang began when its progress stopped, not when we noticed
+            self._fault_t, self._fault_step = w.last_progress_t, max((v.step or 0) for v in self._workers.values())
         self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(silent, 3),
                          timeout_s=round(self.hang_timeout_s(w), 3), median_step_s=self._median_step_s(),
                          attempt=w.attempt)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Sets up a virtual environment (once) and runs the demo or the tests.
+#   bash scripts/quickstart.sh demo     # 4-rank training run that survives injected faults
+#   bash scripts/quickstart.sh test     # the test suite (what CI runs)
+# Torch: UNBROKEN_TORCH names the torch requirement to install (default torch==2.13.0, the CPU
+# build). GPU users: create .venv with their own CUDA torch first; an importable torch is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-}"
+case "$what" in demo|test) ;; *) echo "usage: bash scripts/quickstart.sh demo|test" >&2; exit 2 ;; esac
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  .venv/bin/pip install -q "${UNBROKEN_TORCH:-torch==2.13.0}"
+fi
+.venv/bin/pip install -q -e ".[test]"
+if [ "$what" = demo ]; then
+  exec .venv/bin/unbroken demo "${@:2}"
+else
+  exec .venv/bin/python -m pytest -q "${@:2}"
+fi

@@ -22,9 +22,9 @@ from torch import nn
 
 from unbroken.errors import CollectiveAborted, OptimizerError
 from unbroken.optim import ShardedOptimizer
-if os.environ.get("OPTIM_PROF"): exec(open("/tmp/prof_patch.py").read())
 
 GLOO_TIMEOUT_S = 30
+STORE = None  # the test's TCPStore client, set in main()
 
 
 def train(model, opt, sched, rank, world, start, stop, losses=None):
@@ -81,8 +81,43 @@ def scenario_train(rank, world, out):
             res[f"{name}_n{n}_lr"] = opt.param_groups[0]["lr"]
     res.update(resume_same_layout(rank, world))
     res.update(resume_other_layout(rank, world))
+    res.update(abort_in_gather_then_regroup(rank, world))
     res.update(validation(rank, world))
     return res
+
+
+def abort_in_gather_then_regroup(rank, world):
+    """N=2: the abort order arrives after step 5's update, during its parameter gather. The
+    step is refused until finished; the gather is finished on a new group that torch.distributed
+    does not know (a next generation built on the store), and training continues."""
+    box = {"abort": False}
+
+    def on_phase(phase, step):
+        box["abort"] = phase == "update" and step == 5
+
+    model, opt, sched = make("adamw", 2, should_abort=lambda: box["abort"], on_phase=on_phase)
+    outcome = {}
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        loss_fn(model, x, y).backward()
+        try:
+            opt.step()
+        except CollectiveAborted as err:
+            outcome["aborted"] = f"{step}: {err}"
+            box["abort"] = False
+            try:
+                opt.step()
+            except OptimizerError as refused:
+                outcome["refused"] = str(refused)
+            gen1 = dist.ProcessGroupGloo(dist.PrefixStore("gen1", STORE), rank, world,
+                                         timedelta(seconds=GLOO_TIMEOUT_S))
+            opt.set_process_group(gen1)
+            outcome["step_count_before_finish"] = opt.step_count
+            opt.finish_step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    return {"regroup_weights": flat_weights(model), "regroup_step_count": opt.step_count,
+            **{f"regroup_{k}": v for k, v in outcome.items()}}
 
 
 def resume_same_layout(rank, world):
@@ -172,7 +207,8 @@ def scenario_abort(rank, world, out):
 def main() -> None:
     scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
     torch.set_num_threads(1)  # the thread count changes float results (FACTS.md)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    global STORE
+    STORE = store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("optim", store), rank=rank, world_size=world,
                             timeout=timedelta(seconds=GLOO_TIMEOUT_S))
     print(f"joined at {time.time():.3f}", flush=True)

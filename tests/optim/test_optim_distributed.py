@@ -98,6 +98,16 @@ def test_state_dict_roundtrip_and_layout_change_continue_bit_identically(train_r
 
 
 @pytest.mark.timeout(200)
+def test_abort_during_gather_is_finished_on_a_new_group(train_results):
+    for rank, res in enumerate(train_results):
+        assert res["regroup_aborted"].startswith("5: parameter gather of step 5 aborted"), res["regroup_aborted"]
+        assert "was updated but its parameter gather did not finish" in res["regroup_refused"]
+        assert res["regroup_step_count_before_finish"] == 5
+        assert res["regroup_step_count"] == STEPS
+        assert torch.equal(res["regroup_weights"], res["adamw_n2_weights"]), rank
+
+
+@pytest.mark.timeout(200)
 def test_validation_errors_name_the_values(train_results):
     for rank, res in enumerate(train_results):
         errors = res["errors"]

@@ -70,6 +70,8 @@ def export(root: str | os.PathLike, out_path: str | os.PathLike, step: int | Non
     tier = StorageTier(root)
     step = _resolve_step(tier, step)
     state, _ = tier.load_rank(step, rank)
+    if isinstance(state, dict) and isinstance(state.get("tracked"), dict):
+        state = state["tracked"]  # the worker session keeps tracked objects under 'tracked'
     if not isinstance(state, dict) or subtree not in state:
         keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"step {step} rank {rank} has no {subtree!r} entry to export "

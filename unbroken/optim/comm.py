@@ -29,10 +29,12 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
     """Wait until every work in ``works`` completed; raise if one failed or on abort.
 
     ``what`` names the operation for messages (e.g. "gradient all-reduce of step 7").
-    Raises :class:`CollectiveAborted` when ``should_abort()`` returns True; the works not
-    yet completed are appended to ``graveyard``. A work that fails (a peer died) re-raises
-    its torch error with a note, unless the abort check also says abort, in which case the
-    failure becomes :class:`CollectiveAborted` too: the abort order is the root cause.
+    Raises :class:`CollectiveAborted` when ``should_abort()`` returns True before all
+    works were seen complete (it is asked before each poll, so a step waited on after the
+    order went out always aborts); the works not yet completed go to ``graveyard``. A
+    work that fails (a peer died) re-raises its torch error with a note, unless the abort
+    check also says abort: then it is :class:`CollectiveAborted`, the order being the root
+    cause. Without ``should_abort`` it simply waits (blocking) on each work in turn.
     """
     if should_abort is None:
         _wait_blocking(works, graveyard, what)
@@ -40,6 +42,14 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
     pending = list(works)
     sleep_s = _FIRST_SLEEP_S
     while pending:
+        # The abort order is checked first, so every rank that sees it aborts the same
+        # step, even where its own ops happened to finish.
+        if should_abort():
+            graveyard.extend(w for w in pending if not w.is_completed())
+            raise CollectiveAborted(
+                f"{what} aborted on the abort order with {len(pending)} of {len(works)} collective "
+                "op(s) not yet seen complete; pending ones stay referenced in `abandoned_work` "
+                "until they end (at the latest at the process-group timeout)")
         still = []
         for index, work in enumerate(pending):
             if not work.is_completed():
@@ -56,16 +66,9 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
                 err.add_note(f"unbroken: during the {what}")
                 raise
         pending = still
-        if not pending:
-            return
-        if should_abort():
-            graveyard.extend(pending)
-            raise CollectiveAborted(
-                f"{what} aborted on the abort order with {len(pending)} of {len(works)} collective "
-                "op(s) still pending; they stay referenced in `abandoned_work` until the "
-                "process-group timeout ends them")
-        time.sleep(sleep_s)
-        sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)
+        if pending:
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)
 
 
 def _wait_blocking(works: Sequence[Work], graveyard: list[Work], what: str) -> None:

@@ -225,7 +225,7 @@ def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, min_ratio: 
     return min_ratio + 0.5 * (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress))
 
 
-def all_reduce_gradients(params: list[nn.Parameter], world_size: int) -> None:
+def all_reduce_gradients(params: list[nn.Parameter], job: "unbroken.Job") -> None:
     """Average gradients over all ranks (the `--optimizer plain` path; DDP does this for you).
 
     One flat buffer and one collective instead of one per tensor: far fewer round trips.
@@ -233,8 +233,8 @@ def all_reduce_gradients(params: list[nn.Parameter], world_size: int) -> None:
     """
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)       # sum over ranks (gloo has no AVG)
-    flat.div_(world_size)
+    job.all_reduce(flat)        # sum over ranks (gloo has no AVG); unbroken can abandon it on a fault
+    flat.div_(job.world_size)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()
             if sync_gradients:
                 job.phase("sync")       # tell unbroken where we are (ShardedOptimizer reports it itself)
-                all_reduce_gradients(params, job.world_size)  # ShardedOptimizer does this in step()
+                all_reduce_gradients(params, job)  # ShardedOptimizer does this in step()
                 job.phase("update")
             opt.step()
             opt.zero_grad(set_to_none=True)

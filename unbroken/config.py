@@ -20,7 +20,7 @@ from unbroken.errors import ConfigError
 #: Strategies of the recovery ladder, cheapest first (DESIGN.md section 6).
 STRATEGIES = ("retry", "recover-in-place", "recover", "elastic", "dump", "exit")
 #: Strategies this version can carry out.
-IMPLEMENTED_STRATEGIES = ("exit",)
+IMPLEMENTED_STRATEGIES = ("recover-in-place", "exit")
 
 # Environment variables the launcher sets for its workers (beyond torchrun's own).
 ENV_CONTROLLER = "UNBROKEN_CONTROLLER"  # host:port of the controller
@@ -33,6 +33,8 @@ ENV_CKPT_EVERY = "UNBROKEN_CKPT_EVERY_STEPS"
 ENV_KEEP = "UNBROKEN_KEEP_CHECKPOINTS"
 ENV_INJECT = "UNBROKEN_INJECT"
 ENV_PG_TIMEOUT = "UNBROKEN_PG_TIMEOUT_S"
+ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
+ENV_RECOVERY_TIMEOUT = "UNBROKEN_RECOVERY_TIMEOUT_S"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -102,7 +104,8 @@ class LaunchConfig:
     secret: str = ""
     job_id: str = ""
     inject: str = ""
-    recover_strategy: tuple[str, ...] = ("exit",)
+    recover_strategy: tuple[str, ...] = ("recover-in-place", "exit")
+    recovery_timeout_s: float = 60.0
     stop_grace_s: float = 3.0
     pg_timeout_s: float = 60.0
     omp_num_threads: int = 1
@@ -179,7 +182,13 @@ class WorkerConfig:
     run_dir: str | None = None
     inject: str = ""
     pg_timeout_s: float = 60.0
+    gen: int = 0  # > 0: this process replaces a lost rank and joins generation `gen`
+    recovery_timeout_s: float = 60.0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def replacement(self) -> bool:
+        return self.gen > 0
 
 
 def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
@@ -237,6 +246,8 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         run_dir=env.get(ENV_RUN_DIR) or None,
         inject=env.get(ENV_INJECT, ""),
         pg_timeout_s=_env_float(env, ENV_PG_TIMEOUT, 60.0),
+        gen=_env_int(env, ENV_GEN, 0),
+        recovery_timeout_s=_env_float(env, ENV_RECOVERY_TIMEOUT, 60.0),
         checkpoint=ckpt,
     )
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
@@ -248,7 +259,7 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
 
 
 def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
-               controller: str, store_host: str, store_port: int) -> dict[str, str]:
+               controller: str, store_host: str, store_port: int, gen: int = 0) -> dict[str, str]:
     """The environment a worker gets from the agent: torchrun's variables plus ours."""
     ckpt = cfg.checkpoint
     env = {
@@ -279,6 +290,8 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         ENV_CKPT_EVERY: str(ckpt.every_steps),
         ENV_KEEP: str(ckpt.keep),
         ENV_PG_TIMEOUT: str(cfg.pg_timeout_s),
+        ENV_GEN: str(gen),
+        ENV_RECOVERY_TIMEOUT: str(cfg.recovery_timeout_s),
     }
     if ckpt.save_dir:
         env[ENV_SAVE_DIR] = ckpt.save_dir

@@ -152,11 +152,13 @@ def test_construction_errors_name_the_values():
     with pytest.raises(OptimizerError, match="num_replicas=2 is larger than the data-parallel world size 1"):
         ShardedOptimizer(model)  # the default N=2 needs at least 2 ranks
     with pytest.raises(OptimizerError, match="one dtype on one device.*float32.*float64"):
-        ShardedOptimizer([model[0].weight, model[2].weight.double()], num_replicas=1)
+        ShardedOptimizer([model[0].weight, nn.Parameter(torch.zeros(3, dtype=torch.float64))], num_replicas=1)
     with pytest.raises(OptimizerError, match="bucket_bytes must be an int >= 1, got 0"):
         ShardedOptimizer(model, num_replicas=1, bucket_bytes=0)
     with pytest.raises(OptimizerError, match="no trainable parameters"):
         ShardedOptimizer([torch.zeros(3)], num_replicas=1)
+    with pytest.raises(OptimizerError, match="not a leaf tensor"):
+        ShardedOptimizer([model[0].weight * 2], num_replicas=1)
     with pytest.raises(OptimizerError, match="more than once"):
         ShardedOptimizer([model[0].weight, model[0].weight], num_replicas=1)
     opt = ShardedOptimizer(model, num_replicas=1)

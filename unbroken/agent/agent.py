@@ -59,6 +59,7 @@ class Agent:
         self._lock = threading.Lock()
         self._procs: dict[int, WorkerProc] = {}
         self._conn: Connection | None = None
+        self._store_addr: tuple[str, int] = ("", 0)
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
 
@@ -83,6 +84,8 @@ class Agent:
                     self._send(m.WorkersStopped(node_rank=self.node_rank, attempt=msg.attempt))
                 elif isinstance(msg, m.KillWorker):
                     self._kill(msg.rank, msg.pid)
+                elif isinstance(msg, m.RestartWorker):
+                    self._restart(msg)
                 elif isinstance(msg, m.Shutdown):
                     return msg.exit_code, msg.reason
         finally:
@@ -92,23 +95,36 @@ class Agent:
 
     # -- workers -------------------------------------------------------------------------
     def _start(self, msg: m.StartWorkers) -> None:
+        self._store_addr = (msg.store_host, msg.store_port)
         for local_rank in range(self.cfg.nproc_per_node):
-            rank = self.node_rank * self.cfg.nproc_per_node + local_rank
-            env = dict(os.environ)
-            env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=msg.attempt,
-                                  controller=self.controller, store_host=msg.store_host,
-                                  store_port=msg.store_port))
-            popen = subprocess.Popen([sys.executable, "-u", self.cfg.script, *self.cfg.script_args],
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
-            proc = WorkerProc(rank, local_rank, msg.attempt, popen)
-            proc.reader = threading.Thread(target=self._read_output, args=(proc,),
-                                           name=f"unbroken-out-r{rank}", daemon=True)
-            proc.reader.start()
-            with self._lock:
-                self._procs[rank] = proc
-            self._send(m.WorkerStarted(rank=rank, pid=popen.pid, attempt=msg.attempt))
+            self._spawn(self.node_rank * self.cfg.nproc_per_node + local_rank, msg.attempt, gen=0)
+
+    def _restart(self, msg: m.RestartWorker) -> None:
+        """Start one worker again (in-flight recovery); the old process is already dead."""
+        with self._lock:
+            old = self._procs.get(msg.rank)
+        if old is not None and old.popen.poll() is None:
+            _signal_group(old.popen, signal.SIGKILL)
+            old.popen.wait()
+        self._spawn(msg.rank, msg.attempt, gen=msg.gen)
+
+    def _spawn(self, rank: int, attempt: int, gen: int) -> None:
+        local_rank = rank - self.node_rank * self.cfg.nproc_per_node
+        host, port = self._store_addr
+        env = dict(os.environ)
+        env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt,
+                              controller=self.controller, store_host=host, store_port=port, gen=gen))
+        popen = subprocess.Popen([sys.executable, "-u", self.cfg.script, *self.cfg.script_args],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True,
+                                 preexec_fn=_die_with_parent)
+        proc = WorkerProc(rank, local_rank, attempt, popen)
+        proc.reader = threading.Thread(target=self._read_output, args=(proc,),
+                                       name=f"unbroken-out-r{rank}", daemon=True)
+        proc.reader.start()
+        with self._lock:
+            self._procs[rank] = proc
+        self._send(m.WorkerStarted(rank=rank, pid=popen.pid, attempt=attempt))
 
     def _read_output(self, proc: WorkerProc) -> None:
         assert proc.popen.stdout is not None

@@ -9,7 +9,14 @@ States of a job (:class:`JobPhase`)::
     STARTING --all agents joined--> RUNNING --a rank failed, rung 'exit'--> STOPPING
     STOPPING --all agents stopped their workers--> RUNNING (attempt + 1)
     RUNNING --every rank exited 0--> SUCCEEDED
-    RUNNING/STOPPING --no rung left (restart budget spent)--> FAILED
+    RUNNING --a rank failed, rung 'recover-in-place'--> RECOVERING (generation + 1)
+    RECOVERING --every survivor paused, every replacement joined--> (regroup sent)
+    RECOVERING --every rank resumed--> RUNNING
+    RECOVERING --another fault--> RECOVERING (next generation) | STOPPING (rung 'exit')
+    RUNNING/STOPPING/RECOVERING --no rung left (restart budget spent)--> FAILED
+
+Steps commit here too: a step is committed when every rank reported that its gradient
+reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistency`.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+from unbroken.optim.replica_map import ReplicaMap
 from unbroken.recovery.ladder import GIVE_UP, choose_rung
 
 
@@ -25,6 +33,7 @@ class JobPhase(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
     STOPPING = "stopping"
+    RECOVERING = "recovering"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
 
@@ -84,7 +93,56 @@ class AgentLost:
     node_rank: int
 
 
-Event = AgentJoined | WorkerExited | WorkerHung | AgentStopped | AgentLost
+@dataclass(frozen=True)
+class SessionReady:
+    """A rank runs an unbroken step loop that can take part in in-flight recovery."""
+
+    rank: int
+    attempt: int
+    num_replicas: int  # 0: full replication (every rank holds all state)
+
+
+@dataclass(frozen=True)
+class StepSynced:
+    """A rank finished the gradient reduction of ``step`` and waits for its commit."""
+
+    rank: int
+    attempt: int
+    gen: int
+    step: int
+
+
+@dataclass(frozen=True)
+class WorkerPaused:
+    """A survivor left the broken generation and waits for the regroup order."""
+
+    rank: int
+    attempt: int
+    step: int
+
+
+@dataclass(frozen=True)
+class ReplacementJoined:
+    rank: int
+    attempt: int
+    gen: int
+
+
+@dataclass(frozen=True)
+class WorkerResumed:
+    rank: int
+    attempt: int
+    gen: int
+
+
+@dataclass(frozen=True)
+class RecoveryTimeout:
+    attempt: int
+    gen: int
+
+
+Event = (AgentJoined | WorkerExited | WorkerHung | AgentStopped | AgentLost | SessionReady | StepSynced
+         | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout)
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -120,7 +178,56 @@ class Finish:
     reason: str
 
 
-Action = StartAttempt | StopAttempt | KillWorker | Decide | Finish
+@dataclass(frozen=True)
+class CommitStep:
+    gen: int
+    step: int
+
+
+@dataclass(frozen=True)
+class AbortGeneration:
+    """Tell every live worker of the attempt to leave generation ``gen - 1`` (abort its collectives)."""
+
+    gen: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RestartRanks:
+    ranks: frozenset[int]
+    gen: int
+
+
+@dataclass(frozen=True)
+class Regroup:
+    gen: int
+    resume_step: int
+    replaced: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Recovered:
+    gen: int
+    resume_step: int
+    replaced: frozenset[int]
+
+
+Action = (StartAttempt | StopAttempt | KillWorker | Decide | Finish | CommitStep | AbortGeneration
+          | RestartRanks | Regroup | Recovered)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """An in-flight recovery in progress: which ranks are replaced, who is ready."""
+
+    rung: str
+    gen: int
+    replaced: frozenset[int]
+    tries: int = 1
+    paused: frozenset[int] = frozenset()
+    joined: frozenset[int] = frozenset()
+    resumed: frozenset[int] = frozenset()
+    regrouped: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +245,18 @@ class JobState:
     hung_ranks: frozenset[int] = frozenset()
     first_failure: Failure | None = None
     failures: tuple[Failure, ...] = field(default_factory=tuple)
+    gen: int = 0
+    committed_step: int = -1
+    sync_step: int = -1
+    synced: frozenset[int] = frozenset()
+    ready: frozenset[int] = frozenset()
+    num_replicas: int = 0
+    recovery: Recovery | None = None
+    max_recovery_tries: int = 3
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return frozenset(range(self.world_size))
 
 
 def _replace(state: JobState, **changes) -> JobState:
@@ -164,6 +283,14 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if isinstance(event, AgentLost):
         failure = Failure(rank=-1, attempt=state.attempt, kind="crash")
         return _fail(state, failure, f"the agent of node {event.node_rank} was lost")
+    if getattr(event, "attempt", state.attempt) != state.attempt:
+        return state, []  # a message of an attempt that is already gone
+    if isinstance(event, SessionReady):
+        return _replace(state, ready=state.ready | {event.rank}, num_replicas=event.num_replicas), []
+    if isinstance(event, StepSynced):
+        return _on_step_synced(state, event)
+    if isinstance(event, (WorkerPaused, ReplacementJoined, WorkerResumed, RecoveryTimeout)):
+        return _on_recovery_event(state, event)
     raise TypeError(f"unknown event {event!r}")
 
 
@@ -175,8 +302,10 @@ def _on_agent_joined(state: JobState, event: AgentJoined) -> tuple[JobState, lis
 
 
 def _on_worker_exited(state: JobState, event: WorkerExited) -> tuple[JobState, list[Action]]:
-    if event.attempt != state.attempt or state.phase is not JobPhase.RUNNING:
+    if event.attempt != state.attempt or state.phase not in (JobPhase.RUNNING, JobPhase.RECOVERING):
         return state, []  # a worker of an attempt that is already being stopped
+    if event.exit_code == 0 and state.phase is JobPhase.RECOVERING:
+        return state, []  # cannot happen in a step loop; the recovery deadline covers it
     if event.exit_code == 0:
         finished = state.finished_ranks | {event.rank}
         if len(finished) == state.world_size:
@@ -189,16 +318,48 @@ def _on_worker_exited(state: JobState, event: WorkerExited) -> tuple[JobState, l
     return _recover(state, failure)
 
 
+def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str]:
+    """Can the dead ranks be replaced in flight? (Every piece of their state has a live holder.)"""
+    if state.ready != state.ranks:
+        missing = sorted(state.ranks - state.ready)
+        return False, f"ranks {missing} do not run an unbroken step loop (job.steps) yet"
+    alive = state.ranks - dead
+    if not alive:
+        return False, "no rank survived"
+    replicas = ReplicaMap.full(state.world_size) if state.num_replicas == 0 else \
+        ReplicaMap(state.world_size, state.num_replicas)
+    for rank in sorted(dead):
+        for piece in replicas.pieces_of(rank):
+            if replicas.live_source(piece, alive) is None:
+                return False, f"no live replica of {piece} of rank {rank} (holders {replicas.holders(piece)} all lost)"
+    return True, "every piece of the lost ranks' state has a live replica"
+
+
 def _recover(state: JobState, failure: Failure) -> tuple[JobState, list[Action]]:
     state = _replace(state, first_failure=state.first_failure or failure,
                      failures=state.failures + (failure,))
-    feasible = {"exit": state.restarts_used < state.max_restarts}
+    recovery = state.recovery
+    dead = (recovery.replaced if recovery else frozenset()) | {failure.rank}
+    tries = recovery.tries + 1 if recovery else 1
+    in_flight, why = in_flight_feasible(state, dead)
+    feasible = {"recover-in-place": in_flight and tries <= state.max_recovery_tries,
+                "exit": state.restarts_used < state.max_restarts}
     rung = choose_rung(state.allowed, feasible)
+    if rung == "recover-in-place":
+        gen = (recovery.gen if recovery else state.gen) + 1
+        reason = f"{failure.describe()}; {why}; replacing ranks {sorted(dead)} (try {tries})"
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
+                         recovery=Recovery(rung, gen, dead, tries))
+        return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason),
+                       RestartRanks(frozenset({failure.rank}), gen)]
+    if state.recovery is not None:
+        state = _replace(state, recovery=None)
     if rung == GIVE_UP:
         return _fail(state, failure, f"restart budget spent ({state.restarts_used} of --max-restarts "
                                      f"{state.max_restarts} used)")
+    not_in_flight = "" if "recover-in-place" not in state.allowed else f" (in flight: no; {why})"
     decision = Decide(rung, failure, f"{failure.describe()}; restart {state.restarts_used + 1} "
-                                     f"of {state.max_restarts}")
+                                     f"of {state.max_restarts}{not_in_flight}")
     stop = StopAttempt(state.attempt, f"{rung}: {failure.describe()}")
     return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [decision, stop]
 
@@ -218,5 +379,47 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
         return _replace(state, stopped_agents=stopped), []
     attempt = state.attempt + 1
     state = _replace(state, phase=JobPhase.RUNNING, attempt=attempt, restarts_used=state.restarts_used + 1,
-                     stopped_agents=frozenset(), finished_ranks=frozenset(), hung_ranks=frozenset())
+                     stopped_agents=frozenset(), finished_ranks=frozenset(), hung_ranks=frozenset(),
+                     gen=0, committed_step=-1, sync_step=-1, synced=frozenset(), ready=frozenset(),
+                     recovery=None)
     return state, [StartAttempt(attempt)]
+
+
+def _on_step_synced(state: JobState, event: StepSynced) -> tuple[JobState, list[Action]]:
+    if state.phase is not JobPhase.RUNNING or event.gen != state.gen or event.step <= state.committed_step:
+        return state, []
+    synced = state.synced | {event.rank} if event.step == state.sync_step else frozenset({event.rank})
+    if len(synced) < state.world_size:
+        return _replace(state, sync_step=event.step, synced=synced), []
+    # Every rank finished the reduction of this step: it commits, atomically with fault handling.
+    return _replace(state, sync_step=event.step, synced=frozenset(), committed_step=event.step), [
+        CommitStep(state.gen, event.step)]
+
+
+def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
+    rec = state.recovery
+    if state.phase is not JobPhase.RECOVERING or rec is None:
+        return state, []
+    if isinstance(event, RecoveryTimeout):
+        if event.gen != rec.gen:
+            return state, []
+        failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="recovery-timeout")
+        state = _replace(state, recovery=Recovery(rec.rung, rec.gen, rec.replaced, state.max_recovery_tries))
+        return _recover(state, failure)
+    if isinstance(event, WorkerPaused) and event.rank not in rec.replaced:
+        rec = dataclasses.replace(rec, paused=rec.paused | {event.rank})
+    elif isinstance(event, ReplacementJoined) and event.rank in rec.replaced:
+        rec = dataclasses.replace(rec, joined=rec.joined | {event.rank})
+    elif isinstance(event, WorkerResumed) and event.gen == rec.gen and rec.regrouped:
+        rec = dataclasses.replace(rec, resumed=rec.resumed | {event.rank})
+        if rec.resumed == state.ranks:
+            state = _replace(state, phase=JobPhase.RUNNING, gen=rec.gen, recovery=None, synced=frozenset(),
+                             hung_ranks=frozenset())
+            return state, [Recovered(rec.gen, state.committed_step + 1, rec.replaced)]
+        return _replace(state, recovery=rec), []
+    else:
+        return state, []
+    if not rec.regrouped and rec.paused | rec.joined == state.ranks:
+        rec = dataclasses.replace(rec, regrouped=True)
+        return _replace(state, recovery=rec), [Regroup(rec.gen, state.committed_step + 1, rec.replaced)]
+    return _replace(state, recovery=rec), []

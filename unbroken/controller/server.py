@@ -77,6 +77,10 @@ class Controller:
         self._done = threading.Event()
         self._fault_t: float | None = None  # when the failure being recovered was detected
         self._fault_step = 0
+        self._resume_step: int | None = None  # where an in-flight recovery resumed
+        self._recovery_t: dict[str, float] = {}  # in-flight recovery milestones (monotonic)
+        self._restore_s: list[float] = []
+        self._recovery_deadline: tuple[int, float] | None = None  # (generation, monotonic deadline)
         self._server = Server(host, port, cfg.secret.encode(), self._on_connection)
         self._monitor = threading.Thread(target=self._monitor_loop, name="unbroken-hang-monitor", daemon=True)
 
@@ -204,20 +208,30 @@ class Controller:
         if not isinstance(first, m.WorkerRegister) or not 0 <= first.rank < self.cfg.world_size:
             raise ProtocolError(f"worker {conn.peer} must register with a rank in [0, {self.cfg.world_size})")
         with self._lock:
-            if first.attempt != self._state.attempt:
-                # Fencing: a process of an older attempt never joins the current one.
+            w = self._workers[first.rank]
+            # Fencing: a process of an older attempt, or one that is not the agent's current
+            # process for this rank, never joins.
+            if first.attempt != self._state.attempt or (w.pid and first.pid != w.pid):
                 self.events.emit("worker_fenced", rank=first.rank, pid=first.pid, attempt=first.attempt)
                 return
-            w = self._workers[first.rank]
-            w.conn, w.pid, w.state = conn, first.pid, "running"
+            w.conn, w.state = conn, "running"
+            if first.replacement:
+                self._on_replacement_joined(first.rank, first.gen)
         while True:
             self._on_worker_message(first.rank, first.attempt, conn, conn.recv())
+
+    def _on_replacement_joined(self, rank: int, gen: int) -> None:
+        self._recovery_t.setdefault("joined", time.monotonic())
+        self.events.emit("replacement_joined", rank=rank, gen=gen, attempt=self._state.attempt)
+        self._apply(sm.ReplacementJoined(rank, self._state.attempt, gen))
 
     def _on_worker_message(self, rank: int, attempt: int, conn: Connection, msg: m.Message) -> None:
         with self._lock:
             if attempt != self._state.attempt:
                 return
             w = self._workers[rank]
+            if w.conn is not conn:
+                return  # a connection of a process this rank no longer is
             if isinstance(msg, m.Progress):
                 w.phase = msg.phase
                 if msg.phase == "finished":
@@ -230,12 +244,26 @@ class Controller:
                     w.steps_in_attempt += 1
                     w.metrics = dict(msg.metrics)
                     self._check_recovered()
+            elif isinstance(msg, m.StepSynced):
+                self._apply(sm.StepSynced(rank, attempt, msg.gen, msg.step))
             elif isinstance(msg, m.ClaimFault):
                 granted = msg.fault_id not in self._fired
                 self._fired.add(msg.fault_id)
                 if granted:
                     self.events.emit("fault_injected", rank=rank, fault=msg.fault_id, step=w.step)
                 conn.send(m.FaultClaim(fault_id=msg.fault_id, granted=granted))
+            elif isinstance(msg, m.SessionReady):
+                self._apply(sm.SessionReady(rank, attempt, msg.num_replicas))
+            elif isinstance(msg, m.Paused):
+                self.events.emit("worker_paused", rank=rank, gen=msg.gen, step=msg.step, phase=msg.phase)
+                self._apply(sm.WorkerPaused(rank, attempt, msg.step))
+            elif isinstance(msg, m.WorkerRegister) and msg.replacement:
+                self._on_replacement_joined(rank, msg.gen)
+            elif isinstance(msg, m.Resumed):
+                self._restore_s.append(msg.restore_s)
+                self.events.emit("worker_resumed", rank=rank, gen=msg.gen, step=msg.step,
+                                 restore_s=round(msg.restore_s, 4))
+                self._apply(sm.WorkerResumed(rank, attempt, msg.gen))
             elif isinstance(msg, m.WorkerEvent):
                 self.events.emit(msg.name, rank=rank, attempt=attempt, **msg.fields)
             elif isinstance(msg, m.Heartbeat):
@@ -246,12 +274,16 @@ class Controller:
         if self._fault_t is None or self._state.phase is not sm.JobPhase.RUNNING:
             return
         if all((w.step or 0) >= self._fault_step for w in self._workers.values()):
-            restored = [r for r in self.events.records("restored") if r.get("attempt") == self._state.attempt]
+            if self._resume_step is not None:  # in flight: state came from live replicas
+                restored_step, tier = self._resume_step, "replicas"
+            else:
+                restored = [r for r in self.events.records("restored") if r.get("attempt") == self._state.attempt]
+                restored_step = restored[0]["step"] if restored else 0
+                tier = restored[0]["tier"] if restored else "none"
             self.events.emit("recovered", attempt=self._state.attempt, step=self._fault_step,
                              recover_s=round(time.monotonic() - self._fault_t, 4),
-                             restored_step=restored[0]["step"] if restored else 0,
-                             tier=restored[0]["tier"] if restored else "none")
-            self._fault_t = None
+                             restored_step=restored_step, tier=tier)
+            self._fault_t, self._resume_step = None, None
 
     # -- hang monitor ----------------------------------------------------------------------
     def _median_step_s(self) -> float | None:
@@ -269,8 +301,13 @@ class Controller:
     def _monitor_loop(self) -> None:
         while not self._done.wait(MONITOR_INTERVAL_S):
             with self._lock:
+                now = time.monotonic()
                 if self._state.phase is sm.JobPhase.RUNNING and not self._state.hung_ranks:
-                    self._check_hangs(time.monotonic())
+                    self._check_hangs(now)
+                if self._recovery_deadline and now > self._recovery_deadline[1]:
+                    gen, self._recovery_deadline = self._recovery_deadline[0], None
+                    self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.recovery_timeout_s)
+                    self._apply(sm.RecoveryTimeout(self._state.attempt, gen))
 
     def _check_hangs(self, now: float) -> None:
         live = [w for w in self._workers.values()
@@ -309,9 +346,59 @@ class Controller:
             elif isinstance(action, sm.Decide):
                 f = action.failure
                 self.events.emit("decision", rung=action.rung, rank=f.rank, kind=f.kind, step=f.step,
-                                 attempt=f.attempt, reason=action.reason)
+                                 attempt=f.attempt, committed_step=self._state.committed_step, reason=action.reason)
+                if action.rung != "recover-in-place":
+                    self._recovery_deadline = None
+            elif isinstance(action, sm.CommitStep):
+                self._to_workers(m.CommitStep(gen=action.gen, step=action.step))
+            elif isinstance(action, sm.AbortGeneration):
+                self._recovery_t = {"decide": time.monotonic()}
+                self._recovery_deadline = (action.gen, time.monotonic() + self.cfg.recovery_timeout_s)
+                self.events.emit("abort_generation", gen=action.gen)
+                self._to_workers(m.Abort(gen=action.gen, reason=action.reason))
+            elif isinstance(action, sm.RestartRanks):
+                for rank in sorted(action.ranks):
+                    w = self._workers[rank]
+                    w.state, w.conn, w.pid = "starting", None, 0
+                    self.events.emit("restart_worker", rank=rank, gen=action.gen)
+                    self._send_to_node(rank // self.cfg.nproc_per_node,
+                                       m.RestartWorker(rank=rank, attempt=self._state.attempt, gen=action.gen))
+            elif isinstance(action, sm.Regroup):
+                self._recovery_t["regroup"] = time.monotonic()
+                self.events.emit("regroup", gen=action.gen, resume_step=action.resume_step,
+                                 replaced=sorted(action.replaced))
+                self._to_workers(m.Regroup(gen=action.gen, resume_step=action.resume_step,
+                                           replaced=sorted(action.replaced)))
+            elif isinstance(action, sm.Recovered):
+                self._on_recovered_in_flight(action)
             elif isinstance(action, sm.Finish):
                 self._finish(action)
+
+    def _on_recovered_in_flight(self, action: sm.Recovered) -> None:
+        now = time.monotonic()
+        t = self._recovery_t
+        self._recovery_deadline = None
+        self._resume_step = action.resume_step
+        for w in self._workers.values():  # paused ranks made no progress on purpose
+            w.last_progress_t = now
+        decide = t.get("decide", now)
+        self.events.emit(
+            "recovered_in_flight", gen=action.gen, resume_step=action.resume_step, replaced=sorted(action.replaced),
+            detect_s=round(decide - self._fault_t, 4) if self._fault_t else None,
+            replace_s=round(t.get("joined", decide) - decide, 4),
+            regroup_s=round(t.get("regroup", now) - max(decide, t.get("joined", decide)), 4),
+            restore_s=round(max(self._restore_s, default=0.0), 4),
+            total_s=round(now - (self._fault_t or decide), 4),
+            steps_redone=max(0, self._fault_step - action.resume_step))
+        self._restore_s = []
+
+    def _to_workers(self, msg: m.Message) -> None:
+        for w in self._workers.values():
+            if w.conn is not None and w.state in ("starting", "running"):
+                try:
+                    w.conn.send(msg)
+                except (OSError, ProtocolError) as exc:
+                    log.warning("controller: could not send %s to rank %d: %s", type(msg).__name__, w.rank, exc)
 
     def _start_attempt(self, attempt: int) -> None:
         # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts).

@@ -47,7 +47,6 @@ optimizer run with the same dtype and foreach/fused flags (tests/optim checks Ad
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,19 +57,10 @@ from unbroken.errors import OptimizerError
 from unbroken.optim import statedict
 from unbroken.optim.comm import AbortCheck, wait_all
 from unbroken.optim.layout import FlatLayout
+from unbroken.optim.params import checksum, collect_groups, param_names
 from unbroken.optim.replica_map import ReplicaMap
 
 PhaseCallback = Callable[[str, int], None]
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@dataclass
-class _Group:
-    """One user parameter group: all its parameters (for indexing), the trainable ones, options."""
-
-    params: list[torch.Tensor]
-    trainable: list[torch.Tensor]
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -82,8 +72,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     shard) and the block's process group. Used from one thread, the training loop's.
 
     ``param_groups`` are the wrapped optimizer's groups (one flat shard tensor each), so a
-    torch LR scheduler can drive it. ``step_count`` counts completed steps; ``on_phase(phase,
-    step)`` receives "sync", "update", "done" with ``step`` = ``step_count`` at the start.
+    torch LR scheduler can drive it. A trainable parameter without a gradient at ``step()``
+    counts as a zero gradient (as in a DDP bucket); torch would skip it instead.
+    ``step_count`` counts completed steps; ``on_phase(phase, step)`` receives "sync",
+    "update", "done" with ``step`` = ``step_count`` at the start of the step.
     """
 
     def __init__(self, params: nn.Module | Iterable[Any], optimizer_class: type[torch.optim.Optimizer]
@@ -96,14 +88,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.on_phase = on_phase
         self.should_abort = should_abort
         self.abandoned_work: list[dist.Work] = []  # the graveyard: see unbroken.optim.comm
+        self.retired_groups: list[dist.ProcessGroup] = []  # replaced by set_process_group()
         self.step_count = 0
         self._grads_synced = False
         self._gather_pending = False  # the shard is updated but the gather did not finish
         self._constructed = False
-        self._module, self._groups = _collect_groups(params)
+        self._module, self._groups = collect_groups(params)
         self._all_params = [p for g in self._groups for p in g.params]
         self._params = [p for g in self._groups for p in g.trainable]
-        self._names = _param_names(self._module, self._all_params)
+        self._names = param_names(self._module, self._all_params)
         self._build_group(process_group, num_replicas)
         self._build_flat(bucket_bytes)
         self._check_identical_params()
@@ -146,7 +139,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Collective: every rank must start from the same layout and bit-identical parameters."""
         if self.world_size == 1:
             return
-        mine = torch.tensor([self.layout.numel, len(self._params), self.num_replicas, *_checksum(self._flat_param)],
+        mine = torch.tensor([self.layout.numel, len(self._params), self.num_replicas, *checksum(self._flat_param)],
                             dtype=torch.int64, device=self._flat_param.device)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(everyone, mine, group=self.process_group, async_op=True)
@@ -195,12 +188,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group (block 0), so the same broadcast code works on either.
         """
         num_shards = self.layout.num_shards
+        block = self.replica_map.block_of(self.rank)
         if block_group is not None:
             if block_group.size() != num_shards or block_group.rank() != self.shard_index:
                 raise OptimizerError(
                     f"block_group has size {block_group.size()} and this rank is its rank {block_group.rank()}; "
                     f"expected size {num_shards} (world {self.world_size} / num_replicas {self.num_replicas}) "
-                    f"and rank {self.shard_index}: ranks {self.replica_map.block_ranks(self.replica_map.block_of(self.rank))}")
+                    f"and rank {self.shard_index}: ranks {self.replica_map.block_ranks(block)}")
             return block_group
         if num_shards == 1:
             return None
@@ -212,8 +206,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # Not a group torch.distributed knows (built directly on a store): broadcast over
             # the whole group. Correct, but every rank receives every shard; pass block_group.
             return self.process_group
-        block = self.replica_map.block_ranks(self.replica_map.block_of(self.rank))
-        return dist.new_group([members[r] for r in block], use_local_synchronization=True)
+        ranks = self.replica_map.block_ranks(block)
+        return dist.new_group([members[r] for r in ranks], use_local_synchronization=True)
 
     def set_process_group(self, process_group: dist.ProcessGroup,
                           block_group: dist.ProcessGroup | None = None) -> None:
@@ -223,6 +217,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"the new process group has rank {process_group.rank()} of {process_group.size()}; this "
                 f"optimizer's layout is rank {self.rank} of {self.world_size}. Changing the world size "
                 "needs a new ShardedOptimizer loaded with load_full_state_dict()")
+        # The old groups may have abandoned work pending: keep them referenced (FACTS.md:
+        # dropping the last reference to such a group blocks until its timeout).
+        self.retired_groups += [g for g in (self.process_group, self._gather_group)
+                                if g is not None and g not in self.retired_groups]
         self.process_group = process_group
         self._gather_group = self._build_block_group(block_group)
 
@@ -244,7 +242,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise OptimizerError(
                 f"step {self.step_count} was updated but its parameter gather did not finish (aborted); call "
                 "finish_step() (after set_process_group() with a working group) or restore the state first")
-        self._check_params()
         step = self.step_count
         self._report("sync", step)
         self.sync_grads()
@@ -282,6 +279,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self._grads_synced:
             return
+        self._check_params()
         buckets = self.layout.grad_buckets()
         works, next_bucket = [], 0
         for i, (p, view) in enumerate(zip(self._params, self._grad_views)):
@@ -318,7 +316,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if len(current) != len(self._params) or any(a is not b for a, b in zip(current, self._params)):
                 known = {id(p) for p in self._params}
                 now = {id(p) for p in current}
-                names = _param_names(self._module, current)
+                names = param_names(self._module, current)
                 added = [names[id(p)] for p in current if id(p) not in known]
                 gone = [self._names[id(p)] for p in self._params if id(p) not in now]
                 raise OptimizerError(
@@ -424,47 +422,6 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _collect_groups(params: nn.Module | Iterable[Any]) -> tuple[nn.Module | None, list[_Group]]:
-    module = params if isinstance(params, nn.Module) else None
-    if module is not None:
-        raw: list[Any] = [{"params": list(module.parameters())}]
-    elif isinstance(params, torch.Tensor):
-        raise OptimizerError("params must be a module, an iterable of parameters or of parameter-group dicts, "
-                             f"not a single {type(params).__name__}")
-    else:
-        raw = list(params)
-    if raw and all(isinstance(x, dict) for x in raw):
-        groups = []
-        for i, g in enumerate(raw):
-            if "params" not in g:
-                raise OptimizerError(f"parameter group {i} has no 'params' entry")
-            ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-            groups.append(_Group(ps, [], {k: v for k, v in g.items() if k != "params"}))
-    elif all(isinstance(x, torch.Tensor) for x in raw):
-        groups = [_Group(raw, [])]
-    else:
-        raise OptimizerError("params mixes tensors and group dicts; pass one kind")
-    seen: set[int] = set()
-    for g in groups:
-        for p in g.params:
-            if not isinstance(p, torch.Tensor) or not p.is_leaf:
-                raise OptimizerError(f"can only optimize leaf tensors, got {type(p).__name__}")
-            if id(p) in seen:
-                raise OptimizerError("a parameter appears more than once in params")
-            seen.add(id(p))
-        g.trainable = [p for p in g.params if p.requires_grad]
-    if not any(g.trainable for g in groups):
-        raise OptimizerError("ShardedOptimizer got no trainable parameters (none with requires_grad=True)")
-    return module, groups
-
-
-def _param_names(module: nn.Module | None, params: list[torch.Tensor]) -> dict[int, str]:
-    names = {id(p): f"#{i} {tuple(p.shape)}" for i, p in enumerate(params)}
-    if module is not None:
-        names.update({id(p): f"{n} {tuple(p.shape)}" for n, p in module.named_parameters()})
-    return names
-
-
 def _pack_grad(p: torch.Tensor, view: torch.Tensor, names: dict[int, str]) -> None:
     grad = p.grad
     if grad is None:
@@ -473,16 +430,3 @@ def _pack_grad(p: torch.Tensor, view: torch.Tensor, names: dict[int, str]) -> No
         raise OptimizerError(f"parameter {names[id(p)]} has a sparse gradient; ShardedOptimizer needs dense ones")
     elif grad.data_ptr() != view.data_ptr():
         view.copy_(grad)
-
-
-def _checksum(flat: torch.Tensor, chunk: int = 1 << 20) -> tuple[int, int]:
-    """Two position-sensitive integer sums of the raw bits: equal iff bit-identical (in practice)."""
-    bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    plain = torch.zeros((), dtype=torch.int64, device=flat.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, bits.numel(), chunk):
-        part = bits[start:start + chunk].to(torch.int64)
-        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device) % 65521 + 1
-        plain += part.sum()
-        weighted += (part * weights).sum()
-    return int(plain), int(weighted)

@@ -21,7 +21,8 @@ from unbroken.errors import OptimizerError
 from unbroken.optim.layout import FlatLayout
 
 if TYPE_CHECKING:
-    from unbroken.optim.sharded import ShardedOptimizer, _Group
+    from unbroken.optim.params import ParamGroup
+    from unbroken.optim.sharded import ShardedOptimizer
 
 
 def is_flat_state(value: Any) -> bool:
@@ -40,7 +41,7 @@ def clone_tree(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def split_full(groups: list[_Group], all_params: list[torch.Tensor], layout: FlatLayout,
+def split_full(groups: list[ParamGroup], all_params: list[torch.Tensor], layout: FlatLayout,
                local_states: list[dict[str, Any]], flats: dict[str, torch.Tensor],
                hyper: list[dict[str, Any]]) -> dict[str, Any]:
     """The plain torch state dict from gathered flat state (``flats[key]``, whole flat space)
@@ -64,7 +65,7 @@ def split_full(groups: list[_Group], all_params: list[torch.Tensor], layout: Fla
     return {"state": state, "param_groups": param_groups}
 
 
-def shard_from_full(full: dict[str, Any], groups: list[_Group], layout: FlatLayout, shard: int,
+def shard_from_full(full: dict[str, Any], groups: list[ParamGroup], layout: FlatLayout, shard: int,
                     device: torch.device) -> tuple[dict[str, Any], int]:
     """This shard's wrapped-optimizer state dict, cut from a consolidated one, and the step count."""
     saved_groups, saved_state = full.get("param_groups"), full.get("state")
@@ -99,7 +100,7 @@ def shard_from_full(full: dict[str, Any], groups: list[_Group], layout: FlatLayo
     return {"state": state, "param_groups": inner_groups}, step_count
 
 
-def _piece_state(g: int, group: _Group, entries: list[dict[str, Any]], layout: FlatLayout,
+def _piece_state(g: int, group: ParamGroup, entries: list[dict[str, Any]], layout: FlatLayout,
                  piece: tuple[int, int], device: torch.device) -> dict[str, Any]:
     keys = set(entries[0])
     if any(set(e) != keys for e in entries):
@@ -162,5 +163,6 @@ def memory_report(opt: ShardedOptimizer) -> dict[str, Any]:
         "formula": (f"optimizer state per rank = k * N/d * P = {per_element} * {n}/{d} * {numel} bytes "
                     "(k = state bytes per element: 8 for fp32 AdamW); with fp32 parameters and gradients "
                     "held in full: 4 + 4 + 8*N/d bytes per parameter for AdamW. Seeds (bf16 mixed "
-                    "precision): 4 + 16*N/d. Padding to 64-element boundaries adds < 64 * (groups + 1) elements per rank"),
+                    "precision): 4 + 16*N/d. Padding to 64-element boundaries adds < 64 * (groups + 1) "
+                    "elements per rank"),
     }

@@ -361,6 +361,8 @@ class WorkerRegister(Message):
     rank: int
     pid: int
     attempt: int
+    gen: int = 0
+    replacement: bool = False
 
 
 @message("progress")
@@ -406,3 +408,69 @@ class WorkerEvent(Message):
     attempt: int
     name: str
     fields: dict[str, Any]
+
+
+# in-flight recovery (worker <-> controller, controller -> agent)
+
+
+@message("session_ready")
+class SessionReady(Message):
+    """The worker runs an unbroken step loop; ``num_replicas`` 0 means full replication."""
+
+    rank: int
+    attempt: int
+    num_replicas: int
+
+
+@message("step_synced")
+class StepSynced(Message):
+    rank: int
+    attempt: int
+    gen: int
+    step: int
+
+
+@message("commit_step")
+class CommitStep(Message):
+    gen: int
+    step: int
+
+
+@message("abort")
+class Abort(Message):
+    """Leave generation ``gen - 1``: abort pending collectives, then pause for the regroup."""
+
+    gen: int
+    reason: str
+
+
+@message("paused")
+class Paused(Message):
+    rank: int
+    attempt: int
+    gen: int
+    step: int
+    phase: str
+
+
+@message("regroup")
+class Regroup(Message):
+    gen: int
+    resume_step: int
+    replaced: list[int]
+
+
+@message("resumed")
+class Resumed(Message):
+    rank: int
+    attempt: int
+    gen: int
+    step: int
+    restore_s: float
+
+
+@message("restart_worker")
+class RestartWorker(Message):
+    rank: int
+    attempt: int
+    gen: int

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
@@ -18,6 +19,7 @@ from unbroken.protocol.wire import Connection, connect
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+LOST_CONTROLLER_GEN = 1 << 30
 
 
 def _split_hostport(text: str) -> tuple[str, int]:
@@ -29,7 +31,7 @@ class ControlClient:
     """One authenticated connection from a worker (rank) to its job's controller."""
 
     def __init__(self, address: str, secret: str, *, rank: int, pid: int, attempt: int,
-                 timeout_s: float = 10.0) -> None:
+                 gen: int = 0, replacement: bool = False, timeout_s: float = 10.0) -> None:
         host, port = _split_hostport(address)
         self.rank = rank
         self.attempt = attempt
@@ -38,7 +40,13 @@ class ControlClient:
                                          timeout_s=timeout_s)
         self._replies: queue.Queue = queue.Queue()
         self._closed = threading.Event()
-        self._conn.send(m.WorkerRegister(rank=rank, pid=pid, attempt=attempt))
+        # In-flight recovery: the newest abort order and commit, set by the reader thread.
+        # A rank of generation g must leave it as soon as abort_gen > g.
+        self.abort_gen = gen
+        self.abort_reason = ""
+        self._commit = threading.Condition()
+        self.committed_step = -1
+        self._conn.send(m.WorkerRegister(rank=rank, pid=pid, attempt=attempt, gen=gen, replacement=replacement))
         self._reader = threading.Thread(target=self._read_loop, name=f"unbroken-ctl-r{rank}", daemon=True)
         self._beater = threading.Thread(target=self._beat_loop, name=f"unbroken-hb-r{rank}", daemon=True)
         self._reader.start()
@@ -50,8 +58,20 @@ class ControlClient:
                 msg = self._conn.recv()
             except (ConnectionClosed, ProtocolError, OSError):
                 break
-            self._replies.put(msg)
+            if isinstance(msg, m.Abort):
+                self.abort_gen, self.abort_reason = max(self.abort_gen, msg.gen), msg.reason
+                with self._commit:
+                    self._commit.notify_all()
+            elif isinstance(msg, m.CommitStep):
+                with self._commit:
+                    self.committed_step = max(self.committed_step, msg.step)
+                    self._commit.notify_all()
+            else:
+                self._replies.put(msg)
         self._closed.set()
+        self.abort_gen = LOST_CONTROLLER_GEN  # without the controller nothing commits: leave any wait
+        with self._commit:
+            self._commit.notify_all()
 
     def _beat_loop(self) -> None:
         while not self._closed.wait(HEARTBEAT_INTERVAL_S):
@@ -73,6 +93,45 @@ class ControlClient:
     def event(self, name: str, fields: dict) -> None:
         """Ask the controller to record an event of this worker's in the job's event log."""
         self._send(m.WorkerEvent(rank=self.rank, attempt=self.attempt, name=name, fields=fields))
+
+    def session_ready(self, num_replicas: int) -> None:
+        self._send(m.SessionReady(rank=self.rank, attempt=self.attempt, num_replicas=num_replicas))
+
+    def wait_commit(self, gen: int, step: int, poll_s: float = 0.05) -> bool:
+        """Report the reduction of ``step`` done and wait for its commit; False on an abort order."""
+        self._send(m.StepSynced(rank=self.rank, attempt=self.attempt, gen=gen, step=step))
+        with self._commit:
+            while self.committed_step < step:
+                if self.abort_gen > gen:
+                    return False
+                self._commit.wait(poll_s)
+        return True
+
+    def paused(self, gen: int, step: int, phase: str) -> None:
+        self._send(m.Paused(rank=self.rank, attempt=self.attempt, gen=gen, step=step, phase=phase))
+
+    def joined(self, gen: int) -> None:
+        self._send(m.WorkerRegister(rank=self.rank, pid=0, attempt=self.attempt, gen=gen, replacement=True))
+
+    def resumed(self, gen: int, step: int, restore_s: float) -> None:
+        self._send(m.Resumed(rank=self.rank, attempt=self.attempt, gen=gen, step=step, restore_s=restore_s))
+
+    def wait_regroup(self, timeout_s: float, on_abort, reported_gen: int) -> m.Regroup | None:
+        """Wait for the regroup order. ``on_abort(gen)`` runs when an abort newer than
+        ``reported_gen`` (the one this rank last reported for) arrives meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        seen_gen = reported_gen
+        while time.monotonic() < deadline and not self._closed.is_set():
+            if self.abort_gen != seen_gen:
+                seen_gen = self.abort_gen
+                on_abort(seen_gen)
+            try:
+                msg = self._replies.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(msg, m.Regroup) and msg.gen >= seen_gen:
+                return msg
+        return None
 
     def claim_fault(self, fault_id: str, timeout_s: float = 10.0) -> bool:
         """Ask the controller whether an injected fault may fire (each fires once per job)."""

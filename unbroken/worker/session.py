@@ -26,9 +26,11 @@ import torch.distributed as dist
 
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import WorkerConfig, worker_config_from_env
-from unbroken.errors import CheckpointError, ConfigError
+from unbroken.errors import CheckpointError, CollectiveAborted, ConfigError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
+from unbroken.optim.comm import wait_all
+from unbroken.worker import inflight
 from unbroken.worker.control import ControlClient
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,18 @@ class Job:
         self._last_step_s = 0.0
         self._restored = False
         self._warned_save_failure = False
+        # In-flight recovery: the generation of the process group in use, groups and
+        # collectives abandoned on an abort (kept referenced until they end, FACTS.md).
+        self._gen = 0
+        self._group: dist.ProcessGroup | None = None
+        self._store: dist.Store | None = None
+        self._graveyard: list[Any] = []
+        self._in_step = False
+        self._step_rng: dict[str, Any] | None = None
+        self._recovery_needed = False
+        self._committed_this_step = False
+        self._announced_ready = False
+        self._needs_state = cfg.replacement  # a replacement receives its state from replicas
         self._control = self._build_control()
         self._injector = self._build_injector()
         self._storage = self._build_storage()
@@ -97,8 +111,8 @@ class Job:
     def _build_control(self) -> ControlClient | None:
         if self.cfg.mode != "managed":
             return None
-        return ControlClient(self.cfg.controller, self.cfg.secret, rank=self.rank,
-                             pid=os.getpid(), attempt=self.attempt)
+        return ControlClient(self.cfg.controller, self.cfg.secret, rank=self.rank, pid=os.getpid(),
+                             attempt=self.attempt, gen=self.cfg.gen, replacement=self.cfg.replacement)
 
     def _build_injector(self) -> FaultInjector:
         faults = parse_plan(self.cfg.inject)
@@ -115,19 +129,24 @@ class Job:
         return StorageTier(ckpt.resume_dir, keep=ckpt.keep) if ckpt.resume_dir else None
 
     def _build_process_group(self, backend: str) -> None:
-        if dist.is_initialized():
-            return
         timeout = timedelta(seconds=self.cfg.pg_timeout_s)
         if self.cfg.mode == "managed":
             # The store lives in the controller, one per attempt; generations get a prefix.
-            store = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
-                                  is_master=False, timeout=timeout)
-            dist.init_process_group(backend, store=dist.PrefixStore("gen0/", store), rank=self.rank,
+            self._store = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
+                                        is_master=False, timeout=timeout)
+            if self.cfg.replacement:
+                return  # joins the next generation's group when the regroup order comes
+        if dist.is_initialized():
+            self._group = dist.group.WORLD
+            return
+        if self.cfg.mode == "managed":
+            dist.init_process_group(backend, store=dist.PrefixStore("gen0/", self._store), rank=self.rank,
                                     world_size=self.world_size, timeout=timeout)
         elif self.cfg.mode == "torchrun":
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        self._group = dist.group.WORLD
 
     # -- the training-loop API ---------------------------------------------------------
     def track(self, **objects: Any) -> None:
@@ -147,16 +166,33 @@ class Job:
             self._tracked[name] = obj
             if hasattr(obj, "on_phase") and getattr(obj, "on_phase") is None:
                 obj.on_phase = self._on_optimizer_phase
+            if hasattr(obj, "should_abort") and getattr(obj, "should_abort") is None:
+                obj.should_abort = self._should_abort
+            if hasattr(obj, "defer_aborted_gather") and self.cfg.mode == "managed":
+                obj.defer_aborted_gather = True  # a committed step completes during the regroup
 
     def steps(self, total: int) -> Iterator[int]:
-        """Yield step indices from where the job resumes up to ``total`` (exclusive)."""
+        """Yield step indices from where the job resumes up to ``total`` (exclusive).
+
+        After an in-flight recovery the same index may come again: the step is redone.
+        """
         if total < 0:
             raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
-        self._step = self._restore()
+        self._step = inflight.join(self) if self._needs_state else self._restore()
+        self._restored = True
         while self._step < total:
+            if self._should_abort() or self._recovery_needed:
+                self._recovery_needed = False
+                self._step = inflight.survive(self)
+                continue
             index = self._step
             self._step_started = time.monotonic()
+            if self._control is not None:
+                self._step_rng = _rng_state()  # to redo this step exactly if it is aborted
+            self._in_step, self._committed_this_step = True, False
             yield index
+            if self._recovery_needed:
+                continue
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
             self._report_progress()
@@ -165,11 +201,33 @@ class Job:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[int]:
-        """The fault boundary of one step. Faults injected at ``compute`` fire on entry."""
+        """The fault boundary of one step. Faults injected at ``compute`` fire on entry.
+
+        Under `unbroken run`, a collective aborted inside the step (a peer was lost) does
+        not propagate: the step is dropped and :meth:`steps` recovers in flight and
+        yields the step to redo.
+        """
         index = self._step
-        self.phase("compute")
-        yield index
+        try:
+            self.phase("compute")
+            yield index
+        except Exception as exc:
+            if not self._is_recoverable(exc):
+                raise
+            log.warning("rank %d: step %d aborted (%s); recovering in flight", self.rank, index,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self._recovery_needed = True
+            return
         self._end_step(index)
+
+    def _is_recoverable(self, exc: Exception) -> bool:
+        """A collective that failed or was aborted because a peer was lost, under a controller."""
+        if self._control is None:
+            return False
+        if isinstance(exc, CollectiveAborted):
+            return True
+        notes = getattr(exc, "__notes__", ())
+        return isinstance(exc, RuntimeError) and any(n.startswith("unbroken: during the") for n in notes)
 
     def phase(self, name: str, step: int | None = None) -> None:
         """Record the phase of the step in flight; fires injected faults planned for it."""
@@ -179,10 +237,72 @@ class Job:
         if self._control is not None:  # the controller's view of where each rank is
             self._control.progress(self._step, name, {})
         self._injector.at(self._step if step is None else step, name)
+        if name == "update":
+            self._commit()
 
     def _on_optimizer_phase(self, name: str, step: int) -> None:
         if name != "done":  # 'done' is recorded at the end of the step by the boundary
             self.phase(name)
+
+    def _commit(self) -> None:
+        """Entering ``update``: the reduction is done; wait until the controller commits the step."""
+        if self._control is None or self._committed_this_step:
+            return
+        if not self._control.wait_commit(self._gen, self._step):
+            raise CollectiveAborted(f"rank {self.rank}: step {self._step} was not committed (abort order for "
+                                    f"generation {self._control.abort_gen}: {self._control.abort_reason})")
+        self._committed_this_step = True
+
+    # -- collectives that can be abandoned ----------------------------------------------
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group of the current generation (changes after an in-flight recovery)."""
+        return self._group
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """``dist.all_reduce`` on the current generation, abandoned promptly on an abort order."""
+        if self.world_size > 1:
+            work = dist.all_reduce(tensor, op=op, group=self._group, async_op=True)
+            wait_all([work], self._should_abort if self._control else None, self._graveyard,
+                     f"all-reduce of step {self._step}")
+        return tensor
+
+    def _should_abort(self) -> bool:
+        return self._control is not None and self._control.abort_gen > self._gen
+
+    def _adopt_group(self, gen: int, group: dist.ProcessGroup) -> None:
+        if self._group is not None:
+            self._graveyard.append(self._group)  # never destroyed early: see FACTS.md
+        self._gen, self._group = gen, group
+
+    def _drop_step_in_flight(self) -> None:
+        """Forget what an aborted step computed: gradients and RNG draws."""
+        for obj in self._tracked.values():
+            if hasattr(obj, "zero_grad"):
+                obj.zero_grad(set_to_none=True)
+        if self._in_step and self._step_rng is not None:
+            _set_rng_state(self._step_rng)
+        self._in_step = False
+
+    def _rng_at_step_start(self) -> dict[str, Any]:
+        return self._step_rng if self._in_step and self._step_rng is not None else _rng_state()
+
+    def _set_rng(self, state: dict[str, Any]) -> None:
+        _set_rng_state(state)
+
+    def _load_tracked(self, name: str, obj: Any, state: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            with torch.no_grad():
+                obj.copy_(state)
+        else:
+            obj.load_state_dict(state)
+
+    def _announce_ready(self) -> None:
+        if self._control is None or self._announced_ready or not self._committed_this_step:
+            return
+        self._announced_ready = True
+        replicas = [getattr(o, "num_replicas", 0) for o in self._tracked.values() if hasattr(o, "recover")]
+        self._control.session_ready(min(replicas) if replicas else 0)
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (loss, ...) to this step's progress report."""
@@ -209,6 +329,8 @@ class Job:
     # -- internals -----------------------------------------------------------------------
     def _end_step(self, index: int) -> None:
         self._phase = "done"
+        self._in_step = False
+        self._announce_ready()
         self._step = index + 1
         self._last_step_s = time.monotonic() - self._step_started
         every = self.cfg.checkpoint.every_steps
@@ -236,16 +358,12 @@ class Job:
             raise CheckpointError(f"checkpoint has no state for tracked object(s) {missing} "
                                   f"(it holds {sorted(tracked)})")
         for name, obj in self._tracked.items():
-            if isinstance(obj, torch.Tensor):
-                with torch.no_grad():
-                    obj.copy_(tracked[name])
-            else:
-                obj.load_state_dict(tracked[name])
+            self._load_tracked(name, obj, tracked[name])
         _set_rng_state(state["rng"])
 
     def _all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
         return int(t.item())
 
     def _save(self, step: int) -> None:

@@ -1,0 +1,580 @@
+"""Memory tier of the checkpoint engine: per-rank snapshots in shared-memory slot files.
+
+Files, in a tmpfs directory (`shm_dir`, /dev/shm by default), outlive a worker's SIGKILL:
+    unbroken-{job_id}-r{rank:05d}-s{0,1}   the two slots of one rank, written by its worker
+    unbroken-{job_id}.owner                JSON {pid, create_time} of the agent that owns them
+Slot layout: [0, 4096) header (magic, version, state, seq, step, offsets, crc32s); tensor
+bytes at 64-byte aligned offsets; the JSON meta (flatten_state spec, tensor index, user
+meta); then a table of crc32s, one per CHUNK_BYTES of [4096, end of meta).
+
+A slot's state goes EMPTY -> WRITING -> COPIED -> COMMITTED -> WRITING ... WRITING is stored
+before the first byte of a snapshot, COPIED once tensors and meta are in place (the training
+step resumes there), COMMITTED only after the crc32 table and the checksummed header are. The
+writer always writes the slot not holding the newest committed snapshot, so a crash at any
+point leaves that one intact. The agent owns the files' lifetime; the writer never deletes.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+import mmap
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import psutil
+import torch
+
+from unbroken.checkpoint.codec import flatten_state, unflatten_state
+from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError, NoCheckpoint
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHM_DIR = "/dev/shm"
+MAGIC, VERSION, META_FORMAT = b"UNBRKSHM", 1, "unbroken-shm-snapshot"
+HEADER_BYTES = 4096  # tensor data starts on the second page
+ALIGN_BYTES = 64
+CHUNK_BYTES = 64 << 20  # crc32 granularity: chunks verify in parallel on load
+GROWTH, GROW_ROUND_BYTES = 1.25, 2 << 20  # a slot too small grows to needed * 1.25, once
+MIN_HEADROOM_BYTES = 256 << 20  # left free in shm_dir: max(this, 10% of the free bytes)
+_JOB_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_SLOT_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})-r\d{5,}-s[01]$")
+_OWNER_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})\.owner$")
+# magic, version, state, then _Header's fields after state, then header_crc (over all of it
+# but state and itself, so the state can change with one aligned 4-byte store).
+_HEADER = struct.Struct("<8sIIQqQQQQQQII")
+_STATE, _STATE_OFFSET = struct.Struct("<I"), 12
+
+
+class SlotState(enum.IntEnum):
+    EMPTY = 0
+    WRITING = 1
+    COPIED = 2
+    COMMITTED = 3
+
+
+class _Header(NamedTuple):
+    state: int
+    seq: int  # write order of the rank's snapshots
+    step: int
+    data_off: int
+    meta_off: int
+    meta_len: int
+    table_off: int
+    chunk_bytes: int
+    n_chunks: int
+    table_crc: int
+
+    def pack(self) -> bytes:
+        crc = zlib.crc32(_HEADER.pack(MAGIC, VERSION, 0, *self[1:], 0))
+        return _HEADER.pack(MAGIC, VERSION, self.state, *self[1:], crc)
+
+    @staticmethod
+    def unpack(raw: bytes) -> _Header | None:
+        """The header in `raw`, or None unless it is ours, this version, and its crc matches."""
+        if len(raw) < _HEADER.size or raw[:8] != MAGIC:
+            return None
+        _, _, state, *fields, _ = _HEADER.unpack_from(raw)
+        header = _Header(state, *fields)
+        ok = state in SlotState._value2member_map_ and header.pack() == raw[:_HEADER.size]
+        return header if ok else None
+
+
+class _Overwritten(CheckpointError):
+    """The writer began reusing a slot while it was being read; the read is retried."""
+
+
+def slot_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int, slot: int) -> Path:
+    """Path of slot file `slot` (0 or 1) of `rank` of `job_id`; shm_dir None means /dev/shm."""
+    _check_job_id(job_id)
+    if type(rank) is not int or rank < 0 or slot not in (0, 1):
+        raise ConfigError(f"rank must be an int >= 0 and slot 0 or 1, got {rank!r}, {slot!r}")
+    return Path(shm_dir or DEFAULT_SHM_DIR) / f"unbroken-{job_id}-r{rank:05d}-s{slot}"
+
+
+class SnapshotWriter:
+    """Copies one rank's state into its two shared-memory slots; runs in the worker.
+
+    Owns the two slot mappings and at most one commit thread (crc32 of the last write, then
+    COPIED -> COMMITTED). `write` blocks for the wait on the previous commit plus the copy.
+    Call it from one thread; one writer per rank (the agent makes sure an old worker of the
+    rank is dead before it starts a new one). close() unmaps; the files stay.
+    """
+
+    def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> None:
+        self.dir, self.job_id, self.rank = _check_dir(shm_dir), job_id, rank
+        self.paths = [slot_path(self.dir, job_id, rank, s) for s in (0, 1)]
+        self._maps: list[_Mapping | None] = [None, None]
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        headers = [_read_header(p) for p in self.paths]
+        self._seq = max((h.seq for h in headers if h), default=0)  # a restarted worker continues
+        done = [(h.seq, s, h.step) for s, h in enumerate(headers) if h and h.state == SlotState.COMMITTED]
+        _, self._newest, self.committed_step = max(done) if done else (0, None, None)
+
+    def write(self, step: int, state: Any, meta: dict | None = None) -> float:
+        """Copy `state` into the slot not holding the newest committed snapshot; return the
+        seconds the caller was blocked (the wait for the previous commit, and the copy).
+
+        A background thread commits the snapshot; `flush` waits for it. CheckpointError when
+        the state or meta cannot be encoded, shm_dir lacks space, or the last commit failed;
+        the newest committed snapshot is never touched.
+        """
+        start = time.perf_counter()
+        if type(step) is not int or step < 0:
+            raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        self._wait_commit(None)
+        sources, spec = _flatten_sources(state)
+        index, cursor = {}, HEADER_BYTES
+        for name, (host, _) in sources.items():
+            cursor, nbytes = _round_up(cursor, ALIGN_BYTES), host.numel() * host.element_size()
+            index[name] = {"dtype": str(host.dtype).removeprefix("torch."),
+                           "shape": list(host.shape), "offset": cursor, "nbytes": nbytes}
+            cursor += nbytes
+        self._seq += 1
+        try:
+            meta_bytes = json.dumps({"format": META_FORMAT, "version": VERSION, "step": step,
+                                     "seq": self._seq, "job_id": self.job_id, "rank": self.rank,
+                                     "spec": spec, "tensors": index, "meta": dict(meta or {})},
+                                    allow_nan=False, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"meta of rank {self.rank} step {step} is not JSON-serializable:"
+                                  f" {exc}") from exc
+        meta_off = _round_up(cursor, ALIGN_BYTES)
+        table_off = _round_up(meta_off + len(meta_bytes), ALIGN_BYTES)
+        n_chunks = math.ceil((meta_off + len(meta_bytes) - HEADER_BYTES) / CHUNK_BYTES)
+        slot = 0 if self._newest is None else 1 - self._newest
+        m = self._ensure(slot, table_off + 4 * n_chunks)
+        _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.WRITING)  # first store of a snapshot
+        header = _Header(SlotState.WRITING, self._seq, step, HEADER_BYTES, meta_off,
+                         len(meta_bytes), table_off, CHUNK_BYTES, n_chunks, 0)
+        m.mm[:_HEADER.size] = header.pack()
+        for name, (_, source) in sources.items():
+            e = index[name]
+            # On a GPU `source` is a CUDA tensor: one device-to-host copy into the pageable
+            # mapping. Later step: register the mapping as pinned memory (cudaHostRegister),
+            # copy with non_blocking=True, and have the commit thread wait on a CUDA event.
+            m.buf[e["offset"]:e["offset"] + e["nbytes"]].view(source.dtype).view(source.shape).copy_(source)
+        m.mm[meta_off:meta_off + len(meta_bytes)] = meta_bytes
+        header = header._replace(state=SlotState.COPIED)
+        m.mm[:_HEADER.size] = header.pack()
+        self._thread = threading.Thread(target=self._commit, args=(m, slot, header), daemon=True,
+                                        name=f"unbroken-snapshot-commit-r{self.rank}")
+        self._thread.start()
+        return time.perf_counter() - start
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for the pending commit; False if it still runs after `timeout_s`.
+        Raises CheckpointError if it failed."""
+        return self._wait_commit(timeout_s)
+
+    def close(self) -> None:
+        """Wait for the pending commit, then unmap the slots (the files stay)."""
+        try:
+            self._wait_commit(None)
+        finally:
+            for m in self._maps:
+                if m is not None:
+                    m.close()
+            self._maps = [None, None]
+
+    def _commit(self, m: _Mapping, slot: int, header: _Header) -> None:
+        """Commit thread: crc32 table, checksummed header, then the state COMMITTED."""
+        try:
+            crcs = _chunk_crcs(m.mm, header.data_off, header.meta_off + header.meta_len, header.chunk_bytes)
+            table = struct.pack(f"<{len(crcs)}I", *crcs)
+            m.mm[header.table_off:header.table_off + len(table)] = table
+            m.mm[:_HEADER.size] = header._replace(table_crc=zlib.crc32(table)).pack()
+            _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.COMMITTED)  # the commit point
+            self._newest, self.committed_step = slot, header.step
+        except BaseException as exc:  # re-raised in the training thread by _wait_commit
+            self._error = exc
+
+    def _wait_commit(self, timeout_s: float | None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise CheckpointError(f"committing the shared-memory snapshot of rank {self.rank} "
+                                  f"(job {self.job_id!r}) failed: {exc}") from exc
+        return True
+
+    def _ensure(self, slot: int, needed: int) -> _Mapping:
+        """The mapping of `slot`, at least `needed` bytes, every page touched.
+
+        A slot too small grows to needed * GROWTH: fallocate (a full shm_dir fails here with
+        ENOSPC, not as a SIGBUS in the copy), then a pre-touch so the copy never page-faults.
+        """
+        m = self._maps[slot]
+        if m is not None and m.capacity >= needed:
+            return m
+        if m is not None:
+            m.close()
+            self._maps[slot] = None
+        fd = _open_slot(self.paths[slot])
+        try:
+            size = os.fstat(fd).st_size
+            if size >= _HEADER.size:  # it may hold the older snapshot: unlist it first
+                os.pwrite(fd, _STATE.pack(SlotState.WRITING), _STATE_OFFSET)
+            if size < needed:
+                new_size = _round_up(math.ceil(needed * GROWTH), GROW_ROUND_BYTES)
+                self._check_capacity(slot, size, new_size)
+                os.ftruncate(fd, new_size)
+                try:
+                    os.posix_fallocate(fd, size, new_size - size)
+                except OSError as exc:
+                    os.ftruncate(fd, size)
+                    raise CheckpointError(
+                        f"cannot grow {self.paths[slot]} from {size} to {new_size} bytes: "
+                        f"{exc.strerror or exc}; enlarge {self.dir} or snapshot less state") from exc
+                size = new_size
+            m = _Mapping(fd, size)
+        finally:
+            os.close(fd)
+        m.buf[HEADER_BYTES:].zero_()  # pre-touch: the page faults happen here, not in the copy
+        if _Header.unpack(m.mm[:_HEADER.size]) is None:  # a new file
+            m.mm[:_HEADER.size] = _Header(SlotState.EMPTY, 0, -1, 0, 0, 0, 0, 0, 0, 0).pack()
+        self._maps[slot] = m
+        return m
+
+    def _check_capacity(self, slot: int, size: int, new_size: int) -> None:
+        """CheckpointError unless both slots can reach `new_size` bytes with headroom left."""
+        other = self.paths[1 - slot].stat().st_size if self.paths[1 - slot].exists() else 0
+        add = (new_size - size) + max(0, new_size - other)
+        st = os.statvfs(self.dir)
+        free = st.f_bavail * st.f_frsize
+        headroom = max(free // 10, MIN_HEADROOM_BYTES)
+        if add + headroom > free:
+            raise CheckpointError(
+                f"shared-memory snapshots of rank {self.rank} (job {self.job_id!r}) need {add} "
+                f"bytes ({_gib(add)}) more in {self.dir} for two slots of {_gib(new_size)}, but "
+                f"{free} bytes ({_gib(free)}) are free there and {_gib(headroom)} are kept as "
+                "headroom. Lower the snapshot frequency or size (less state per rank), or enlarge"
+                f" {self.dir} (`mount -o remount,size=... {self.dir}`, docker --shm-size).")
+
+
+class SnapshotReader:
+    """Reads one rank's committed snapshots; runs in the agent or in a restarted worker.
+
+    Holds no mapping between calls: each read maps a slot, verifies its crc32s, copies the
+    tensors out and unmaps. Safe while the writer runs: a slot reused during a read is
+    detected (its header changed) and the read retried on the newest snapshot.
+    """
+
+    def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> None:
+        self.dir, self.job_id, self.rank = _check_dir(shm_dir), job_id, rank
+        self.paths = [slot_path(self.dir, job_id, rank, s) for s in (0, 1)]
+
+    def slots(self) -> list[dict]:
+        """Per slot: slot, path, bytes, state (SlotState name, MISSING or INVALID), step, seq."""
+        out = []
+        for slot, path in enumerate(self.paths):
+            size, h = (path.stat().st_size if path.exists() else None), _read_header(path)
+            state = SlotState(h.state).name if h else "MISSING" if size is None else "INVALID"
+            out.append({"slot": slot, "path": path, "bytes": size, "state": state,
+                        "step": h.step if h else None, "seq": h.seq if h else None})
+        return out
+
+    def committed(self) -> list[tuple[int, int]]:
+        """(step, slot) of the committed slots, newest first (by write order: the step order,
+        except after a rollback, where the snapshots written since count as newer)."""
+        return [(h.step, slot) for slot, h in self._committed_headers()]
+
+    def read_flat(self, step: int | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
+        """(tensors, spec, user meta) of the newest committed snapshot, or of `step`.
+
+        Tensors are copies. Without `step`, a snapshot failing its checksum is skipped with a
+        warning and the older one returned; with `step`, CheckpointCorrupt names the file.
+        NoCheckpoint when no (such) snapshot is committed. Nothing is returned half-way.
+        """
+        for _ in range(3):
+            candidates = [c for c in self._committed_headers() if step in (None, c[1].step)]
+            if not candidates:
+                raise NoCheckpoint(
+                    f"no committed shared-memory snapshot{'' if step is None else f' of step {step}'}"
+                    f" for rank {self.rank} of job {self.job_id!r} in {self.dir} (committed: "
+                    f"{[s for s, _ in self.committed()]})")
+            errors = []
+            for slot, header in candidates[:1] if step is not None else candidates:
+                try:
+                    return self._read_slot(slot, header)
+                except _Overwritten:
+                    break
+                except CheckpointCorrupt as exc:
+                    if step is not None:
+                        raise
+                    logger.warning("skipping the shared-memory snapshot of step %d of rank %d: %s",
+                                   header.step, self.rank, exc)
+                    errors.append(exc)
+            else:
+                raise errors[0]
+        raise CheckpointError(f"the shared-memory snapshots of rank {self.rank} in {self.dir} "
+                              "were overwritten three times while being read; retry")
+
+    def load(self, step: int | None = None) -> tuple[Any, dict]:
+        """(state tree, user meta) of the newest committed snapshot, or of `step`; see read_flat."""
+        tensors, spec, meta = self.read_flat(step)
+        return unflatten_state(tensors, spec), meta
+
+    def _committed_headers(self) -> list[tuple[int, _Header]]:
+        found = [(slot, h) for slot, p in enumerate(self.paths)
+                 if (h := _read_header(p)) is not None and h.state == SlotState.COMMITTED]
+        return sorted(found, key=lambda item: item[1].seq, reverse=True)
+
+    def _read_slot(self, slot: int, h: _Header) -> tuple[dict[str, torch.Tensor], dict, dict]:
+        path, raw, end = self.paths[slot], h.pack(), h.table_off + 4 * h.n_chunks
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise _Overwritten(f"{path} was removed") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < end or not HEADER_BYTES <= h.data_off <= h.meta_off <= h.table_off:
+                raise CheckpointCorrupt(f"{path}: truncated or malformed: {size} bytes, its header"
+                                        f" (step {h.step}) says {end}")
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private: never written back
+        finally:
+            os.close(fd)
+
+        def fail(what: str) -> CheckpointError:  # a changed header means reused, not corrupt
+            return (_Overwritten if mm[:_HEADER.size] != raw else CheckpointCorrupt)(f"{path}: {what}")
+
+        try:
+            table = mm[h.table_off:end]
+            if zlib.crc32(table) != h.table_crc:
+                raise fail(f"the crc32 table of the snapshot of step {h.step} fails its checksum")
+            got = _chunk_crcs(mm, h.data_off, h.meta_off + h.meta_len, h.chunk_bytes, min(4, os.cpu_count() or 1))
+            bad = [i for i, (a, b) in enumerate(zip(struct.unpack(f"<{h.n_chunks}I", table), got)) if a != b]
+            if bad or len(got) != h.n_chunks:
+                raise fail(f"crc32 mismatch in the snapshot of step {h.step}: chunk(s) {bad} of "
+                           f"{h.n_chunks} ({h.chunk_bytes} bytes each from byte {h.data_off})")
+            meta = _parse_meta(path, mm[h.meta_off:h.meta_off + h.meta_len], h)
+            buf, tensors = torch.frombuffer(mm, dtype=torch.uint8), {}
+            for name, e in meta["tensors"].items():
+                out = torch.empty(e["nbytes"], dtype=torch.uint8)
+                out.copy_(buf[e["offset"]:e["offset"] + e["nbytes"]])
+                tensors[name] = out.view(getattr(torch, e["dtype"])).reshape(e["shape"])
+            del buf
+            if mm[:_HEADER.size] != raw:
+                raise _Overwritten(f"{path} was reused while being read")
+            return tensors, meta["spec"], meta["meta"]
+        finally:
+            _close_map(mm)
+
+
+# ---- the agent's side: ownership and cleanup ---------------------------------------
+
+
+def claim_job(shm_dir: str | os.PathLike | None, job_id: str, pid: int) -> Path:
+    """Record `pid` (the node agent) as owner of `job_id`'s files; CheckpointError if another
+    live process owns them."""
+    path = _check_dir(shm_dir) / f"unbroken-{_check_job_id(job_id)}.owner"
+    current = _owner(path)
+    if current is not None and current[0] != pid and current[1]:
+        raise CheckpointError(f"job {job_id!r} is owned by live process {current[0]} ({path}); "
+                              "stop that agent first")
+    try:
+        started = psutil.Process(pid).create_time()
+    except psutil.Error:
+        started = None
+    fd = _open_slot(path, os.O_TRUNC)  # a torn write reads as unreadable: never swept
+    try:
+        os.write(fd, json.dumps({"pid": pid, "create_time": started}).encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def remove_job(shm_dir: str | os.PathLike | None, job_id: str) -> list[Path]:
+    """Unlink every slot file and the owner file of `job_id`; return the paths removed."""
+    directory, removed = _check_dir(shm_dir), []
+    _check_job_id(job_id)
+    for name in sorted(os.listdir(directory)):
+        match = _SLOT_RE.match(name) or _OWNER_RE.match(name)
+        if match and match.group("job") == job_id:
+            try:
+                (directory / name).unlink()
+                removed.append(directory / name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def sweep_stale(shm_dir: str | os.PathLike | None) -> list[str]:
+    """Remove the files of every job whose owner process is gone; return those job ids.
+
+    A job whose owner lives, or whose owner file is unreadable (warned), is left alone, and
+    so is every file whose name is not one of ours.
+    """
+    directory, swept = _check_dir(shm_dir), []
+    for name in sorted(os.listdir(directory)):
+        match = _OWNER_RE.match(name)
+        if not match:
+            continue
+        owner = _owner(directory / name)
+        if owner is None:
+            logger.warning("not sweeping job %r: unreadable owner file %s", match.group("job"),
+                           directory / name)
+        elif not owner[1]:
+            remove_job(directory, match.group("job"))
+            swept.append(match.group("job"))
+    return swept
+
+
+# ---- helpers -----------------------------------------------------------------------
+
+
+class _Mapping:
+    """One slot file mapped shared and writable; `buf` is a uint8 tensor over all of it."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.mm, self.capacity = mmap.mmap(fd, size), size
+        self.buf: torch.Tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.buf  # drop the buffer export first, or mmap.close raises BufferError
+        _close_map(self.mm)
+
+
+def _close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive (held by a traceback): the GC unmaps it
+        pass
+
+
+def _is_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _flatten_sources(state: Any) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict]:
+    """flatten_state as {name: (host layout, source tensor)}, without staging device tensors.
+
+    flatten_state would copy a device tensor into fresh host memory (a copy plus page
+    faults). Instead each plain device tensor stands in, while flattening, as an untouched
+    host placeholder of its shape and dtype, and its bytes go straight from the device into
+    the slot. The host layout (dtype, shape) is what flatten_state recorded for the name.
+    """
+    stand_ins: dict[tuple, torch.Tensor] = {}  # view of a device storage -> placeholder
+    origin: dict[int, torch.Tensor] = {}  # placeholder data_ptr -> device tensor
+
+    def swap(x: Any) -> Any:
+        kind = type(x)
+        if kind in (dict, OrderedDict):
+            out = kind((k, swap(v)) for k, v in x.items())
+            if hasattr(x, "_metadata"):
+                out._metadata = x._metadata
+            return out
+        if kind in (list, tuple):
+            return kind(swap(v) for v in x)
+        if kind in (torch.Tensor, torch.nn.Parameter) and not _is_host(x) and x.numel() > 0 \
+                and x.layout == torch.strided and x.device.type != "meta":
+            key = (str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
+                   tuple(x.shape), x.stride(), x.dtype)
+            if key not in stand_ins:  # tied weights share one placeholder: stored once
+                stand_ins[key] = torch.empty(x.shape, dtype=x.dtype)
+                origin[stand_ins[key].data_ptr()] = x.detach()
+            return stand_ins[key]
+        return x
+
+    tensors, spec = flatten_state(swap(state))
+    return {name: (t, origin.get(t.data_ptr(), t) if t.numel() else t)
+            for name, t in tensors.items()}, spec
+
+
+def _chunk_crcs(mm: mmap.mmap, start: int, end: int, chunk_bytes: int, workers: int = 1) -> list[int]:
+    """crc32 of each chunk of mm[start:end]; zlib releases the GIL, so workers run in parallel."""
+    bounds = [(a, min(a + chunk_bytes, end)) for a in range(start, end, chunk_bytes)]
+    with memoryview(mm) as view:
+        def crc(ab: tuple[int, int]) -> int:
+            with view[ab[0]:ab[1]] as part:
+                return zlib.crc32(part)
+        if workers <= 1 or len(bounds) < 2:
+            return [crc(b) for b in bounds]
+        with ThreadPoolExecutor(min(workers, len(bounds))) as pool:
+            return list(pool.map(crc, bounds))
+
+
+def _parse_meta(path: Path, raw: bytes, h: _Header) -> dict:
+    """The meta JSON of a slot whose crc32s matched; CheckpointCorrupt if it is not ours."""
+    try:
+        meta = json.loads(raw)
+        if (meta["format"], meta["version"], meta["step"], meta["seq"]) != \
+                (META_FORMAT, VERSION, h.step, h.seq) or type(meta["spec"]) is not dict \
+                or type(meta["meta"]) is not dict:
+            raise ValueError("format, version, step or seq disagree with the header")
+        for name, e in meta["tensors"].items():
+            dtype = getattr(torch, e["dtype"], None)
+            if not isinstance(dtype, torch.dtype) or not (
+                    h.data_off <= e["offset"] <= e["offset"] + e["nbytes"] <= h.meta_off
+                    and e["nbytes"] == math.prod(e["shape"]) * dtype.itemsize):
+                raise ValueError(f"bad index entry for tensor {name!r}: {e}")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointCorrupt(f"{path}: malformed snapshot meta ({exc})") from exc
+    return meta
+
+
+def _open_slot(path: Path, flags: int = 0) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o600)
+    os.fchmod(fd, 0o600)  # umask-proof
+    return fd
+
+
+def _read_header(path: Path) -> _Header | None:
+    try:
+        with open(path, "rb") as f:
+            return _Header.unpack(f.read(_HEADER.size))
+    except OSError:
+        return None
+
+
+def _owner(path: Path) -> tuple[int, bool] | None:
+    """(pid, alive) from an owner file, None if unreadable. Alive: the pid runs and started
+    when the owner did (a recycled pid is another process)."""
+    try:
+        owner = json.loads(path.read_bytes())
+        pid, recorded = owner["pid"], owner.get("create_time")
+        if type(pid) is not int:
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    try:
+        started = psutil.Process(pid).create_time()
+    except psutil.Error:
+        return pid, False
+    return pid, not isinstance(recorded, (int, float)) or abs(started - recorded) < 0.01
+
+
+def _check_dir(shm_dir: str | os.PathLike | None) -> Path:
+    path = Path(shm_dir or DEFAULT_SHM_DIR)
+    if not path.is_dir():
+        raise ConfigError(f"shared-memory directory {path} does not exist or is not a directory;"
+                          f" pass an existing tmpfs directory (default {DEFAULT_SHM_DIR})")
+    return path
+
+
+def _check_job_id(job_id: Any) -> str:
+    if not isinstance(job_id, str) or not _JOB_RE.fullmatch(job_id):
+        raise ConfigError(f"job id {job_id!r} is invalid: use 1-64 of A-Z a-z 0-9 _ . -")
+    return job_id
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

@@ -1,0 +1,121 @@
+"""In-flight recovery inside a worker: pause, regroup, receive or send state, resume.
+
+Both sides run in the training thread, inside :meth:`unbroken.worker.session.Job.steps`:
+
+* a **survivor** left a step because its collective was aborted (the controller's
+  abort order, or gloo reporting a dead peer). It drops what the step computed (gradients,
+  RNG draws), reports itself paused, and waits for the regroup order;
+* a **replacement** (a new process started for a lost rank) waits for the same order
+  right after joining.
+
+The order names the next generation, the step to resume at (the first uncommitted one,
+see :mod:`unbroken.recovery.consistency`) and the replaced ranks. Every rank then builds
+the generation's process group on a fresh store prefix and takes part in the same
+sequence of collectives: sharded optimizers first restore their shards and parameters from
+live holders, then every other tracked object and the RNG state go from the lowest
+surviving rank to the replaced ones. A second fault meanwhile aborts the transfer and the
+whole sequence starts again for the next generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from unbroken.errors import CollectiveAborted, JobFailed
+from unbroken.worker.transfer import broadcast_state
+
+if TYPE_CHECKING:
+    from unbroken.worker.session import Job
+
+log = logging.getLogger(__name__)
+
+
+def new_group(job: Job, gen: int) -> dist.ProcessGroup:
+    """The process group of generation ``gen``: same ranks, a fresh prefix on the job's store."""
+    store = dist.PrefixStore(f"gen{gen}/", job._store)
+    timeout = timedelta(seconds=job.cfg.pg_timeout_s)
+    if job.device.type == "cuda":  # pragma: no cover - needs a GPU
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, job.rank, job.world_size, opts)
+    return dist.ProcessGroupGloo(store, job.rank, job.world_size, timeout)
+
+
+def survive(job: Job) -> int:
+    """A survivor's side; returns the step to resume at."""
+    started = time.monotonic()
+    job._drop_step_in_flight()
+    control = job._control
+    reported = control.abort_gen
+    control.paused(reported, job.step_index, job._phase)
+    return _regroup_and_transfer(job, started, reported)
+
+
+def join(job: Job) -> int:
+    """A replacement's side; returns the step to resume at."""
+    started = time.monotonic()
+    return _regroup_and_transfer(job, started, job._control.abort_gen)
+
+
+def _regroup_and_transfer(job: Job, started: float, reported: int) -> int:
+    control = job._control
+    while True:
+        def again(gen: int) -> None:  # a newer abort while waiting: say so for that generation
+            if job.cfg.replacement and job._gen == 0:
+                control.joined(gen)
+            else:
+                control.paused(gen, job.step_index, job._phase)
+
+        order = control.wait_regroup(job.cfg.recovery_timeout_s, again, reported)
+        if order is None:
+            raise JobFailed(f"rank {job.rank}: no regroup order from the controller within "
+                            f"{job.cfg.recovery_timeout_s:.0f} s (--recovery-timeout-s); giving up")
+        regroup_t = time.monotonic()
+        job._adopt_group(order.gen, new_group(job, order.gen))
+        try:
+            _transfer(job, set(order.replaced))
+        except CollectiveAborted as exc:
+            log.warning("rank %d: transfer for generation %d aborted (%s); waiting for the next one",
+                        job.rank, order.gen, exc)
+            reported = control.abort_gen
+            again(reported)
+            continue
+        restore_s = time.monotonic() - regroup_t
+        job._step = order.resume_step
+        control.resumed(order.gen, order.resume_step, restore_s)
+        log.info("rank %d: resumed at step %d in generation %d after %.3f s (restore %.3f s)",
+                 job.rank, order.resume_step, order.gen, time.monotonic() - started, restore_s)
+        return order.resume_step
+
+
+def _transfer(job: Job, replaced: set[int]) -> None:
+    """The collective sequence every rank runs after a regroup (same order everywhere)."""
+    group = job.process_group
+    alive = [r for r in range(job.world_size) if r not in replaced]
+    src = alive[0]
+    receiving = job.rank in replaced
+    common: dict[str, Any] = dict(device=job.device, should_abort=job._should_abort,
+                                  graveyard=job._graveyard)
+    for obj in job._tracked.values():
+        if hasattr(obj, "recover"):  # a sharded optimizer restores its shards from their holders
+            obj.set_process_group(group)
+            obj.recover(replaced)
+    for name, obj in job._tracked.items():
+        if hasattr(obj, "recover"):
+            continue
+        state = (obj if isinstance(obj, torch.Tensor) else obj.state_dict()) if job.rank == src else None
+        got = broadcast_state(state, src, group, what=f"transfer of {name!r} from rank {src}", **common)
+        if receiving:
+            job._load_tracked(name, obj, got)
+    # The RNG streams are replicated state (every rank seeds them the same): the replaced
+    # ranks continue the source's stream from the start of the step to redo.
+    rng = broadcast_state(job._rng_at_step_start() if job.rank == src else None, src, group,
+                          what=f"transfer of the RNG state from rank {src}", **common)
+    if receiving:
+        job._set_rng(rng)

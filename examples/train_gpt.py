@@ -6,7 +6,8 @@ and `job.report(...)`. Everything else is plain PyTorch.
 
     python examples/train_gpt.py --steps 20 --optimizer plain         # one process
     torchrun --nproc-per-node 4 examples/train_gpt.py                 # job-level restarts only
-    unbroken run --nproc-per-node 4 examples/train_gpt.py --out w.safetensors   # through faults
+    unbroken run --nproc-per-node 4 --inject kill:rank=2:step=30 examples/train_gpt.py --out w.safetensors
+                                                                      # through faults, same bits
 
 Determinism is the point of this example: the same --seed and world size give bit-identical
 final weights, with or without faults along the way, because

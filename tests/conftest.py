@@ -6,6 +6,7 @@ when it fails: the autouse fixture below kills what a test left and fails the te
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -35,17 +36,31 @@ def _ours(proc: psutil.Process, marker: str) -> bool:
     return marker in env.get("UNBROKEN_RUN_DIR", "") or marker in cmd
 
 
-def _shm_files() -> set[str]:
+def _shm_files(job_ids: set[str] | None = None) -> set[str]:
+    """Our files in /dev/shm; only those of ``job_ids`` when given."""
     try:
-        return {n for n in os.listdir("/dev/shm") if "unbroken" in n}
+        names = {n for n in os.listdir("/dev/shm") if n.startswith("unbroken")}
     except FileNotFoundError:
         return set()
+    if job_ids is None:
+        return names
+    return {n for n in names if any(n.startswith(f"unbroken-{j}-") or n == f"unbroken-{j}.owner" for j in job_ids)}
+
+
+def _job_ids(root: Path) -> set[str]:
+    """Job ids of every launcher run under ``root`` (from the resolved configs they wrote)."""
+    ids = set()
+    for cfg in root.glob("**/config.node*.json"):
+        try:
+            ids.add(json.loads(cfg.read_text())["job_id"])
+        except (OSError, ValueError, KeyError):
+            pass
+    return ids
 
 
 @pytest.fixture(autouse=True)
 def no_leftovers(tmp_path):
     """Fail a test that leaves processes or shared memory behind; clean up either way."""
-    shm_before = _shm_files()
     yield
     me = psutil.Process()
     left = [p for p in me.children(recursive=True)]
@@ -56,15 +71,23 @@ def no_leftovers(tmp_path):
         except psutil.Error:
             pass
     psutil.wait_procs(left, timeout=5)
-    new_shm = _shm_files() - shm_before
-    for name in new_shm:
+    leftover_shm = _shm_files(_job_ids(tmp_path))
+    for name in leftover_shm:
         try:
             os.unlink(f"/dev/shm/{name}")
         except FileNotFoundError:
             pass
     assert not [p.pid for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], \
         f"processes left behind: {left}"
-    assert not new_shm, f"/dev/shm files left behind: {sorted(new_shm)}"
+    assert not leftover_shm, f"/dev/shm files left behind: {sorted(leftover_shm)}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After the whole suite: nothing of ours may be left in /dev/shm."""
+    left = _shm_files()
+    if left and exitstatus == 0 and os.environ.get("CI"):
+        session.exitstatus = 1
+        print(f"\n/dev/shm files left behind by the test suite: {sorted(left)}")
 
 
 def run_cli(args: list[str], *, timeout_s: float = 120, env: dict | None = None,

@@ -162,20 +162,28 @@ def test_plain_optimizer_decays_matrices_only(train_gpt, data):
     assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
 
 
-def test_all_reduce_gradients_is_identity_for_one_rank(train_gpt):
-    # A 1-rank gloo group in-process: the flatten/unflatten must give every grad back intact.
-    import torch.distributed as dist
+class _FakeJob:
+    """Stands in for `unbroken.Job` in the plain path: `world_size` ranks that all hold the
+    same gradients, so the summed buffer is `world_size` times each rank's own."""
 
+    def __init__(self, world_size):
+        self.world_size = world_size
+        self.reduced = []
+
+    def all_reduce(self, tensor):
+        self.reduced.append(tensor.numel())
+        return tensor.mul_(self.world_size)
+
+
+def test_all_reduce_gradients_averages_through_one_flat_buffer(train_gpt):
     params = [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(5))]
     for i, p in enumerate(params):
-        p.grad = torch.arange(p.numel(), dtype=torch.float32).view_as(p) + i
+        p.grad = torch.arange(p.numel(), dtype=torch.float32).view_as(p) + 10 * i
     expected = [p.grad.clone() for p in params]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        train_gpt.all_reduce_gradients(params, world_size=1)
-    finally:
-        dist.destroy_process_group()
-    for p, e in zip(params, expected):
+    job = _FakeJob(world_size=4)
+    train_gpt.all_reduce_gradients(params, job)
+    assert job.reduced == [11]  # one collective over all 6 + 5 elements
+    for p, e in zip(params, expected):  # the average of identical gradients is the gradient
         assert torch.equal(p.grad, e)
 
 

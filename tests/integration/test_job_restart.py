@@ -1,4 +1,7 @@
-"""Job-level recovery (the `exit` rung) with 4 real gloo ranks: exact weights after faults."""
+"""Job-level recovery (the `exit` rung) with 4 real gloo ranks: exact weights after faults.
+
+These runs allow only `--recover-strategy exit`, so every fault restarts the whole job.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from tests.conftest import EXAMPLE, free_port
 from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, train
 
 STEPS = 12
+EXIT_ONLY = ["--recover-strategy", "exit"]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.timeout(200)
 def test_sigkill_of_one_worker_resumes_bit_exact(tmp_path, reference):
-    result, out, run_dir = train(tmp_path, "kill", steps=STEPS, flags=[
+    result, out, run_dir = train(tmp_path, "kill", steps=STEPS, flags=[*EXIT_ONLY,
         "--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5", "--inject", "kill:rank=2:step=7"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_same_weights(reference, out)
@@ -39,7 +43,7 @@ def test_sigkill_of_one_worker_resumes_bit_exact(tmp_path, reference):
 
 @pytest.mark.timeout(200)
 def test_hung_worker_is_detected_killed_and_the_job_restarted(tmp_path, reference):
-    result, out, run_dir = train(tmp_path, "hang", steps=STEPS, flags=[
+    result, out, run_dir = train(tmp_path, "hang", steps=STEPS, flags=[*EXIT_ONLY,
         "--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5", "--inject", "hang:rank=1:step=8"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_same_weights(reference, out)
@@ -91,7 +95,8 @@ def test_two_agents_on_loopback_recover_a_crash_on_the_second_node(tmp_path, ref
     for node in (0, 1):
         cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--master-port", str(port), "--run-dir", str(tmp_path / f"node{node}"),
-               "--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5", "--inject", "kill:rank=3:step=7",
+               *EXIT_ONLY, "--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5",
+               "--inject", "kill:rank=3:step=7",
                str(EXAMPLE), "--steps", str(STEPS), "--out", str(out), *TRAIN_ARGS]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=180)[0] for p in procs]

@@ -11,12 +11,15 @@ A slot's state goes EMPTY -> WRITING -> COPIED -> COMMITTED -> WRITING ... WRITI
 before the first byte of a snapshot, COPIED once tensors and meta are in place (the training
 step resumes there), COMMITTED only after the crc32 table and the checksummed header are. The
 writer always writes the slot not holding the newest committed snapshot, so a crash at any
-point leaves that one intact. The agent owns the files' lifetime; the writer never deletes.
+point leaves that one intact. A reader pins the slot it reads (flock LOCK_SH); the writer
+takes LOCK_EX from WRITING to COMMITTED and skips a snapshot whose slot is pinned rather than
+wait. The agent owns the files' lifetime; the writer never deletes them.
 """
 
 from __future__ import annotations
 
 import enum
+import fcntl
 import json
 import logging
 import math
@@ -90,10 +93,6 @@ class _Header(NamedTuple):
         return header if ok else None
 
 
-class _Overwritten(CheckpointError):
-    """The writer began reusing a slot while it was being read; the read is retried."""
-
-
 def slot_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int, slot: int) -> Path:
     """Path of slot file `slot` (0 or 1) of `rank` of `job_id`; shm_dir None means /dev/shm."""
     _check_job_id(job_id)
@@ -117,6 +116,7 @@ class SnapshotWriter:
         self._maps: list[_Mapping | None] = [None, None]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.skipped_writes = 0  # snapshots skipped because a reader pinned the slot
         headers = [_read_header(p) for p in self.paths]
         self._seq = max((h.seq for h in headers if h), default=0)  # a restarted worker continues
         done = [(h.seq, s, h.step) for s, h in enumerate(headers) if h and h.state == SlotState.COMMITTED]
@@ -154,23 +154,37 @@ class SnapshotWriter:
         table_off = _round_up(meta_off + len(meta_bytes), ALIGN_BYTES)
         n_chunks = math.ceil((meta_off + len(meta_bytes) - HEADER_BYTES) / CHUNK_BYTES)
         slot = 0 if self._newest is None else 1 - self._newest
-        m = self._ensure(slot, table_off + 4 * n_chunks)
-        _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.WRITING)  # first store of a snapshot
-        header = _Header(SlotState.WRITING, self._seq, step, HEADER_BYTES, meta_off,
-                         len(meta_bytes), table_off, CHUNK_BYTES, n_chunks, 0)
-        m.mm[:_HEADER.size] = header.pack()
-        for name, (_, source) in sources.items():
-            e = index[name]
-            # On a GPU `source` is a CUDA tensor: one device-to-host copy into the pageable
-            # mapping. Later step: register the mapping as pinned memory (cudaHostRegister),
-            # copy with non_blocking=True, and have the commit thread wait on a CUDA event.
-            m.buf[e["offset"]:e["offset"] + e["nbytes"]].view(source.dtype).view(source.shape).copy_(source)
-        m.mm[meta_off:meta_off + len(meta_bytes)] = meta_bytes
-        header = header._replace(state=SlotState.COPIED)
-        m.mm[:_HEADER.size] = header.pack()
-        self._thread = threading.Thread(target=self._commit, args=(m, slot, header), daemon=True,
-                                        name=f"unbroken-snapshot-commit-r{self.rank}")
-        self._thread.start()
+        fd = _open_slot(self.paths[slot])  # its flock is held until the commit is done
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            self.skipped_writes += 1
+            logger.warning("rank %d: skipped the shared-memory snapshot of step %d: a reader "
+                           "(the agent) still reads the older snapshot in %s", self.rank, step,
+                           self.paths[slot])
+            return time.perf_counter() - start
+        try:
+            m = self._ensure(slot, fd, table_off + 4 * n_chunks)
+            _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.WRITING)  # first store of a snapshot
+            header = _Header(SlotState.WRITING, self._seq, step, HEADER_BYTES, meta_off,
+                             len(meta_bytes), table_off, CHUNK_BYTES, n_chunks, 0)
+            m.mm[:_HEADER.size] = header.pack()
+            for name, (_, src) in sources.items():
+                e = index[name]
+                # On a GPU `src` is a CUDA tensor: one device-to-host copy into the pageable
+                # mapping. Later step: register the mapping as pinned memory (cudaHostRegister),
+                # copy with non_blocking=True, and have the commit thread wait on a CUDA event.
+                m.buf[e["offset"]:e["offset"] + e["nbytes"]].view(src.dtype).view(src.shape).copy_(src)
+            m.mm[meta_off:meta_off + len(meta_bytes)] = meta_bytes
+            header = header._replace(state=SlotState.COPIED)
+            m.mm[:_HEADER.size] = header.pack()
+            self._thread = threading.Thread(target=self._commit, args=(m, fd, slot, header),
+                                            daemon=True, name=f"unbroken-snapshot-r{self.rank}")
+            self._thread.start()
+        except BaseException:
+            os.close(fd)
+            raise
         return time.perf_counter() - start
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -188,8 +202,8 @@ class SnapshotWriter:
                     m.close()
             self._maps = [None, None]
 
-    def _commit(self, m: _Mapping, slot: int, header: _Header) -> None:
-        """Commit thread: crc32 table, checksummed header, then the state COMMITTED."""
+    def _commit(self, m: _Mapping, fd: int, slot: int, header: _Header) -> None:
+        """Commit thread: crc32 table, checksummed header, the state COMMITTED, unpin."""
         try:
             crcs = _chunk_crcs(m.mm, header.data_off, header.meta_off + header.meta_len, header.chunk_bytes)
             table = struct.pack(f"<{len(crcs)}I", *crcs)
@@ -199,6 +213,8 @@ class SnapshotWriter:
             self._newest, self.committed_step = slot, header.step
         except BaseException as exc:  # re-raised in the training thread by _wait_commit
             self._error = exc
+        finally:
+            os.close(fd)  # drops the flock
 
     def _wait_commit(self, timeout_s: float | None) -> bool:
         if self._thread is not None:
@@ -212,7 +228,7 @@ class SnapshotWriter:
                                   f"(job {self.job_id!r}) failed: {exc}") from exc
         return True
 
-    def _ensure(self, slot: int, needed: int) -> _Mapping:
+    def _ensure(self, slot: int, fd: int, needed: int) -> _Mapping:
         """The mapping of `slot`, at least `needed` bytes, every page touched.
 
         A slot too small grows to needed * GROWTH: fallocate (a full shm_dir fails here with
@@ -224,26 +240,22 @@ class SnapshotWriter:
         if m is not None:
             m.close()
             self._maps[slot] = None
-        fd = _open_slot(self.paths[slot])
-        try:
-            size = os.fstat(fd).st_size
-            if size >= _HEADER.size:  # it may hold the older snapshot: unlist it first
-                os.pwrite(fd, _STATE.pack(SlotState.WRITING), _STATE_OFFSET)
-            if size < needed:
-                new_size = _round_up(math.ceil(needed * GROWTH), GROW_ROUND_BYTES)
-                self._check_capacity(slot, size, new_size)
-                os.ftruncate(fd, new_size)
-                try:
-                    os.posix_fallocate(fd, size, new_size - size)
-                except OSError as exc:
-                    os.ftruncate(fd, size)
-                    raise CheckpointError(
-                        f"cannot grow {self.paths[slot]} from {size} to {new_size} bytes: "
-                        f"{exc.strerror or exc}; enlarge {self.dir} or snapshot less state") from exc
-                size = new_size
-            m = _Mapping(fd, size)
-        finally:
-            os.close(fd)
+        size = os.fstat(fd).st_size
+        if size >= _HEADER.size:  # it may hold the older snapshot: unlist it first
+            os.pwrite(fd, _STATE.pack(SlotState.WRITING), _STATE_OFFSET)
+        if size < needed:
+            new_size = _round_up(math.ceil(needed * GROWTH), GROW_ROUND_BYTES)
+            self._check_capacity(slot, size, new_size)
+            os.ftruncate(fd, new_size)
+            try:
+                os.posix_fallocate(fd, size, new_size - size)
+            except OSError as exc:
+                os.ftruncate(fd, size)
+                raise CheckpointError(
+                    f"cannot grow {self.paths[slot]} from {size} to {new_size} bytes: "
+                    f"{exc.strerror or exc}; enlarge {self.dir} or snapshot less state") from exc
+            size = new_size
+        m = _Mapping(self.paths[slot], size)
         m.buf[HEADER_BYTES:].zero_()  # pre-touch: the page faults happen here, not in the copy
         if _Header.unpack(m.mm[:_HEADER.size]) is None:  # a new file
             m.mm[:_HEADER.size] = _Header(SlotState.EMPTY, 0, -1, 0, 0, 0, 0, 0, 0, 0).pack()
@@ -269,9 +281,10 @@ class SnapshotWriter:
 class SnapshotReader:
     """Reads one rank's committed snapshots; runs in the agent or in a restarted worker.
 
-    Holds no mapping between calls: each read maps a slot, verifies its crc32s, copies the
-    tensors out and unmaps. Safe while the writer runs: a slot reused during a read is
-    detected (its header changed) and the read retried on the newest snapshot.
+    Holds no mapping between calls: each read pins the newest committed slot (flock LOCK_SH;
+    the writer never rewrites a pinned slot), verifies its crc32s, copies the tensors out,
+    unmaps and unpins. Safe while the writer runs: the writer only locks a slot it rewrites,
+    and such a slot is never the newest committed one.
     """
 
     def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> None:
@@ -300,29 +313,31 @@ class SnapshotReader:
         warning and the older one returned; with `step`, CheckpointCorrupt names the file.
         NoCheckpoint when no (such) snapshot is committed. Nothing is returned half-way.
         """
-        for _ in range(3):
-            candidates = [c for c in self._committed_headers() if step in (None, c[1].step)]
-            if not candidates:
-                raise NoCheckpoint(
-                    f"no committed shared-memory snapshot{'' if step is None else f' of step {step}'}"
-                    f" for rank {self.rank} of job {self.job_id!r} in {self.dir} (committed: "
-                    f"{[s for s, _ in self.committed()]})")
-            errors = []
-            for slot, header in candidates[:1] if step is not None else candidates:
+        skip: set[int] = set()
+        errors: list[CheckpointCorrupt] = []
+        while (pin := self._pin(step, skip)) is not None:
+            slot, fd, header = pin
+            try:
+                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private: never written back
                 try:
-                    return self._read_slot(slot, header)
-                except _Overwritten:
-                    break
-                except CheckpointCorrupt as exc:
-                    if step is not None:
-                        raise
-                    logger.warning("skipping the shared-memory snapshot of step %d of rank %d: %s",
-                                   header.step, self.rank, exc)
-                    errors.append(exc)
-            else:
-                raise errors[0]
-        raise CheckpointError(f"the shared-memory snapshots of rank {self.rank} in {self.dir} "
-                              "were overwritten three times while being read; retry")
+                    return _copy_out(self.paths[slot], mm, header)
+                finally:
+                    _close_map(mm)
+            except CheckpointCorrupt as exc:
+                if step is not None:
+                    raise
+                logger.warning("skipping the shared-memory snapshot of step %d of rank %d: %s",
+                               header.step, self.rank, exc)
+                errors.append(exc)
+                skip.add(slot)
+            finally:
+                os.close(fd)  # unpins
+        if errors:
+            raise errors[0]
+        raise NoCheckpoint(
+            f"no committed shared-memory snapshot{'' if step is None else f' of step {step}'} for "
+            f"rank {self.rank} of job {self.job_id!r} in {self.dir} (committed: "
+            f"{[s for s, _ in self.committed()]})")
 
     def load(self, step: int | None = None) -> tuple[Any, dict]:
         """(state tree, user meta) of the newest committed snapshot, or of `step`; see read_flat."""
@@ -334,45 +349,28 @@ class SnapshotReader:
                  if (h := _read_header(p)) is not None and h.state == SlotState.COMMITTED]
         return sorted(found, key=lambda item: item[1].seq, reverse=True)
 
-    def _read_slot(self, slot: int, h: _Header) -> tuple[dict[str, torch.Tensor], dict, dict]:
-        path, raw, end = self.paths[slot], h.pack(), h.table_off + 4 * h.n_chunks
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise _Overwritten(f"{path} was removed") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < end or not HEADER_BYTES <= h.data_off <= h.meta_off <= h.table_off:
-                raise CheckpointCorrupt(f"{path}: truncated or malformed: {size} bytes, its header"
-                                        f" (step {h.step}) says {end}")
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private: never written back
-        finally:
+    def _pin(self, step: int | None, skip: set[int]) -> tuple[int, int, _Header] | None:
+        """Pin the newest committed slot (of `step`) not in `skip`: (slot, fd holding the pin,
+        header). Pinning comes before reading the header, so the header read stays true."""
+        pins = []
+        for slot, path in enumerate(self.paths):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                h = _Header.unpack(os.pread(fd, _HEADER.size, 0))
+            except BlockingIOError:  # the writer is rewriting it: not committed
+                h = None
+            if slot not in skip and h and h.state == SlotState.COMMITTED and step in (None, h.step):
+                pins.append((h.seq, slot, fd, h))
+            else:
+                os.close(fd)
+        pins.sort(key=lambda p: p[0], reverse=True)
+        for _, _, fd, _ in pins[1:]:
             os.close(fd)
-
-        def fail(what: str) -> CheckpointError:  # a changed header means reused, not corrupt
-            return (_Overwritten if mm[:_HEADER.size] != raw else CheckpointCorrupt)(f"{path}: {what}")
-
-        try:
-            table = mm[h.table_off:end]
-            if zlib.crc32(table) != h.table_crc:
-                raise fail(f"the crc32 table of the snapshot of step {h.step} fails its checksum")
-            got = _chunk_crcs(mm, h.data_off, h.meta_off + h.meta_len, h.chunk_bytes, min(4, os.cpu_count() or 1))
-            bad = [i for i, (a, b) in enumerate(zip(struct.unpack(f"<{h.n_chunks}I", table), got)) if a != b]
-            if bad or len(got) != h.n_chunks:
-                raise fail(f"crc32 mismatch in the snapshot of step {h.step}: chunk(s) {bad} of "
-                           f"{h.n_chunks} ({h.chunk_bytes} bytes each from byte {h.data_off})")
-            meta = _parse_meta(path, mm[h.meta_off:h.meta_off + h.meta_len], h)
-            buf, tensors = torch.frombuffer(mm, dtype=torch.uint8), {}
-            for name, e in meta["tensors"].items():
-                out = torch.empty(e["nbytes"], dtype=torch.uint8)
-                out.copy_(buf[e["offset"]:e["offset"] + e["nbytes"]])
-                tensors[name] = out.view(getattr(torch, e["dtype"])).reshape(e["shape"])
-            del buf
-            if mm[:_HEADER.size] != raw:
-                raise _Overwritten(f"{path} was reused while being read")
-            return tensors, meta["spec"], meta["meta"]
-        finally:
-            _close_map(mm)
+        return pins[0][1:] if pins else None
 
 
 # ---- the agent's side: ownership and cleanup ---------------------------------------
@@ -440,8 +438,13 @@ def sweep_stale(shm_dir: str | os.PathLike | None) -> list[str]:
 class _Mapping:
     """One slot file mapped shared and writable; `buf` is a uint8 tensor over all of it."""
 
-    def __init__(self, fd: int, size: int) -> None:
-        self.mm, self.capacity = mmap.mmap(fd, size), size
+    def __init__(self, path: Path, size: int) -> None:
+        # Its own open file: mmap keeps a dup of the fd, which must not share the writer's flock.
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm, self.capacity = mmap.mmap(fd, size), size
+        finally:
+            os.close(fd)
         self.buf: torch.Tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
 
     def close(self) -> None:
@@ -461,12 +464,12 @@ def _is_host(t: torch.Tensor) -> bool:
 
 
 def _flatten_sources(state: Any) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict]:
-    """flatten_state as {name: (host layout, source tensor)}, without staging device tensors.
+    """flatten_state as {name: (host layout, source tensor)}, without staging copies.
 
-    flatten_state would copy a device tensor into fresh host memory (a copy plus page
-    faults). Instead each plain device tensor stands in, while flattening, as an untouched
-    host placeholder of its shape and dtype, and its bytes go straight from the device into
-    the slot. The host layout (dtype, shape) is what flatten_state recorded for the name.
+    flatten_state would copy a device (or non-contiguous) tensor into fresh host memory: a
+    copy plus page faults. Instead each such tensor stands in, while flattening, as an
+    untouched host placeholder of its shape and dtype, and its bytes go straight from the
+    device into the slot. The host layout (dtype, shape) is what flatten_state recorded.
     """
     stand_ins: dict[tuple, torch.Tensor] = {}  # view of a device storage -> placeholder
     origin: dict[int, torch.Tensor] = {}  # placeholder data_ptr -> device tensor
@@ -480,8 +483,9 @@ def _flatten_sources(state: Any) -> tuple[dict[str, tuple[torch.Tensor, torch.Te
             return out
         if kind in (list, tuple):
             return kind(swap(v) for v in x)
-        if kind in (torch.Tensor, torch.nn.Parameter) and not _is_host(x) and x.numel() > 0 \
-                and x.layout == torch.strided and x.device.type != "meta":
+        if kind in (torch.Tensor, torch.nn.Parameter) and x.numel() > 0 and not x.is_quantized \
+                and x.layout == torch.strided and x.device.type != "meta" \
+                and not (_is_host(x) and x.is_contiguous()):
             key = (str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
                    tuple(x.shape), x.stride(), x.dtype)
             if key not in stand_ins:  # tied weights share one placeholder: stored once
@@ -506,6 +510,31 @@ def _chunk_crcs(mm: mmap.mmap, start: int, end: int, chunk_bytes: int, workers: 
             return [crc(b) for b in bounds]
         with ThreadPoolExecutor(min(workers, len(bounds))) as pool:
             return list(pool.map(crc, bounds))
+
+
+def _copy_out(path: Path, mm: mmap.mmap, h: _Header) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """Verify the crc32s of a pinned slot, then copy its tensors out: (tensors, spec, meta)."""
+    end = h.table_off + 4 * h.n_chunks
+    if len(mm) < end or not HEADER_BYTES <= h.data_off <= h.meta_off <= h.table_off:
+        raise CheckpointCorrupt(f"{path}: truncated or malformed: {len(mm)} bytes, its header "
+                                f"(step {h.step}) says {end}")
+    table = mm[h.table_off:h.table_off + 4 * h.n_chunks]
+    if zlib.crc32(table) != h.table_crc:
+        raise CheckpointCorrupt(f"{path}: the crc32 table of step {h.step} fails its checksum")
+    got = _chunk_crcs(mm, h.data_off, h.meta_off + h.meta_len, h.chunk_bytes,
+                      workers=min(4, os.cpu_count() or 1))
+    bad = [i for i, (a, b) in enumerate(zip(struct.unpack(f"<{h.n_chunks}I", table), got)) if a != b]
+    if bad or len(got) != h.n_chunks:
+        raise CheckpointCorrupt(f"{path}: crc32 mismatch in the snapshot of step {h.step}: chunk(s) "
+                                f"{bad} of {h.n_chunks} ({h.chunk_bytes} bytes each from byte "
+                                f"{h.data_off})")
+    meta = _parse_meta(path, mm[h.meta_off:h.meta_off + h.meta_len], h)
+    buf, tensors = torch.frombuffer(mm, dtype=torch.uint8), {}
+    for name, e in meta["tensors"].items():
+        out = torch.empty(e["nbytes"], dtype=torch.uint8)
+        out.copy_(buf[e["offset"]:e["offset"] + e["nbytes"]])
+        tensors[name] = out.view(getattr(torch, e["dtype"])).reshape(e["shape"])
+    return tensors, meta["spec"], meta["meta"]
 
 
 def _parse_meta(path: Path, raw: bytes, h: _Header) -> dict:

@@ -19,7 +19,7 @@ is pure text <-> values and imports no torch):
 
 Keys of every kind: `rank` (int >= 0, required), `step` (int >= 0, required) and `at`, the
 phase of the step in which the fault fires: `compute` (default), `sync`, `update`,
-`checkpoint`. Faults that name the same rank, step and phase fire in plan order.
+`checkpoint`, `restore` (in a replacement process while it receives its state). Faults that name the same rank, step and phase fire in plan order.
 
 Every `Fault` is canonical: defaults are left out of its text and its `params`, so
 `exit:rank=0:step=5:code=1` and `exit:rank=0:step=5` are the same fault with the same
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 # Phases of a training step in which a fault can fire; the first is the default.
-FAULT_PHASES: tuple[str, ...] = ("compute", "sync", "update", "checkpoint")
+FAULT_PHASES: tuple[str, ...] = ("compute", "sync", "update", "checkpoint", "restore")
 DEFAULT_PHASE = FAULT_PHASES[0]
 
 # What a `corrupt` fault may damage; the first is the default.

@@ -234,17 +234,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Sync gradients, update this rank's shard, gather the parameters. See the module docstring."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         if self._gather_pending:
             raise OptimizerError(
                 f"step {self.step_count} was updated but its parameter gather did not finish (aborted); call "
                 "finish_step() (after set_process_group() with a working group) or restore the state first")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         step = self.step_count
-        self._report("sync", step)
-        self.sync_grads()
+        self.sync_grads()  # reports "sync" unless sync_grads() already ran for this step
         self._report("update", step)
         self._inner.step()
         self._gather_pending = True
@@ -280,6 +279,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._grads_synced:
             return
         self._check_params()
+        self._report("sync", self.step_count)
         buckets = self.layout.grad_buckets()
         works, next_bucket = [], 0
         for i, (p, view) in enumerate(zip(self._params, self._grad_views)):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from unbroken.errors import CollectiveAborted, JobFailed
+from unbroken.errors import JobFailed
 from unbroken.worker.transfer import broadcast_state
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def _regroup_and_transfer(job: Job, started: float, reported: int) -> int:
     control = job._control
     while True:
         def again(gen: int) -> None:  # a newer abort while waiting: say so for that generation
-            if job.cfg.replacement and job._gen == 0:
+            if job._needs_state:
                 control.joined(gen)
             else:
                 control.paused(gen, job.step_index, job._phase)
@@ -79,15 +79,19 @@ def _regroup_and_transfer(job: Job, started: float, reported: int) -> int:
         regroup_t = time.monotonic()
         job._adopt_group(order.gen, new_group(job, order.gen))
         try:
+            if job._needs_state:
+                job._injector.at(order.resume_step, "restore")
             _transfer(job, set(order.replaced))
-        except CollectiveAborted as exc:
+        except Exception as exc:  # a peer lost during the transfer: the next generation comes
+            if not job._is_recoverable(exc):
+                raise
             log.warning("rank %d: transfer for generation %d aborted (%s); waiting for the next one",
                         job.rank, order.gen, exc)
             reported = control.abort_gen
             again(reported)
             continue
         restore_s = time.monotonic() - regroup_t
-        job._step = order.resume_step
+        job._step, job._needs_state = order.resume_step, False
         control.resumed(order.gen, order.resume_step, restore_s)
         log.info("rank %d: resumed at step %d in generation %d after %.3f s (restore %.3f s)",
                  job.rank, order.resume_step, order.gen, time.monotonic() - started, restore_s)

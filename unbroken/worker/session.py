@@ -236,9 +236,9 @@ class Job:
         self._phase = name
         if self._control is not None:  # the controller's view of where each rank is
             self._control.progress(self._step, name, {})
-        self._injector.at(self._step if step is None else step, name)
-        if name == "update":
+        if name == "update":  # the reduction is done: the step commits before anything changes
             self._commit()
+        self._injector.at(self._step if step is None else step, name)
 
     def _on_optimizer_phase(self, name: str, step: int) -> None:
         if name != "done":  # 'done' is recorded at the end of the step by the boundary

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.errors import JobFailed
+from unbroken.protocol.messages import Regroup
 from unbroken.worker.transfer import broadcast_state
 
 if TYPE_CHECKING:
@@ -54,30 +55,44 @@ def survive(job: Job) -> int:
     control = job._control
     reported = control.abort_gen
     control.paused(reported, job.step_index, job._phase)
-    return _regroup_and_transfer(job, started, reported)
+    return _transfer_until_done(job, started, _await_order(job, reported))
 
 
-def join(job: Job) -> int:
-    """A replacement's side; returns the step to resume at."""
-    started = time.monotonic()
-    return _regroup_and_transfer(job, started, job._control.abort_gen)
+def await_group(job: Job) -> Regroup:
+    """A replacement, inside ``unbroken.init()``: wait for the regroup order and join its group.
+
+    Joining before ``init()`` returns lets the training script build its model and
+    optimizer on a process group of the right size; the state arrives in ``job.steps()``.
+    """
+    return _await_order(job, job._control.abort_gen)
 
 
-def _regroup_and_transfer(job: Job, started: float, reported: int) -> int:
+def join(job: Job, order: Regroup) -> int:
+    """A replacement's side, in ``job.steps()``: receive the state; returns the step to resume at."""
+    return _transfer_until_done(job, time.monotonic(), order)
+
+
+def _announce(job: Job, gen: int) -> None:
+    """Tell the controller this rank is ready for generation ``gen``."""
+    if job._needs_state:
+        job._control.joined(gen)
+    else:
+        job._control.paused(gen, job.step_index, job._phase)
+
+
+def _await_order(job: Job, reported: int) -> Regroup:
+    order = job._control.wait_regroup(job.cfg.recovery_timeout_s, lambda gen: _announce(job, gen), reported)
+    if order is None:
+        raise JobFailed(f"rank {job.rank}: no regroup order from the controller within "
+                        f"{job.cfg.recovery_timeout_s:.0f} s (--recovery-timeout-s); giving up")
+    job._adopt_group(order.gen, new_group(job, order.gen))
+    return order
+
+
+def _transfer_until_done(job: Job, started: float, order: Regroup) -> int:
     control = job._control
     while True:
-        def again(gen: int) -> None:  # a newer abort while waiting: say so for that generation
-            if job._needs_state:
-                control.joined(gen)
-            else:
-                control.paused(gen, job.step_index, job._phase)
-
-        order = control.wait_regroup(job.cfg.recovery_timeout_s, again, reported)
-        if order is None:
-            raise JobFailed(f"rank {job.rank}: no regroup order from the controller within "
-                            f"{job.cfg.recovery_timeout_s:.0f} s (--recovery-timeout-s); giving up")
         regroup_t = time.monotonic()
-        job._adopt_group(order.gen, new_group(job, order.gen))
         try:
             if job._needs_state:
                 job._injector.at(order.resume_step, "restore")
@@ -88,7 +103,8 @@ def _regroup_and_transfer(job: Job, started: float, reported: int) -> int:
             log.warning("rank %d: transfer for generation %d aborted (%s); waiting for the next one",
                         job.rank, order.gen, exc)
             reported = control.abort_gen
-            again(reported)
+            _announce(job, reported)
+            order = _await_order(job, reported)
             continue
         restore_s = time.monotonic() - regroup_t
         job._step, job._needs_state = order.resume_step, False

@@ -100,6 +100,9 @@ class Job:
         self._injector = self._build_injector()
         self._storage = self._build_storage()
         self._build_process_group(backend or _default_backend(self.device))
+        # A replacement joins the next generation's group now, so the script builds its
+        # model and optimizer on a group of the right size; its state comes in steps().
+        self._order = inflight.await_group(self) if self._needs_state else None
 
     # -- construction -----------------------------------------------------------------
     def _build_device(self) -> torch.device:
@@ -178,7 +181,7 @@ class Job:
         """
         if total < 0:
             raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
-        self._step = inflight.join(self) if self._needs_state else self._restore()
+        self._step = inflight.join(self, self._order) if self._needs_state else self._restore()
         self._restored = True
         while self._step < total:
             if self._should_abort() or self._recovery_needed:

@@ -40,7 +40,8 @@ def _progress_table(title: str, snap: dict[str, Any], started: float) -> Table:
     return table
 
 
-def _run(console: Console, title: str, cfg: LaunchConfig, live: bool) -> JobResult:
+def _run(console: Console, title: str, cfg: LaunchConfig, live: bool) -> tuple[JobResult, dict[str, Any]]:
+    """Run one job under the launcher with the live view; returns its result and last snapshot."""
     holder: dict[str, Controller] = {}
     stop = threading.Event()
     started = time.monotonic()
@@ -65,7 +66,7 @@ def _run(console: Console, title: str, cfg: LaunchConfig, live: bool) -> JobResu
             viewer.join()
     console.print()
     console.print(f"{title}: exit {result.exit_code} in {time.monotonic() - started:.1f} s ({result.reason})")
-    return result
+    return result, holder["c"].snapshot() if "c" in holder else {"workers": []}
 
 
 def _weights_equal(a: Path, b: Path) -> bool:
@@ -76,28 +77,52 @@ def _weights_equal(a: Path, b: Path) -> bool:
                                           and wa[k].shape == wb[k].shape for k in wa)
 
 
-def summarize(run_dir: Path) -> dict[str, Any]:
-    """What the demo's summary says, from the faulty run's event log."""
+def summarize(run_dir: Path) -> list[dict[str, Any]]:
+    """One row per injected fault, from the faulty run's event log: how it was seen and recovered."""
     events = read_events(run_dir)
-    faults = [e for e in events if e["event"] == "fault_injected"]
-    detections = [e for e in events if e["event"] == "hang_detected"
-                  or (e["event"] == "worker_exited" and e.get("exit_code") != 0)]
-    decisions = [e for e in events if e["event"] == "decision"]
-    recoveries = [e for e in events if e["event"] == "recovered"]
-    return {"faults": faults, "detections": detections, "decisions": decisions, "recoveries": recoveries}
+    rows: list[dict[str, Any]] = []
+    for fault in (e for e in events if e["event"] == "fault_injected"):
+        after = [e for e in events if e["t"] >= fault["t"]]
+        detection = next((e for e in after if e["event"] == "hang_detected" or
+                          (e["event"] == "worker_exited" and e.get("exit_code") != 0)), None)
+        decision = next((e for e in after if e["event"] == "decision"), None)
+        in_flight = next((e for e in after if e["event"] == "recovered_in_flight"), None)
+        recovered = next((e for e in after if e["event"] == "recovered"), None)
+        rows.append({"fault": fault, "detection": detection, "decision": decision,
+                     "in_flight": in_flight if decision and decision["rung"] == "recover-in-place" else None,
+                     "recovered": recovered})
+    return rows
+
+
+def _recovery_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="faults and recoveries")
+    for col in ("fault", "detected as", "strategy", "state from", "detect/replace/regroup/restore s",
+                "recover_s", "redone"):
+        table.add_column(col, no_wrap=True)
+    for row in rows:
+        d, rec, fl = row["detection"], row["recovered"], row["in_flight"]
+        how = "-" if d is None else "hang (no progress)" if d["event"] == "hang_detected" else (
+            f"exit, signal {d.get('signal')}" if d.get("signal") else f"exit {d.get('exit_code')}")
+        parts = "-" if fl is None else "/".join(f"{fl[k]:.2f}" for k in ("detect_s", "replace_s", "regroup_s",
+                                                                          "restore_s") if fl.get(k) is not None)
+        table.add_row(row["fault"]["fault"], how, row["decision"]["rung"] if row["decision"] else "-",
+                      f"{rec['tier']} @ step {rec['restored_step']}" if rec else "-", parts,
+                      f"{rec['recover_s']:.2f}" if rec else "-",
+                      str(rec["step"] - rec["restored_step"]) if rec else "-")
+    return table
 
 
 def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, live: bool = True) -> int:
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 140)  # logs: no truncated columns
     root = Path(run_dir or f"runs/demo-{secrets.token_hex(3)}").absolute()
     kill_step, hang_step = max(1, steps // 3), max(2, (2 * steps) // 3)
     common = dict(script=str(EXAMPLE), nproc_per_node=nproc, max_restarts=3, omp_num_threads=1)
-    args = ("--steps", str(steps), "--step-sleep-s", "0.02")
+    args = ("--steps", str(steps), "--step-sleep-s", "0.02", "--optimizer", "plain")
     console.rule("[bold]unbroken demo")
     console.print(f"{nproc} ranks, example GPT, {steps} steps. Run directory: {root}")
     ref = resolve(LaunchConfig(**common, script_args=args + ("--out", str(root / "reference.safetensors")),
                                run_dir=root / "reference"))
-    ref_result = _run(console, "reference run (no faults)", ref, live)
+    ref_result, _ = _run(console, "reference run (no faults)", ref, live)
     if ref_result.exit_code != 0:
         console.print(f"[red]the reference run failed: {ref_result.reason}")
         return 1
@@ -106,22 +131,17 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
     faulty = resolve(LaunchConfig(**common, script_args=args + ("--out", str(root / "faulty.safetensors")),
                                   run_dir=root / "faulty", inject=plan,
                                   checkpoint=CheckpointConfig(save_dir=str(root / "ckpt"), every_steps=5)))
-    result = _run(console, "faulty run", faulty, live)
-    s = summarize(faulty.run_dir)
-    table = Table(title="recoveries")
-    for col in ("fault", "detected as", "strategy", "restored from", "recover_s", "steps redone"):
-        table.add_column(col, no_wrap=True)
-    for fault, detection, decision, recovery in zip(s["faults"], s["detections"], s["decisions"], s["recoveries"]):
-        how = "hang (no progress)" if detection["event"] == "hang_detected" else (
-            f"exit, signal {detection.get('signal')}" if detection.get("signal") else f"exit {detection.get('exit_code')}")
-        table.add_row(fault["fault"], how, decision["rung"], f"{recovery['tier']} @ step {recovery['restored_step']}",
-                      f"{recovery['recover_s']:.2f}", str(recovery["step"] - recovery["restored_step"]))
-    console.print(table)
+    result, snapshot = _run(console, "faulty run", faulty, live)
+    rows = summarize(faulty.run_dir)
+    console.print(_recovery_table(rows))
+    recovered = [r for r in rows if r["recovered"] is not None]
     equal = result.exit_code == 0 and _weights_equal(root / "reference.safetensors", root / "faulty.safetensors")
-    console.print(f"faults injected: {len(s['faults'])}, recovered: {len(s['recoveries'])}")
+    losses = [w["metrics"].get("loss") for w in snapshot["workers"]]
+    console.print(f"faults injected: {len(rows)}, recovered: {len(recovered)}"
+                  + (f", final loss (rank 0): {losses[0]:.4f}" if losses and losses[0] is not None else ""))
     console.print(f"final weights equal to the fault-free run, bit for bit: "
                   f"{'[green]yes' if equal else '[red]NO'}")
-    ok = result.exit_code == 0 and equal and len(s["recoveries"]) == len(s["faults"])
+    ok = result.exit_code == 0 and equal and len(recovered) == len(rows) == 2
     console.print("[bold green]demo passed" if ok else "[bold red]demo FAILED")
     return 0 if ok else 1
 

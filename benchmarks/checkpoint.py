@@ -52,8 +52,8 @@ ROWS = ("floor_copy", "unbroken", "torch_save", "safetensors", "dcp_save", "dcp_
 def make_state(size_mb: int) -> dict:
     numel = size_mb * (1 << 20) // 4 // N_TENSORS
     g = torch.Generator().manual_seed(0)
-    return {"model": {f"layers.{i}.weight": torch.rand(numel, generator=g) for i in range(N_TENSORS)},
-            "step": 0}
+    model = {f"layers.{i}.weight": torch.rand(numel, generator=g) for i in range(N_TENSORS)}
+    return {"model": model, "step": 0}
 
 
 def fsync_path(path: Path) -> None:
@@ -131,6 +131,7 @@ class Bench:
         self.add("floor_copy", blocked_s=blocked, clone_s=clone)
 
     def unbroken(self) -> None:
+        self.floor_copy()  # right before ours (A B): the ratio that matters, measured paired
         self.step += 1
         self.state["step"] = self.step
         start = time.perf_counter()
@@ -235,7 +236,7 @@ def summarize(figures: dict[str, dict[str, list[float]]]) -> list[dict]:
     return rows
 
 
-def ratios(rows: list[dict]) -> dict[str, float]:
+def ratios(rows: list[dict], figures: dict[str, dict[str, list[float]]]) -> dict[str, float]:
     by = {r["name"]: r for r in rows}
     ours = by["unbroken"]
     out = {}
@@ -247,8 +248,11 @@ def ratios(rows: list[dict]) -> dict[str, float]:
         if "restore_s" in other:
             out[f"restore_memory_vs_{name}_ratio"] = ours["restore_memory_s"] / other["restore_s"]
             out[f"restore_storage_vs_{name}_ratio"] = ours["restore_storage_s"] / other["restore_s"]
-    out["restore_memory_vs_floor_copy_ratio"] = ours["restore_memory_s"] / by["floor_copy"]["blocked_s"]
-    out["restore_memory_vs_clone_ratio"] = ours["restore_memory_s"] / by["floor_copy"]["clone_s"]
+    out["blocked_vs_floor_copy_paired_ratio"] = statistics.median(
+        u / f for u, f in zip(figures["unbroken"]["blocked_s"], figures["floor_copy"]["blocked_s"]))
+    floor = by["floor_copy"]
+    out["restore_memory_vs_floor_copy_ratio"] = ours["restore_memory_s"] / floor["blocked_s"]
+    out["restore_memory_vs_clone_ratio"] = ours["restore_memory_s"] / floor["clone_s"]
     return {k: round(v, 3) for k, v in out.items()}
 
 
@@ -279,12 +283,14 @@ def print_table(rows: list[dict], r: dict[str, float], params: dict, cold: str) 
                          f"{r[f'restore_storage_vs_{name}_ratio']:.2f}x")
         print(f"  vs {name:<15} " + ", ".join(parts))
     checks = [("blocked <= 1.5 x floor_copy", r["blocked_vs_floor_copy_ratio"], 1.5),
+              ("  same, median of per-repeat ratios", r["blocked_vs_floor_copy_paired_ratio"], 1.5),
               ("blocked <= 0.3 x dcp_async_save", r["blocked_vs_dcp_async_save_ratio"], 0.3),
-              ("restore from memory <= 2 x floor_copy", r["restore_memory_vs_floor_copy_ratio"], 2.0),
+              ("restore from memory <= 2 x floor_copy", r["restore_memory_vs_floor_copy_ratio"],
+               2.0),
               ("(restore from memory vs clone: info)", r["restore_memory_vs_clone_ratio"], 2.0)]
     print("\ntargets")
     for what, value, limit in checks:
-        print(f"  {what:<40} {value:6.2f}x  {'met' if value <= limit else 'NOT met'}")
+        print(f"  {what:<40} {value:6.3f}x  {'met' if value <= limit else 'NOT met'}")
 
 
 def main() -> None:
@@ -307,11 +313,11 @@ def main() -> None:
         state = make_state(args.size_mb)
         bench = Bench(state, root, job_id)
         for _ in range(args.repeats):  # interleaved: each method once per repeat
-            for name in ROWS:
+            for name in ROWS[1:]:  # floor_copy runs inside unbroken(), just before the write
                 getattr(bench, name)()
-                time.sleep(0.2)
+                time.sleep(0.5)
         rows = summarize(bench.figures)
-        r = ratios(rows)
+        r = ratios(rows, bench.figures)
         res = bench.resident_after_drop
         cold = ("cold (fadvise DONTNEED; fincore: "
                 f"{max(res) if res else '?'} bytes still cached at most)" if res else

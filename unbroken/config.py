@@ -106,6 +106,7 @@ class LaunchConfig:
     inject: str = ""
     recover_strategy: tuple[str, ...] = ("recover-in-place", "exit")
     recovery_timeout_s: float = 60.0
+    standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
     stop_grace_s: float = 3.0
     pg_timeout_s: float = 60.0
     omp_num_threads: int = 1
@@ -123,6 +124,8 @@ class LaunchConfig:
                  "--master-port is required with --nnodes > 1 (every node's agent must reach node 0)")
         _require(not (self.nnodes > 1 and not self.secret),
                  f"a job with --nnodes > 1 needs a shared secret: set {ENV_SECRET} on every node")
+        _require(not (self.standby and (self.master_port == 0 or not self.secret)),
+                 f"--standby joins a running job: give its --master-addr/--master-port and set {ENV_SECRET}")
         _require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
         _require(self.stop_grace_s >= 0, f"stop grace must be >= 0 s, got {self.stop_grace_s}")
         _require(self.pg_timeout_s > 0, f"--pg-timeout-s must be > 0, got {self.pg_timeout_s}")
@@ -259,18 +262,23 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
 
 
 def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
-               controller: str, store_host: str, store_port: int, gen: int = 0) -> dict[str, str]:
-    """The environment a worker gets from the agent: torchrun's variables plus ours."""
+               controller: str, store_host: str, store_port: int, gen: int = 0,
+               world_size: int = 0) -> dict[str, str]:
+    """The environment a worker gets from the agent: torchrun's variables plus ours.
+
+    ``world_size`` is the job's, as the controller says (0: this launcher's own flags).
+    """
     ckpt = cfg.checkpoint
+    world_size = world_size or cfg.world_size
     env = {
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(cfg.world_size),
+        "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
         "GROUP_RANK": str(cfg.node_rank),
         "GROUP_WORLD_SIZE": str(cfg.nnodes),
         "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(cfg.world_size),
+        "ROLE_WORLD_SIZE": str(world_size),
         "ROLE_NAME": "default",
         "MASTER_ADDR": store_host,
         "MASTER_PORT": str(store_port),

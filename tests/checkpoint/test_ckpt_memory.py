@@ -209,10 +209,11 @@ def test_sigkill_mid_copy_leaves_the_previous_snapshot_intact(job):
         from mem_worker import expected_state
     finally:
         sys.path.remove(str(HERE))
-    size_mb = 256
+    size_mb = 200
     reader = SnapshotReader(SHM, job, 0)
     states_at_kill = []
     for round_ in range(3):
+        started = time.monotonic()
         proc = subprocess.Popen([sys.executable, str(HERE / "mem_worker.py"), str(SHM), job, "0",
                                  str(size_mb)])
         try:
@@ -222,7 +223,8 @@ def test_sigkill_mid_copy_leaves_the_previous_snapshot_intact(job):
                 slots = reader.slots()
                 return any(s["state"] == "WRITING" for s in slots) and \
                     max((s["step"] for s in slots if s["state"] == "COMMITTED"), default=0) > before
-            _wait_for(writing, 40, f"round {round_}: the worker to start copying a snapshot")
+            _wait_for(writing, 15, f"round {round_}: the worker to start copying a snapshot")
+            print(f"round {round_}: kill after {time.monotonic() - started:.1f} s")
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
         finally:

@@ -7,9 +7,14 @@ equal the fault-free run's bit for bit, and no checkpoint is read.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from tests.integration.helpers import assert_same_weights, events, train
+from tests.conftest import EXAMPLE, free_port
+from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, train
 
 STEPS = 12
 
@@ -79,3 +84,31 @@ def test_replacement_killed_while_restoring_is_recovered(tmp_path, reference):
                                  flags=["--inject", "kill:rank=2:step=5,kill:rank=2:step=5:at=restore"])
     _check_in_flight(result, out, run_dir, reference, {2})
     assert len(events(run_dir, "decision")) == 2  # the first recovery, then the cascade
+
+
+@pytest.mark.timeout(200)
+def test_recover_onto_a_standby_agent_bit_exact(tmp_path, reference):
+    """Rung `recover`: the lost rank starts again on a spare agent, not on its own node."""
+    port = free_port()
+    env = dict(os.environ, UNBROKEN_JOB_SECRET="standby-test-secret-" + "s" * 16)
+    out = tmp_path / "standby.safetensors"
+    script = [str(EXAMPLE), "--steps", str(STEPS), "--out", str(out), *TRAIN_ARGS]
+    main = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "4", "--master-port", str(port),
+            "--run-dir", str(tmp_path / "main"), "--recover-strategy", "recover,exit",
+            "--inject", "kill:rank=2:step=7", *script]
+    spare = [sys.executable, "-m", "unbroken.cli.main", "run", "--standby", "--master-port", str(port),
+             "--run-dir", str(tmp_path / "spare"), *script]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in (main, spare)]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    run_dir = tmp_path / "main"
+    assert_same_weights(reference, out)
+    (decision,) = events(run_dir, "decision")
+    assert decision["rung"] == "recover"
+    (standby,) = events(run_dir, "standby_joined")
+    (restart,) = events(run_dir, "restart_worker")
+    assert restart["rank"] == 2 and restart["agent"] == standby["agent"]
+    first, last = _survivor_pids(run_dir, {2})
+    assert first == last
+    assert events(run_dir, "recovered_in_flight")[0]["replaced"] == [2]

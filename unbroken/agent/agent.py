@@ -60,6 +60,9 @@ class Agent:
         self._procs: dict[int, WorkerProc] = {}
         self._conn: Connection | None = None
         self._store_addr: tuple[str, int] = ("", 0)
+        self.standby = cfg.standby
+        self._world_size = 0  # the job's, from the controller's orders
+        self._local_ranks: dict[int, int] = {}
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
 
@@ -69,7 +72,7 @@ class Agent:
         self._conn = connect(host, port, self.cfg.secret.encode(), "agent",
                              {"node_rank": self.node_rank}, timeout_s=connect_timeout_s)
         self._conn.send(m.AgentRegister(node_rank=self.node_rank, nproc=self.cfg.nproc_per_node,
-                                        host=socket.gethostname(), pid=os.getpid()))
+                                        host=socket.gethostname(), pid=os.getpid(), standby=self.standby))
         self._watcher.start()
         try:
             while True:
@@ -96,8 +99,10 @@ class Agent:
     # -- workers -------------------------------------------------------------------------
     def _start(self, msg: m.StartWorkers) -> None:
         self._store_addr = (msg.store_host, msg.store_port)
-        for local_rank in range(self.cfg.nproc_per_node):
-            self._spawn(self.node_rank * self.cfg.nproc_per_node + local_rank, msg.attempt, gen=0)
+        own = [self.node_rank * self.cfg.nproc_per_node + i for i in range(self.cfg.nproc_per_node)]
+        self._world_size = msg.world_size
+        for rank in msg.ranks or own:
+            self._spawn(rank, msg.attempt, gen=0)
 
     def _restart(self, msg: m.RestartWorker) -> None:
         """Start one worker again (in-flight recovery); the old process is already dead."""
@@ -106,14 +111,21 @@ class Agent:
         if old is not None and old.popen.poll() is None:
             _signal_group(old.popen, signal.SIGKILL)
             old.popen.wait()
+        if msg.store_port:
+            self._store_addr = (msg.store_host, msg.store_port)
+        self._world_size = msg.world_size or self._world_size
         self._spawn(msg.rank, msg.attempt, gen=msg.gen)
 
     def _spawn(self, rank: int, attempt: int, gen: int) -> None:
-        local_rank = rank - self.node_rank * self.cfg.nproc_per_node
+        if self.standby:  # a spare hosts whatever ranks were moved to it, numbered locally
+            local_rank = self._local_ranks.setdefault(rank, len(self._local_ranks))
+        else:
+            local_rank = rank - self.node_rank * self.cfg.nproc_per_node
         host, port = self._store_addr
         env = dict(os.environ)
         env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt,
-                              controller=self.controller, store_host=host, store_port=port, gen=gen))
+                              controller=self.controller, store_host=host, store_port=port, gen=gen,
+                              world_size=self._world_size))
         popen = subprocess.Popen([sys.executable, "-u", self.cfg.script, *self.cfg.script_args],
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True,

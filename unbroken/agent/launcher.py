@@ -42,7 +42,7 @@ def resolve(cfg: LaunchConfig) -> LaunchConfig:
 
 def _prepare_run_dir(cfg: LaunchConfig) -> None:
     cfg.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = cfg.run_dir / f"config.node{cfg.node_rank}.json"
+    path = cfg.run_dir / ("config.standby.json" if cfg.standby else f"config.node{cfg.node_rank}.json")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(cfg.to_json() + "\n")
@@ -55,7 +55,7 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     controller: Controller | None = None
     events: EventLog | None = None
     try:
-        if cfg.node_rank == 0:
+        if cfg.node_rank == 0 and not cfg.standby:
             events = EventLog(cfg.run_dir)
             controller = Controller(cfg, host=cfg.master_addr, port=cfg.master_port, events=events)
             controller.start()

@@ -119,7 +119,8 @@ class SnapshotWriter:
         self.skipped_writes = 0  # snapshots skipped because a reader pinned the slot
         headers = [_read_header(p) for p in self.paths]
         self._seq = max((h.seq for h in headers if h), default=0)  # a restarted worker continues
-        done = [(h.seq, s, h.step) for s, h in enumerate(headers) if h and h.state == SlotState.COMMITTED]
+        done = [(h.seq, s, h.step) for s, h in enumerate(headers)
+                if h and h.state == SlotState.COMMITTED]
         _, self._newest, self.committed_step = max(done) if done else (0, None, None)
 
     def write(self, step: int, state: Any, meta: dict | None = None) -> float:
@@ -175,7 +176,8 @@ class SnapshotWriter:
                 # On a GPU `src` is a CUDA tensor: one device-to-host copy into the pageable
                 # mapping. Later step: register the mapping as pinned memory (cudaHostRegister),
                 # copy with non_blocking=True, and have the commit thread wait on a CUDA event.
-                m.buf[e["offset"]:e["offset"] + e["nbytes"]].view(src.dtype).view(src.shape).copy_(src)
+                dst = m.buf[e["offset"]:e["offset"] + e["nbytes"]]
+                dst.view(src.dtype).view(src.shape).copy_(src)
             m.mm[meta_off:meta_off + len(meta_bytes)] = meta_bytes
             header = header._replace(state=SlotState.COPIED)
             m.mm[:_HEADER.size] = header.pack()
@@ -205,7 +207,8 @@ class SnapshotWriter:
     def _commit(self, m: _Mapping, fd: int, slot: int, header: _Header) -> None:
         """Commit thread: crc32 table, checksummed header, the state COMMITTED, unpin."""
         try:
-            crcs = _chunk_crcs(m.mm, header.data_off, header.meta_off + header.meta_len, header.chunk_bytes)
+            crcs = _chunk_crcs(m.mm, header.data_off, header.meta_off + header.meta_len,
+                               header.chunk_bytes)
             table = struct.pack(f"<{len(crcs)}I", *crcs)
             m.mm[header.table_off:header.table_off + len(table)] = table
             m.mm[:_HEADER.size] = header._replace(table_crc=zlib.crc32(table)).pack()
@@ -354,6 +357,8 @@ class SnapshotReader:
         header). Pinning comes before reading the header, so the header read stays true."""
         pins = []
         for slot, path in enumerate(self.paths):
+            if slot in skip:
+                continue
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -363,7 +368,7 @@ class SnapshotReader:
                 h = _Header.unpack(os.pread(fd, _HEADER.size, 0))
             except BlockingIOError:  # the writer is rewriting it: not committed
                 h = None
-            if slot not in skip and h and h.state == SlotState.COMMITTED and step in (None, h.step):
+            if h and h.state == SlotState.COMMITTED and step in (None, h.step):
                 pins.append((h.seq, slot, fd, h))
             else:
                 os.close(fd)
@@ -499,7 +504,8 @@ def _flatten_sources(state: Any) -> tuple[dict[str, tuple[torch.Tensor, torch.Te
             for name, t in tensors.items()}, spec
 
 
-def _chunk_crcs(mm: mmap.mmap, start: int, end: int, chunk_bytes: int, workers: int = 1) -> list[int]:
+def _chunk_crcs(mm: mmap.mmap, start: int, end: int, chunk_bytes: int,
+                workers: int = 1) -> list[int]:
     """crc32 of each chunk of mm[start:end]; zlib releases the GIL, so workers run in parallel."""
     bounds = [(a, min(a + chunk_bytes, end)) for a in range(start, end, chunk_bytes)]
     with memoryview(mm) as view:
@@ -523,11 +529,12 @@ def _copy_out(path: Path, mm: mmap.mmap, h: _Header) -> tuple[dict[str, torch.Te
         raise CheckpointCorrupt(f"{path}: the crc32 table of step {h.step} fails its checksum")
     got = _chunk_crcs(mm, h.data_off, h.meta_off + h.meta_len, h.chunk_bytes,
                       workers=min(4, os.cpu_count() or 1))
-    bad = [i for i, (a, b) in enumerate(zip(struct.unpack(f"<{h.n_chunks}I", table), got)) if a != b]
+    expected = struct.unpack(f"<{h.n_chunks}I", table)
+    bad = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
     if bad or len(got) != h.n_chunks:
-        raise CheckpointCorrupt(f"{path}: crc32 mismatch in the snapshot of step {h.step}: chunk(s) "
-                                f"{bad} of {h.n_chunks} ({h.chunk_bytes} bytes each from byte "
-                                f"{h.data_off})")
+        raise CheckpointCorrupt(f"{path}: crc32 mismatch in the snapshot of step {h.step}: "
+                                f"chunk(s) {bad} of {h.n_chunks} ({h.chunk_bytes} bytes each "
+                                f"from byte {h.data_off})")
     meta = _parse_meta(path, mm[h.meta_off:h.meta_off + h.meta_len], h)
     buf, tensors = torch.frombuffer(mm, dtype=torch.uint8), {}
     for name, e in meta["tensors"].items():
@@ -549,6 +556,7 @@ def _parse_meta(path: Path, raw: bytes, h: _Header) -> dict:
             dtype = getattr(torch, e["dtype"], None)
             if not isinstance(dtype, torch.dtype) or not (
                     h.data_off <= e["offset"] <= e["offset"] + e["nbytes"] <= h.meta_off
+                    and min(e["shape"], default=0) >= 0
                     and e["nbytes"] == math.prod(e["shape"]) * dtype.itemsize):
                 raise ValueError(f"bad index entry for tensor {name!r}: {e}")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -68,6 +68,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("inject", default="", metavar="PLAN", help="faults to inject, e.g. kill:rank=2:step=30")
     flag("recover-strategy", default="recover-in-place,exit",
          help="allowed recovery strategies, cheapest first, a comma list (default recover-in-place,exit)")
+    flag("standby", action="store_true", help="join a running job as a spare agent (rung `recover`)")
     flag("recovery-timeout-s", type=_float, default=60.0, help="deadline of one in-flight recovery attempt")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
@@ -123,6 +124,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         inject=args.inject,
         recover_strategy=parse_strategies(args.recover_strategy),
         recovery_timeout_s=args.recovery_timeout_s,
+        standby=args.standby,
         pg_timeout_s=args.pg_timeout_s,
         checkpoint=CheckpointConfig(save_dir=args.save, load_dir=args.load,
                                     every_steps=args.ckpt_every_steps, keep=args.keep_checkpoints),

@@ -52,7 +52,9 @@ class Failure:
 
     def describe(self) -> str:
         how = {"hang": "hung (no step progress) and was killed",
-               "crash": "was killed by a signal" if self.signal else "crashed"}.get(self.kind, "exited")
+               "crash": "was killed by a signal" if self.signal else "crashed",
+               "node-lost": "was lost with its node's agent",
+               "recovery-timeout": "was not recovered in time"}.get(self.kind, "exited")
         detail = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
         step = "before its first step" if self.step is None else f"at step {self.step}"
         return f"rank {self.rank} {how} ({detail}) {step}, attempt {self.attempt}"
@@ -91,6 +93,13 @@ class AgentStopped:
 @dataclass(frozen=True)
 class AgentLost:
     node_rank: int
+
+
+@dataclass(frozen=True)
+class StandbyJoined:
+    """A spare agent (`unbroken run --standby`) that can host replaced ranks (rung `recover`)."""
+
+    agent: int
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,7 @@ class RecoveryTimeout:
     gen: int
 
 
-Event = (AgentJoined | WorkerExited | WorkerHung | AgentStopped | AgentLost | SessionReady | StepSynced
+Event = (AgentJoined | WorkerExited | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
          | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout)
 
 
@@ -196,6 +205,7 @@ class AbortGeneration:
 class RestartRanks:
     ranks: frozenset[int]
     gen: int
+    agent: int  # the agent that starts them: their own (in place) or a standby (recover)
 
 
 @dataclass(frozen=True)
@@ -253,10 +263,19 @@ class JobState:
     num_replicas: int = 0
     recovery: Recovery | None = None
     max_recovery_tries: int = 3
+    placement: tuple[int, ...] = ()  # the agent hosting each rank; () means rank // (world / nnodes)
+    standbys: frozenset[int] = frozenset()
 
     @property
     def ranks(self) -> frozenset[int]:
         return frozenset(range(self.world_size))
+
+    def agent_of(self, rank: int) -> int:
+        return self.placement[rank] if self.placement else rank // (self.world_size // self.nnodes)
+
+    def hosts(self) -> frozenset[int]:
+        """The agents that host ranks now."""
+        return frozenset(self.agent_of(r) for r in range(self.world_size))
 
 
 def _replace(state: JobState, **changes) -> JobState:
@@ -280,9 +299,10 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return _on_worker_exited(state, event)
     if isinstance(event, AgentStopped):
         return _on_agent_stopped(state, event)
+    if isinstance(event, StandbyJoined):
+        return _replace(state, standbys=state.standbys | {event.agent}), []
     if isinstance(event, AgentLost):
-        failure = Failure(rank=-1, attempt=state.attempt, kind="crash")
-        return _fail(state, failure, f"the agent of node {event.node_rank} was lost")
+        return _on_agent_lost(state, event)
     if getattr(event, "attempt", state.attempt) != state.attempt:
         return state, []  # a message of an attempt that is already gone
     if isinstance(event, SessionReady):
@@ -296,7 +316,7 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
 
 def _on_agent_joined(state: JobState, event: AgentJoined) -> tuple[JobState, list[Action]]:
     state = _replace(state, agents=state.agents | {event.node_rank})
-    if state.phase is JobPhase.STARTING and len(state.agents) == state.nnodes:
+    if state.phase is JobPhase.STARTING and state.hosts() <= state.agents:
         return _replace(state, phase=JobPhase.RUNNING), [StartAttempt(state.attempt)]
     return state, []
 
@@ -335,23 +355,37 @@ def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str
     return True, "every piece of the lost ranks' state has a live replica"
 
 
-def _recover(state: JobState, failure: Failure) -> tuple[JobState, list[Action]]:
+def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()) -> tuple[JobState, list[Action]]:
+    """Pick the rung for a failure (``lost``: further ranks lost with it) and start it."""
     state = _replace(state, first_failure=state.first_failure or failure,
                      failures=state.failures + (failure,))
     recovery = state.recovery
-    dead = (recovery.replaced if recovery else frozenset()) | {failure.rank}
+    failed = lost | {failure.rank}
+    dead = (recovery.replaced if recovery else frozenset()) | failed
     tries = recovery.tries + 1 if recovery else 1
     in_flight, why = in_flight_feasible(state, dead)
-    feasible = {"recover-in-place": in_flight and tries <= state.max_recovery_tries,
-                "exit": state.restarts_used < state.max_restarts}
+    in_flight = in_flight and tries <= state.max_recovery_tries
+    own_agents = {state.agent_of(r) for r in failed}
+    feasible = {"recover-in-place": in_flight and own_agents <= state.agents,
+                "recover": in_flight and bool(state.standbys),
+                "exit": state.restarts_used < state.max_restarts and state.hosts() <= state.agents}
     rung = choose_rung(state.allowed, feasible)
-    if rung == "recover-in-place":
+    if rung in ("recover-in-place", "recover"):
         gen = (recovery.gen if recovery else state.gen) + 1
+        placement = tuple(state.agent_of(r) for r in range(state.world_size))
+        restarts: list[Action] = []
+        if rung == "recover":  # the failed ranks move to a spare agent
+            spare = min(state.standbys)
+            placement = tuple(spare if r in failed else a for r, a in enumerate(placement))
+            state = _replace(state, standbys=state.standbys - {spare}, agents=state.agents | {spare})
+            restarts.append(RestartRanks(failed, gen, spare))
+        else:
+            for agent in sorted(own_agents):
+                restarts.append(RestartRanks(frozenset(r for r in failed if state.agent_of(r) == agent), gen, agent))
         reason = f"{failure.describe()}; {why}; replacing ranks {sorted(dead)} (try {tries})"
-        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(), placement=placement,
                          recovery=Recovery(rung, gen, dead, tries))
-        return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason),
-                       RestartRanks(frozenset({failure.rank}), gen)]
+        return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason), *restarts]
     if state.recovery is not None:
         state = _replace(state, recovery=None)
     if rung == GIVE_UP:
@@ -375,7 +409,7 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
     if state.phase is not JobPhase.STOPPING or event.attempt != state.attempt:
         return state, []
     stopped = state.stopped_agents | {event.node_rank}
-    if len(stopped) < state.nnodes:
+    if not state.hosts() <= stopped:
         return _replace(state, stopped_agents=stopped), []
     attempt = state.attempt + 1
     state = _replace(state, phase=JobPhase.RUNNING, attempt=attempt, restarts_used=state.restarts_used + 1,
@@ -383,6 +417,20 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
                      gen=0, committed_step=-1, sync_step=-1, synced=frozenset(), ready=frozenset(),
                      recovery=None)
     return state, [StartAttempt(attempt)]
+
+
+def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Action]]:
+    """An agent's connection is gone: its node (and every rank on it) is lost."""
+    agent = event.node_rank
+    state = _replace(state, agents=state.agents - {agent}, standbys=state.standbys - {agent})
+    ranks = frozenset(r for r in range(state.world_size) if state.agent_of(r) == agent)
+    if not ranks or state.phase in (JobPhase.STARTING, JobPhase.STOPPING):
+        if ranks:
+            return _fail(state, Failure(rank=min(ranks), attempt=state.attempt, kind="node-lost"),
+                         f"the agent of node {agent} was lost")
+        return state, []
+    failure = Failure(rank=min(ranks), attempt=state.attempt, kind="node-lost")
+    return _recover(state, failure, lost=ranks)
 
 
 def _on_step_synced(state: JobState, event: StepSynced) -> tuple[JobState, list[Action]]:

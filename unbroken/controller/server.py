@@ -150,6 +150,9 @@ class Controller:
         first = conn.recv(timeout_s=10.0)
         if not isinstance(first, m.AgentRegister):
             raise ProtocolError(f"agent {conn.peer} must register first, sent {type(first).__name__}")
+        if first.standby:
+            self._serve_standby(conn, first)
+            return
         node = first.node_rank
         if not 0 <= node < self.cfg.nnodes or first.nproc != self.cfg.nproc_per_node:
             conn.send(m.Shutdown(exit_code=2, reason=(
@@ -162,7 +165,7 @@ class Controller:
             self._apply(sm.AgentJoined(node))
         try:
             while True:
-                self._on_agent_message(conn.recv())
+                self._on_agent_message(node, conn.recv())
         except ConnectionClosed:
             with self._lock:
                 if self._agents.get(node) is conn and not self._done.is_set():
@@ -171,7 +174,24 @@ class Controller:
                     self._apply(sm.AgentLost(node))
             raise
 
-    def _on_agent_message(self, msg: m.Message) -> None:
+    def _serve_standby(self, conn: Connection, first: m.AgentRegister) -> None:
+        with self._lock:
+            agent = max([self.cfg.nnodes - 1, *self._agents]) + 1  # spares get ids after the nodes
+            self._agents[agent] = conn
+            self.events.emit("standby_joined", agent=agent, host=first.host, pid=first.pid)
+            self._apply(sm.StandbyJoined(agent))
+        try:
+            while True:
+                self._on_agent_message(agent, conn.recv())
+        except ConnectionClosed:
+            with self._lock:
+                if self._agents.get(agent) is conn and not self._done.is_set():
+                    del self._agents[agent]
+                    self.events.emit("agent_lost", node_rank=agent)
+                    self._apply(sm.AgentLost(agent))
+            raise
+
+    def _on_agent_message(self, agent: int, msg: m.Message) -> None:
         with self._lock:
             if isinstance(msg, m.WorkerStarted):
                 w = self._workers[msg.rank]
@@ -182,8 +202,8 @@ class Controller:
             elif isinstance(msg, m.WorkerExited):
                 self._on_worker_exited(msg)
             elif isinstance(msg, m.WorkersStopped):
-                self.events.emit("workers_stopped", node_rank=msg.node_rank, attempt=msg.attempt)
-                self._apply(sm.AgentStopped(msg.node_rank, msg.attempt))
+                self.events.emit("workers_stopped", node_rank=agent, attempt=msg.attempt)
+                self._apply(sm.AgentStopped(agent, msg.attempt))
             elif isinstance(msg, m.Heartbeat):
                 pass
             else:
@@ -341,7 +361,7 @@ class Controller:
             elif isinstance(action, sm.KillWorker):
                 w = self._workers[action.rank]
                 self.events.emit("kill_worker", rank=action.rank, pid=w.pid, reason=action.reason)
-                self._send_to_node(action.rank // self.cfg.nproc_per_node,
+                self._send_to_node(self._state.agent_of(action.rank),
                                    m.KillWorker(rank=action.rank, pid=w.pid, reason=action.reason))
             elif isinstance(action, sm.Decide):
                 f = action.failure
@@ -360,9 +380,11 @@ class Controller:
                 for rank in sorted(action.ranks):
                     w = self._workers[rank]
                     w.state, w.conn, w.pid = "starting", None, 0
-                    self.events.emit("restart_worker", rank=rank, gen=action.gen)
-                    self._send_to_node(rank // self.cfg.nproc_per_node,
-                                       m.RestartWorker(rank=rank, attempt=self._state.attempt, gen=action.gen))
+                    self.events.emit("restart_worker", rank=rank, gen=action.gen, agent=action.agent)
+                    self._send_to_node(action.agent, m.RestartWorker(
+                        rank=rank, attempt=self._state.attempt, gen=action.gen,
+                        store_host=self.host, store_port=self._store.port if self._store else 0,
+                        world_size=self.cfg.world_size))
             elif isinstance(action, sm.Regroup):
                 self._recovery_t["regroup"] = time.monotonic()
                 self.events.emit("regroup", gen=action.gen, resume_step=action.resume_step,
@@ -408,8 +430,10 @@ class Controller:
         for w in self._workers.values():
             w.state, w.steps_in_attempt = "starting", 0
         self.events.emit("attempt_started", attempt=attempt, store_port=store.port)
-        self._broadcast(m.StartWorkers(attempt=attempt, store_host=self.host, store_port=store.port,
-                                       world_size=self.cfg.world_size))
+        for agent in sorted(self._state.hosts()):
+            ranks = [r for r in range(self.cfg.world_size) if self._state.agent_of(r) == agent]
+            self._send_to_node(agent, m.StartWorkers(attempt=attempt, store_host=self.host, store_port=store.port,
+                                                     world_size=self.cfg.world_size, ranks=ranks))
 
     def _finish(self, action: sm.Finish) -> None:
         self._outcome = Outcome(action.exit_code, action.reason)

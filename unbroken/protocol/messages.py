@@ -298,6 +298,7 @@ class AgentRegister(Message):
     nproc: int
     host: str
     pid: int
+    standby: bool = False  # a spare agent: hosts no rank until the controller moves one there
 
 
 @message("worker_started")
@@ -332,6 +333,7 @@ class StartWorkers(Message):
     store_host: str
     store_port: int
     world_size: int
+    ranks: list[int] = dataclasses.field(default_factory=list)  # empty: this node's own ranks
 
 
 @message("stop_workers")
@@ -474,3 +476,6 @@ class RestartWorker(Message):
     rank: int
     attempt: int
     gen: int
+    store_host: str = ""
+    store_port: int = 0
+    world_size: int = 0  # the job's (a standby agent does not know it from its own flags)

@@ -1,0 +1,580 @@
+"""Recovery benchmark: what one lost rank costs, unbroken vs a job-level restart.
+
+    python benchmarks/recovery.py                          # 4 ranks, kill rank 2 at step 25 of 40
+    python benchmarks/recovery.py --repeats 1 --json recovery.json
+
+Every run trains the example GPT (examples/train_gpt.py) on 4 ranks and SIGKILLs rank 2 when
+it enters step --kill-step. Rows (BENCHMARKS.md names), interleaved A B C D A B C D:
+
+  unbroken_recover_in_place  `unbroken run --inject kill:...` (default strategy
+                             recover-in-place,exit): the lost rank is replaced in flight
+  unbroken_restart_memory    `--recover-strategy exit --save DIR --ckpt-every-steps 1
+                             --persist-every-steps C`: job restart from the shared-memory tier
+                             (only when `unbroken run` has --persist-every-steps)
+  unbroken_restart_storage   `--recover-strategy exit --save DIR --ckpt-every-steps C`
+  torchrun_restart           `python -m torch.distributed.run --max-restarts 1 --rdzv-backend c10d`
+                             with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see FACTS.md). The example
+                             checkpoints every C steps through UNBROKEN_SAVE_DIR /
+                             UNBROKEN_CKPT_EVERY_STEPS: unbroken's storage tier, written
+                             synchronously by each worker -- what a user of the example gets
+                             under plain torchrun. The fault comes from UNBROKEN_INJECT with a
+                             marker file in UNBROKEN_RUN_DIR, so it fires once per job.
+  torchft                    not implemented; reported as skipped (and whether torchft imports)
+
+Figures, measured the same way for every row from the launcher's merged output, each line
+stamped with time.time() when it arrives (rank 0 prints every step: --log-every 1):
+  recover_s    arrival of the "injecting fault" line (the worker logs it just before its
+               SIGKILL) -> arrival of the first line of a completed step >= --kill-step
+  lost_steps   completed steps that were completed again (a step index printed twice)
+  job_s        the launcher's whole wall time, start to exit
+A step that unbroken aborts in flight still runs the example's print after `with job.step():`;
+that line follows rank 0's "step N aborted" warning and is not counted as a completion.
+For unbroken rows the run directory's events.jsonl adds the controller's own figures
+(controller_recover_s counts from fault *detection*; in-flight: detect/replace/regroup/restore).
+Every run's final weights are compared bit for bit with a fault-free `unbroken run`.
+A benchmark never asserts a time: the target is printed, met or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "train_gpt.py"
+NPROC = 4
+KILL_RANK = 2
+IN_PLACE = "unbroken_recover_in_place"
+ROWS = ("unbroken_recover_in_place", "unbroken_restart_memory", "unbroken_restart_storage",
+        "torchrun_restart", "torchft")
+TARGET_RATIO = 3.0  # recover-in-place at least 3x faster than torchrun_restart, 0 steps lost
+
+STEP_RE = re.compile(r"^(?:\[rank (\d+)\] )?step (\d+): loss ")
+ABORT_RE = re.compile(r"^(?:\[rank 0\] )?rank 0: step (\d+) aborted")
+FAULT_RE = re.compile(r"injecting fault (\S+)")
+
+
+# -----------------------------------------------------------------------------------------
+# Running one launcher: its own session, output stamped line by line, nothing left behind.
+
+@dataclass
+class Launch:
+    rc: int | None
+    lines: list[tuple[float, str]]
+    job_s: float
+    timed_out: bool
+
+
+_current: list[subprocess.Popen] = []  # the launcher in flight, for the interrupt path
+
+
+def _kill_tree(popen: subprocess.Popen) -> None:
+    """SIGKILL the launcher's process group and every descendant (workers run in their own
+    sessions under both launchers), each by its pid."""
+    try:
+        descendants = psutil.Process(popen.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    try:
+        popen.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    psutil.wait_procs(descendants, timeout=10)
+
+
+def launch(cmd: list[str], env: dict[str, str], timeout_s: float, echo: bool) -> Launch:
+    lines: list[tuple[float, str]] = []
+    t0 = time.time()
+    popen = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    _current.append(popen)
+
+    def read() -> None:
+        assert popen.stdout is not None
+        for raw in iter(popen.stdout.readline, b""):
+            t = time.time()
+            text = raw.decode(errors="replace").rstrip("\n")
+            lines.append((t, text))
+            if echo:
+                print(f"    | {text}", flush=True)
+        popen.stdout.close()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        try:
+            popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        t1 = time.time()
+    finally:
+        if popen.poll() is None:
+            _kill_tree(popen)
+        else:  # the leader is gone; anything left in its group goes too
+            try:
+                os.killpg(popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _current.remove(popen)
+    reader.join(timeout=10)
+    return Launch(rc=None if timed_out else popen.returncode, lines=lines, job_s=t1 - t0,
+                  timed_out=timed_out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unbroken_cmd() -> list[str]:
+    script = Path(sys.executable).parent / "unbroken"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from unbroken.cli.main import main; sys.exit(main())"]
+
+
+def has_memory_tier() -> bool:
+    """Whether this unbroken's `run` has the shared-memory tier's --persist-every-steps."""
+    out = subprocess.run([*unbroken_cmd(), "run", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    return "--persist-every-steps" in out.stdout
+
+
+# -----------------------------------------------------------------------------------------
+# What a run measured.
+
+@dataclass
+class Run:
+    name: str
+    recover_s: float | None = None
+    lost_steps: int | None = None
+    job_s: float | None = None
+    weights_equal: bool | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    tail: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int) -> None:
+    """recover_s and lost_steps from the stamped output (see the module docstring)."""
+    fault_t: float | None = None
+    recovered_t: float | None = None
+    aborted: set[int] = set()
+    done: Counter[int] = Counter()
+    first_after_fault: int | None = None
+    for t, line in lines:
+        if fault_t is None and FAULT_RE.search(line):
+            fault_t = t
+            continue
+        m = ABORT_RE.match(line)
+        if m:
+            aborted.add(int(m[1]))
+            continue
+        m = STEP_RE.match(line)
+        if not m or m[1] not in (None, "0"):
+            continue
+        index = int(m[2])
+        if index in aborted:  # the print after an aborted `with job.step():`, not a completion
+            aborted.discard(index)
+            continue
+        done[index] += 1
+        if fault_t is not None and first_after_fault is None and (index >= kill_step or done[index] > 1):
+            first_after_fault = index  # where training resumed (a late line of step K-1 is not it)
+        if fault_t is not None and recovered_t is None and index >= kill_step:
+            recovered_t = t
+    if fault_t is None:
+        run.problems.append("no 'injecting fault' line: the fault did not fire")
+    elif recovered_t is None:
+        run.problems.append(f"no completed step >= {kill_step} after the fault")
+    else:
+        run.recover_s = recovered_t - fault_t
+    missing = [s for s in range(steps) if not done[s]]
+    if missing:
+        run.problems.append(f"steps never completed: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    run.lost_steps = sum(c - 1 for c in done.values())
+    if first_after_fault is not None:
+        run.extra["resume_step"] = first_after_fault
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return events
+
+
+def add_event_figures(run: Run, events: list[dict]) -> None:
+    for ev in events:
+        if ev.get("event") == "recovered" and "controller_recover_s" not in run.extra:
+            run.extra["controller_recover_s"] = float(ev["recover_s"])
+            run.notes.append(f"{ev.get('tier')}, step {ev.get('restored_step')}")
+        elif ev.get("event") == "recovered_in_flight" and "total_s" not in run.extra:
+            for key in ("detect_s", "replace_s", "regroup_s", "restore_s", "total_s"):
+                if key in ev:
+                    run.extra[key] = float(ev[key])
+
+
+def weights_equal(path: Path, reference: dict) -> bool:
+    from safetensors.torch import load_file
+    import torch
+
+    got = load_file(str(path))
+    return got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
+
+
+def clean_shm(run_dir: Path) -> list[str]:
+    """Remove shared-memory files left by this run's unbroken job (only its own job id)."""
+    removed: list[str] = []
+    config = run_dir / "config.node0.json"
+    try:
+        job_id = json.loads(config.read_text()).get("job_id", "")
+    except (OSError, json.JSONDecodeError):
+        return removed
+    if not job_id:
+        return removed
+    for path in Path("/dev/shm").glob(f"unbroken-{job_id}*"):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except OSError:
+            pass
+    return removed
+
+
+# -----------------------------------------------------------------------------------------
+# The rows.
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.counter = 0
+        self.reference: dict | None = None
+        env = dict(os.environ)
+        env.update(OMP_NUM_THREADS="1", TMPDIR=str(workdir / "tmp"), PYTHONUNBUFFERED="1")
+        for key in [k for k in env if k.startswith("UNBROKEN_")]:
+            del env[key]  # nothing from the caller's environment steers these runs
+        self.env = env
+        (workdir / "tmp").mkdir()
+
+    def script_args(self, out: Path) -> list[str]:
+        a = self.args
+        return [str(EXAMPLE), "--steps", str(a.steps), "--optimizer", a.optimizer,
+                "--step-sleep-s", str(a.step_sleep_s), "--log-every", "1", "--out", str(out)]
+
+    def fresh_dir(self, name: str) -> Path:
+        self.counter += 1
+        d = self.workdir / f"{self.counter:03d}-{name}"
+        d.mkdir()
+        return d
+
+    @property
+    def inject(self) -> str:
+        return f"kill:rank={KILL_RANK}:step={self.args.kill_step}"
+
+    def reference_run(self) -> Run:
+        d = self.fresh_dir("reference")
+        out = d / "weights.safetensors"
+        cmd = [*unbroken_cmd(), "run", "--nproc-per-node", str(NPROC), "--run-dir", str(d / "run"),
+               *self.script_args(out)]
+        res = launch(cmd, self.env, self.args.run_timeout_s, self.args.verbose)
+        run = Run("reference", job_s=res.job_s)
+        clean_shm(d / "run")
+        if res.rc != 0 or not out.exists():
+            run.problems.append(f"fault-free reference run failed (exit {res.rc}, timed out {res.timed_out})")
+            run.tail = [line for _, line in res.lines[-15:]]
+            return run
+        from safetensors.torch import load_file
+
+        self.reference = load_file(str(out))
+        return run
+
+    def command(self, name: str, d: Path, out: Path) -> tuple[list[str], dict[str, str]]:
+        a, env = self.args, dict(self.env)
+        base = [*unbroken_cmd(), "run", "--nproc-per-node", str(NPROC), "--run-dir", str(d / "run"),
+                "--inject", self.inject]
+        if name == "unbroken_recover_in_place":
+            return [*base, *self.script_args(out)], env
+        if name == "unbroken_restart_memory":
+            return [*base, "--recover-strategy", "exit", "--save", str(d / "ckpt"), "--ckpt-every-steps", "1",
+                    "--persist-every-steps", str(a.ckpt_every), *self.script_args(out)], env
+        if name == "unbroken_restart_storage":
+            return [*base, "--recover-strategy", "exit", "--save", str(d / "ckpt"),
+                    "--ckpt-every-steps", str(a.ckpt_every), *self.script_args(out)], env
+        if name == "torchrun_restart":
+            env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", UNBROKEN_SAVE_DIR=str(d / "ckpt"),
+                       UNBROKEN_CKPT_EVERY_STEPS=str(a.ckpt_every), UNBROKEN_INJECT=self.inject,
+                       UNBROKEN_RUN_DIR=str(d / "run"))
+            (d / "run").mkdir()
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
+                   "--max-restarts", "1", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *self.script_args(out)]
+            return cmd, env
+        raise ValueError(name)
+
+    def run_row(self, name: str) -> Run:
+        d = self.fresh_dir(name)
+        out = d / "weights.safetensors"
+        cmd, env = self.command(name, d, out)
+        res = launch(cmd, env, self.args.run_timeout_s, self.args.verbose)
+        run = Run(name, job_s=res.job_s)
+        analyze(run, res.lines, self.args.kill_step, self.args.steps)
+        if name.startswith("unbroken_"):
+            add_event_figures(run, read_events(d / "run"))
+            leftover = clean_shm(d / "run")
+            if leftover:
+                run.notes.append(f"removed {len(leftover)} leftover /dev/shm file(s)")
+        if res.timed_out:
+            run.problems.append(f"timed out after {self.args.run_timeout_s:.0f} s")
+        elif res.rc != 0:
+            run.problems.append(f"exit code {res.rc}")
+        if out.exists() and self.reference is not None:
+            run.weights_equal = weights_equal(out, self.reference)
+        else:
+            run.problems.append("no final weights written")
+        if not run.ok:
+            run.tail = [line for _, line in res.lines[-15:]]
+        shutil.rmtree(d, ignore_errors=True)  # checkpoints of a run are not needed afterwards
+        return run
+
+
+# -----------------------------------------------------------------------------------------
+# Summaries, the table, the JSON.
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def summarize(runs: list[Run]) -> dict:
+    good = [r for r in runs if r.recover_s is not None]
+    row: dict = {}
+    if good:
+        row["recover_s"] = round(median([r.recover_s for r in good]), 4)
+        row["lost_steps"] = median([r.lost_steps for r in good])
+        if float(row["lost_steps"]).is_integer():
+            row["lost_steps"] = int(row["lost_steps"])
+    jobs = [r.job_s for r in runs if r.job_s is not None]
+    if jobs:
+        row["job_s"] = round(median(jobs), 4)
+    extra_keys = sorted({k for r in good for k in r.extra})
+    for key in extra_keys:
+        vals = [r.extra[key] for r in good if key in r.extra]
+        row[key] = round(median(vals), 4)
+    checked = [r.weights_equal for r in runs if r.weights_equal is not None]
+    row["weights_equal"] = bool(checked) and all(checked)
+    row["failed_runs"] = sum(not r.ok for r in runs)
+    row["runs"] = [{"recover_s": None if r.recover_s is None else round(r.recover_s, 4),
+                    "lost_steps": r.lost_steps, "job_s": None if r.job_s is None else round(r.job_s, 4),
+                    "weights_equal": r.weights_equal, **({"problems": r.problems} if r.problems else {})}
+                   for r in runs]
+    return row
+
+
+def spread(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    med = fmt.format(median(values))
+    if len(values) == 1:
+        return med
+    return f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def print_table(args: argparse.Namespace, results: dict[str, list[Run]], skipped: dict[str, str],
+                reference: Run) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    base = results.get(IN_PLACE, [])
+    base_rec = [r.recover_s for r in base if r.recover_s is not None]
+    base_med = median(base_rec) if base_rec else None
+    table = Table(title=f"recovery: {NPROC} ranks, kill rank {KILL_RANK} at step {args.kill_step} of "
+                        f"{args.steps}, checkpoints every {args.ckpt_every} steps, optimizer {args.optimizer}, "
+                        f"{args.step_sleep_s} s sleep/step, {args.repeats} repeat(s); median (min-max)")
+    for col, just in (("row", "left"), ("recover_s", "right"), ("x in-place", "right"),
+                      ("lost_steps", "right"), ("job_s", "right"), ("weights", "left"), ("restored from / note", "left")):
+        table.add_column(col, justify=just, no_wrap=col == "row")
+    footnotes: list[str] = []
+    for name in ROWS:
+        if name in skipped:
+            table.add_row(name, "n/a", "", "", "", "", skipped[name].removeprefix("n/a ").strip("()"))
+            continue
+        runs = results.get(name, [])
+        rec = [r.recover_s for r in runs if r.recover_s is not None]
+        lost = [float(r.lost_steps) for r in runs if r.recover_s is not None and r.lost_steps is not None]
+        jobs = [r.job_s for r in runs if r.job_s is not None]
+        ratio = f"{median(rec) / base_med:.1f}x" if rec and base_med else "-"
+        checked = [r.weights_equal for r in runs if r.weights_equal is not None]
+        if not checked:
+            weights = "[red]not checked[/red]"
+        elif all(checked):
+            weights = "equal"
+        else:
+            weights = f"[red]DIFFER ({checked.count(False)}/{len(checked)})[/red]"
+        source = sorted({n for r in runs for n in r.notes})
+        if name == "torchrun_restart":
+            resumes = sorted({int(r.extra["resume_step"]) for r in runs if "resume_step" in r.extra})
+            source = [f"storage (sync, in the worker), step {', '.join(map(str, resumes)) or '?'}"]
+        failed = sum(not r.ok for r in runs)
+        if failed:
+            source.append(f"[red]{failed} run(s) failed[/red]")
+        table.add_row(name, spread(rec, "{:.2f}"), ratio, spread(lost, "{:.0f}"), spread(jobs, "{:.1f}"),
+                      weights, "; ".join(source))
+        keys = [k for k in ("controller_recover_s", "detect_s", "replace_s", "regroup_s", "restore_s", "total_s")
+                if any(k in r.extra for r in runs)]
+        if keys:
+            footnotes.append(f"{name}, from events.jsonl: " + ", ".join(
+                f"{k} {median([r.extra[k] for r in runs if k in r.extra]):.2f}" for k in keys))
+    console.print(table)
+    for line in footnotes:
+        console.print(line, highlight=False)
+    console.print("torchrun_restart: the example's checkpoints under plain torchrun (UNBROKEN_SAVE_DIR, "
+                  "UNBROKEN_CKPT_EVERY_STEPS): unbroken's storage tier, written synchronously by each worker")
+    console.print(f"fault-free reference (unbroken run, no fault): job_s {reference.job_s:.1f}")
+    console.print("recover_s: 'injecting fault' line -> first completed step >= the fault step (rank 0's "
+                  "output, stamped on arrival); lost_steps: completed steps computed again; "
+                  "x in-place: recover_s / unbroken_recover_in_place's")
+    tr = [r.recover_s for r in results.get("torchrun_restart", []) if r.recover_s is not None]
+    base_lost = [r.lost_steps for r in base if r.recover_s is not None]
+    if base_med and tr:
+        ratio = median(tr) / base_med
+        met = ratio >= TARGET_RATIO and base_lost and all(x == 0 for x in base_lost) and len(base_lost) == len(base)
+        console.print(f"target: recover-in-place at least {TARGET_RATIO:.0f}x faster than torchrun_restart with 0 "
+                      f"steps lost -> measured {ratio:.1f}x, lost steps {base_lost}: "
+                      + ("[green]met[/green]" if met else "[red]NOT met[/red]"))
+    else:
+        console.print("target: recover-in-place at least 3x faster than torchrun_restart with 0 steps lost "
+                      "-> [red]could not be evaluated (missing measurements)[/red]")
+    for name, runs in results.items():
+        for i, r in enumerate(runs):
+            if r.problems:
+                console.print(f"[red]{name} run {i + 1}: {'; '.join(r.problems)}[/red]")
+                for line in r.tail:
+                    console.print(f"    {line}", markup=False, highlight=False)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=40, help="training steps per run")
+    p.add_argument("--kill-step", type=int, default=25, help=f"rank {KILL_RANK} is SIGKILLed entering this step")
+    p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint interval of the restart rows (steps)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per row, interleaved")
+    p.add_argument("--step-sleep-s", type=float, default=0.05, help="sleep per step (--step-sleep-s of the example)")
+    p.add_argument("--optimizer", choices=("plain", "sharded"), default="plain", help="the example's --optimizer")
+    p.add_argument("--run-timeout-s", type=float, default=240.0, help="a run still going after this is killed")
+    p.add_argument("--json", default=None, help="write the figures here (BENCHMARKS.md layout)")
+    p.add_argument("--verbose", action="store_true", help="echo every launcher's output")
+    args = p.parse_args(argv)
+    if not 0 < args.kill_step < args.steps:
+        p.error(f"--kill-step must be in [1, {args.steps - 1}], got {args.kill_step}")
+    if args.ckpt_every < 1 or args.repeats < 1 or args.step_sleep_s < 0:
+        p.error("--ckpt-every and --repeats must be >= 1, --step-sleep-s >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    skipped: dict[str, str] = {}
+    if not has_memory_tier():
+        skipped["unbroken_restart_memory"] = "n/a (memory tier not available in this version)"
+    if importlib.util.find_spec("torchft") is None:
+        skipped["torchft"] = "n/a (torchft not installed: skipped)"
+    else:
+        skipped["torchft"] = "n/a (torchft is installed, but this script has no torchft row yet: skipped)"
+    for name in ("unbroken_restart_memory", "torchft"):
+        if name in skipped:
+            print(f"{name}: {skipped[name]}", flush=True)
+
+    load_before = os.getloadavg()[0]
+    workdir = Path(tempfile.mkdtemp(prefix="unbroken-recovery-bench-"))
+    results: dict[str, list[Run]] = {name: [] for name in ROWS if name not in skipped}
+    try:
+        bench = Bench(args, workdir)
+        print("fault-free reference run ...", flush=True)
+        reference = bench.reference_run()
+        if not reference.ok:
+            print(f"error: {'; '.join(reference.problems)}", file=sys.stderr)
+            for line in reference.tail:
+                print(f"    {line}", file=sys.stderr)
+            return 1
+        print(f"  job_s {reference.job_s:.1f}", flush=True)
+        for rep in range(args.repeats):
+            for name in results:
+                print(f"repeat {rep + 1}/{args.repeats}: {name} ...", flush=True)
+                run = bench.run_row(name)
+                results[name].append(run)
+                rec = "-" if run.recover_s is None else f"{run.recover_s:.2f}"
+                print(f"  recover_s {rec}, lost_steps {run.lost_steps}, job_s {run.job_s:.1f}, "
+                      f"weights {'equal' if run.weights_equal else 'DIFFER' if run.weights_equal is False else '?'}"
+                      + (f"  PROBLEM: {'; '.join(run.problems)}" if run.problems else ""), flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for popen in list(_current):
+            _kill_tree(popen)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    load_after = os.getloadavg()[0]
+    print_table(args, results, skipped, reference)
+    print(f"load average (1 min) before / after: {load_before:.1f} / {load_after:.1f} on {os.cpu_count()} cpus"
+          " (other work on this machine moves absolute times; ratios of one run hold better)")
+    if args.json:
+        rows = [{"name": name, **summarize(runs)} for name, runs in results.items()]
+        rows.append({"name": "unbroken_no_fault_reference", "job_s": round(reference.job_s, 4)})
+        doc = {"benchmark": "recovery",
+               "params": {"nproc": NPROC, "kill_rank": KILL_RANK, "steps": args.steps, "kill_step": args.kill_step,
+                          "ckpt_every": args.ckpt_every, "repeats": args.repeats,
+                          "step_sleep_s": args.step_sleep_s, "optimizer": args.optimizer},
+               "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                           "loadavg_1m_before": round(load_before, 2), "loadavg_1m_after": round(load_after, 2)},
+               "skipped": skipped,
+               "rows": rows}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -562,6 +562,10 @@ def main(argv: list[str] | None = None) -> int:
           " (other work on this machine moves absolute times; ratios of one run hold better)")
     if args.json:
         rows = [{"name": name, **summarize(runs)} for name, runs in results.items()]
+        base = next((r.get("recover_s") for r in rows if r["name"] == IN_PLACE), None)
+        for row in rows:
+            if base and row.get("recover_s") is not None:
+                row["recover_vs_in_place_ratio"] = round(row["recover_s"] / base, 3)
         rows.append({"name": "unbroken_no_fault_reference", "job_s": round(reference.job_s, 4)})
         doc = {"benchmark": "recovery",
                "params": {"nproc": NPROC, "kill_rank": KILL_RANK, "steps": args.steps, "kill_step": args.kill_step,

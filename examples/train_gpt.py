@@ -252,7 +252,8 @@ def resolve_num_replicas(requested: int, world_size: int) -> int:
     return requested
 
 
-def build_optimizer(model: nn.Module, args: argparse.Namespace, num_replicas: int) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, args: argparse.Namespace, num_replicas: int,
+                    job: "unbroken.Job | None" = None) -> torch.optim.Optimizer:
     # As nanoGPT: weight decay on matrices (weights, embeddings) only, not on LayerNorm gains.
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
@@ -262,12 +263,9 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace, num_replicas: in
         return torch.optim.AdamW(groups, **hyper)
     # ZeRO-1: optimizer state sharded over the ranks, each shard held by num_replicas ranks
     # so that a lost rank's shard survives on a peer. It averages gradients inside step().
-    try:
-        from unbroken.optim import ShardedOptimizer
-    except ImportError as exc:
-        raise SystemExit(f"train_gpt.py: --optimizer sharded needs unbroken.optim.ShardedOptimizer, "
-                         f"which this unbroken lacks ({exc}); run with --optimizer plain") from None
-    return ShardedOptimizer(groups, optimizer_class=torch.optim.AdamW, num_replicas=num_replicas, **hyper)
+    # It syncs over the job's process group, which changes after an in-flight recovery.
+    return unbroken.optim.ShardedOptimizer(groups, optimizer_class=torch.optim.AdamW, num_replicas=num_replicas,
+                                           process_group=job.process_group if job else None, **hyper)
 
 
 def _positive_int(text: str) -> int:
@@ -348,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
     torch.manual_seed(args.seed)  # same seed on every rank -> identical initial weights
     model = GPT(cfg).to(job.device)
-    opt = build_optimizer(model, args, num_replicas)
+    opt = build_optimizer(model, args, num_replicas, job)
     warmup_steps = min(args.warmup_steps, args.steps)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda step: lr_multiplier(step, warmup_steps=warmup_steps, total_steps=args.steps))

@@ -17,12 +17,22 @@ from tests.conftest import EXAMPLE, free_port
 from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, train
 
 STEPS = 12
+SHARDED = ["--optimizer", "sharded", "--num-replicas", "2"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     result, out, _ = train(tmp, "reference", steps=STEPS)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(tmp_path_factory):
+    """The fault-free run with the replicated sharded optimizer (N = 2): its own weights."""
+    tmp = tmp_path_factory.mktemp("sharded-reference")
+    result, out, _ = train(tmp, "reference", steps=STEPS, train_args=SHARDED)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -52,11 +62,13 @@ def _check_in_flight(result, out, run_dir, reference, replaced: set[int]) -> dic
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("optimizer", ["full-replication", "sharded-n2"])
 @pytest.mark.parametrize("phase", ["compute", "sync", "update"])
-def test_sigkill_recovered_in_place_bit_exact(tmp_path, reference, phase):
-    result, out, run_dir = train(tmp_path, f"kill-{phase}", steps=STEPS,
+def test_sigkill_recovered_in_place_bit_exact(tmp_path, reference, sharded_reference, phase, optimizer):
+    sharded = optimizer == "sharded-n2"
+    result, out, run_dir = train(tmp_path, f"kill-{phase}", steps=STEPS, train_args=SHARDED if sharded else [],
                                  flags=["--inject", f"kill:rank=2:step=7:at={phase}"])
-    done = _check_in_flight(result, out, run_dir, reference, {2})
+    done = _check_in_flight(result, out, run_dir, sharded_reference if sharded else reference, {2})
     # Killed after the step committed ('update'): it rolls forward and step 8 is redone;
     # killed before: step 7 rolls back.
     assert done["resume_step"] == (8 if phase == "update" else 7)
@@ -72,10 +84,28 @@ def test_hung_worker_killed_and_recovered_in_place(tmp_path, reference):
 
 
 @pytest.mark.timeout(200)
-def test_two_workers_killed_at_once_recovered_in_flight(tmp_path, reference):
-    result, out, run_dir = train(tmp_path, "two", steps=STEPS,
+def test_two_workers_in_different_blocks_killed_at_once_recovered_in_flight(tmp_path, sharded_reference):
+    # N = 2 over 4 ranks: blocks {0, 1} and {2, 3}; rank 0 holds shard 0 (with rank 2),
+    # rank 3 holds shard 1 (with rank 1): every shard keeps a live holder.
+    result, out, run_dir = train(tmp_path, "two", steps=STEPS, train_args=SHARDED,
                                  flags=["--inject", "kill:rank=0:step=6,kill:rank=3:step=6"])
-    _check_in_flight(result, out, run_dir, reference, {0, 3})
+    _check_in_flight(result, out, run_dir, sharded_reference, {0, 3})
+
+
+@pytest.mark.timeout(200)
+def test_both_holders_of_a_shard_lost_falls_back_to_the_checkpoint(tmp_path, sharded_reference):
+    # Ranks 0 and 2 both hold shard 0: no live replica, so the ladder falls to `exit`
+    # and the job resumes from the newest checkpoint, with the steps lost reported.
+    result, out, run_dir = train(tmp_path, "both", steps=STEPS, train_args=SHARDED, flags=[
+        "--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5",
+        "--inject", "kill:rank=0:step=7,kill:rank=2:step=7"])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert_same_weights(sharded_reference, out)
+    rungs = [d["rung"] for d in events(run_dir, "decision")]
+    assert rungs[-1] == "exit", rungs
+    assert "no live replica of optimizer shard 0" in events(run_dir, "decision")[-1]["reason"]
+    (recovered,) = events(run_dir, "recovered")
+    assert recovered["tier"] == "storage" and recovered["step"] - recovered["restored_step"] == 2  # steps lost
 
 
 @pytest.mark.timeout(200)

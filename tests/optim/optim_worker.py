@@ -160,7 +160,8 @@ def validation(rank, world):
         except OptimizerError as err:
             errors[f"replicas_{n}"] = str(err)
     try:
-        make("adamw", 2, seed=rank)  # different initial weights on every rank
+        model, opt, sched = make("adamw", 2, seed=rank)  # different initial weights on every rank
+        train(model, opt, sched, rank, world, 0, 1)  # checked at the first step (collective)
         errors["not_identical"] = "no error"
     except OptimizerError as err:
         errors["not_identical"] = str(err)

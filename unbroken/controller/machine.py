@@ -26,6 +26,7 @@ import enum
 from dataclasses import dataclass, field
 
 from unbroken.optim.replica_map import ReplicaMap
+from unbroken.recovery.consistency import InconsistentReports, Position, decide
 from unbroken.recovery.ladder import GIVE_UP, choose_rung
 
 
@@ -128,6 +129,7 @@ class WorkerPaused:
     rank: int
     attempt: int
     step: int
+    phase: str = "compute"
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,8 @@ class Regroup:
     gen: int
     resume_step: int
     replaced: frozenset[int]
+    direction: str = ""
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,7 @@ class Recovery:
     replaced: frozenset[int]
     tries: int = 1
     paused: frozenset[int] = frozenset()
+    positions: tuple[tuple[int, int, str], ...] = ()  # (rank, step, phase) of each paused survivor
     joined: frozenset[int] = frozenset()
     resumed: frozenset[int] = frozenset()
     regrouped: bool = False
@@ -455,7 +460,8 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         state = _replace(state, recovery=Recovery(rec.rung, rec.gen, rec.replaced, state.max_recovery_tries))
         return _recover(state, failure)
     if isinstance(event, WorkerPaused) and event.rank not in rec.replaced:
-        rec = dataclasses.replace(rec, paused=rec.paused | {event.rank})
+        positions = tuple(p for p in rec.positions if p[0] != event.rank) + ((event.rank, event.step, event.phase),)
+        rec = dataclasses.replace(rec, paused=rec.paused | {event.rank}, positions=positions)
     elif isinstance(event, ReplacementJoined) and event.rank in rec.replaced:
         rec = dataclasses.replace(rec, joined=rec.joined | {event.rank})
     elif isinstance(event, WorkerResumed) and event.gen == rec.gen and rec.regrouped:
@@ -468,6 +474,16 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
     else:
         return state, []
     if not rec.regrouped and rec.paused | rec.joined == state.ranks:
+        survivors = {rank: Position(step, phase) for rank, step, phase in rec.positions if rank in rec.paused}
+        try:
+            decision = decide(state.committed_step, survivors)
+        except (InconsistentReports, ValueError) as exc:  # a bug, never a normal fault: restart the job
+            failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="recovery-timeout")
+            state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries))
+            actions = [Decide("recover-in-place", failure, f"inconsistent survivor reports: {exc}")]
+            state, more = _recover(state, failure)
+            return state, actions + more
         rec = dataclasses.replace(rec, regrouped=True)
-        return _replace(state, recovery=rec), [Regroup(rec.gen, state.committed_step + 1, rec.replaced)]
+        return _replace(state, recovery=rec), [Regroup(rec.gen, decision.resume_step, rec.replaced,
+                                                       decision.direction.value, decision.reason)]
     return _replace(state, recovery=rec), []

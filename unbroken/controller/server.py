@@ -276,7 +276,8 @@ class Controller:
                 self._apply(sm.SessionReady(rank, attempt, msg.num_replicas))
             elif isinstance(msg, m.Paused):
                 self.events.emit("worker_paused", rank=rank, gen=msg.gen, step=msg.step, phase=msg.phase)
-                self._apply(sm.WorkerPaused(rank, attempt, msg.step))
+                phase = msg.phase if msg.phase in ("compute", "sync", "update", "done") else "compute"
+                self._apply(sm.WorkerPaused(rank, attempt, msg.step, phase))
             elif isinstance(msg, m.WorkerRegister) and msg.replacement:
                 self._on_replacement_joined(rank, msg.gen)
             elif isinstance(msg, m.Resumed):
@@ -388,7 +389,7 @@ class Controller:
             elif isinstance(action, sm.Regroup):
                 self._recovery_t["regroup"] = time.monotonic()
                 self.events.emit("regroup", gen=action.gen, resume_step=action.resume_step,
-                                 replaced=sorted(action.replaced))
+                                 replaced=sorted(action.replaced), direction=action.direction, reason=action.reason)
                 self._to_workers(m.Regroup(gen=action.gen, resume_step=action.resume_step,
                                            replaced=sorted(action.replaced)))
             elif isinstance(action, sm.Recovered):

@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from unbroken.errors import OptimizerError
-from unbroken.optim import statedict
+from unbroken.errors import CollectiveAborted, OptimizerError
+from unbroken.optim import repair, statedict
 from unbroken.optim.comm import AbortCheck, wait_all
 from unbroken.optim.layout import FlatLayout
 from unbroken.optim.params import checksum, collect_groups, param_names
@@ -87,6 +87,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise OptimizerError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
         self.on_phase = on_phase
         self.should_abort = should_abort
+        self.defer_aborted_gather = False  # set by an unbroken session: see step()
         self.abandoned_work: list[dist.Work] = []  # the graveyard: see unbroken.optim.comm
         self.retired_groups: list[dist.ProcessGroup] = []  # replaced by set_process_group()
         self.step_count = 0
@@ -99,7 +100,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._names = param_names(self._module, self._all_params)
         self._build_group(process_group, num_replicas)
         self._build_flat(bucket_bytes)
-        self._check_identical_params()
+        self._validated = False  # parameters checked identical across ranks (first step, collective)
         self._adopt_params()
         self._build_inner(optimizer_class, optimizer_kwargs)
         self._gather_group = self._build_block_group(block_group)
@@ -136,7 +137,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grad_views = [self._flat_grad[o:o + p.numel()].view_as(p) for p, o in zip(self._params, self._offsets)]
 
     def _check_identical_params(self) -> None:
-        """Collective: every rank must start from the same layout and bit-identical parameters."""
+        """Collective, at the first step: every rank must start from the same layout and
+        bit-identical parameters. Not at construction: a replacement process builds its
+        optimizer alone and receives its state from replicas (:meth:`recover`)."""
         if self.world_size == 1:
             return
         mine = torch.tensor([self.layout.numel, len(self._params), self.num_replicas, *checksum(self._flat_param)],
@@ -153,7 +156,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         differ = [r for r, row in enumerate(rows) if row[3:] != rows[0][3:]]
         if differ:
             raise OptimizerError(
-                f"parameters are not identical across ranks at construction: ranks {differ} differ from "
+                f"parameters are not identical across ranks at the first step: ranks {differ} differ from "
                 f"rank 0 (checksum of {self.layout.numel} elements). Seed the model identically on every "
                 "rank (torch.manual_seed before building it) or broadcast rank 0's parameters first")
 
@@ -247,9 +250,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._report("update", step)
         self._inner.step()
         self._gather_pending = True
-        self._gather_flat(self._flat_param, f"parameter gather of step {step}")
+        try:
+            self._gather_flat(self._flat_param, f"parameter gather of step {step}")
+        except (CollectiveAborted, RuntimeError):
+            if not self.defer_aborted_gather:
+                raise
+            # The step is committed and this shard updated: an in-flight recovery completes
+            # the gather (see unbroken.optim.repair); the training loop goes on meanwhile.
+            return loss
         self._finish(step)
         return loss
+
+    def recover(self, replaced: Iterable[int]) -> None:
+        """Collective on the current (new) group after ranks were lost: see :mod:`unbroken.optim.repair`."""
+        repair.recover(self, replaced)
+
+    @property
+    def gather_pending(self) -> bool:
+        """True when the last step's parameter gather was cut by a fault (the step itself committed)."""
+        return self._gather_pending
 
     def finish_step(self) -> None:
         """Complete a step whose parameter gather was aborted (its shard update is already applied)."""
@@ -279,6 +298,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._grads_synced:
             return
         self._check_params()
+        if not self._validated:  # once, at the first step: every rank calls step() together
+            self._check_identical_params()
+            self._validated = True
         self._report("sync", self.step_count)
         buckets = self.layout.grad_buckets()
         works, next_bucket = [], 0
@@ -377,6 +399,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._load_inner(inner, int(meta["step_count"]))
 
     def _load_inner(self, inner_sd: dict[str, Any], step_count: int) -> None:
+        self._validated = True  # restored state: the parameters come with it, no first-step check
         self._inner.load_state_dict(inner_sd)
         self._link_inner()  # torch replaced the group dicts
         self.step_count = step_count

@@ -75,6 +75,10 @@ def decide(committed_step: int, survivors: Mapping[int, Position]) -> Decision:
         if pos.step == resume and pos.phase in ("update", "done"):
             raise InconsistentReports(
                 f"rank {rank} reports phase {pos.phase!r} of uncommitted step {pos.step}")
+        if pos.step == committed_step and pos.phase in ("compute", "sync"):
+            raise InconsistentReports(
+                f"rank {rank} reports phase {pos.phase!r} of step {pos.step}, which committed only after "
+                "every rank finished its reduction")
     in_flight = max(pos.step for pos in survivors.values())
     if in_flight == committed_step:
         return Decision(Direction.ROLL_FORWARD, in_flight, resume,

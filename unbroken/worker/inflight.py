@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from unbroken.errors import JobFailed
 from unbroken.protocol.messages import Regroup
-from unbroken.worker.transfer import broadcast_state
+from unbroken.recovery.transfer import broadcast_state
 
 if TYPE_CHECKING:
     from unbroken.worker.session import Job
@@ -51,10 +51,11 @@ def new_group(job: Job, gen: int) -> dist.ProcessGroup:
 def survive(job: Job) -> int:
     """A survivor's side; returns the step to resume at."""
     started = time.monotonic()
+    job._pause_phase = job._phase if job._in_step else "compute"  # between steps: the next one's start
     job._drop_step_in_flight()
     control = job._control
     reported = control.abort_gen
-    control.paused(reported, job.step_index, job._phase)
+    control.paused(reported, job.step_index, job._pause_phase)
     return _transfer_until_done(job, started, _await_order(job, reported))
 
 
@@ -77,7 +78,7 @@ def _announce(job: Job, gen: int) -> None:
     if job._needs_state:
         job._control.joined(gen)
     else:
-        job._control.paused(gen, job.step_index, job._phase)
+        job._control.paused(gen, job.step_index, job._pause_phase)
 
 
 def _await_order(job: Job, reported: int) -> Regroup:

@@ -96,6 +96,7 @@ class Job:
         self._committed_this_step = False
         self._announced_ready = False
         self._needs_state = cfg.replacement  # a replacement receives its state from replicas
+        self._pause_phase = "compute"
         self._control = self._build_control()
         self._injector = self._build_injector()
         self._storage = self._build_storage()
@@ -184,7 +185,7 @@ class Job:
         self._step = inflight.join(self, self._order) if self._needs_state else self._restore()
         self._restored = True
         while self._step < total:
-            if self._should_abort() or self._recovery_needed:
+            if self._should_abort() or self._recovery_needed or self._gather_cut():
                 self._recovery_needed = False
                 self._step = inflight.survive(self)
                 continue
@@ -198,6 +199,13 @@ class Job:
                 continue
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
+            try:
+                self._maybe_checkpoint()
+            except Exception as exc:  # a peer lost during the checkpoint: not committed, recover
+                if not self._is_recoverable(exc):
+                    raise
+                self._recovery_needed = True
+                continue
             self._report_progress()
         if self._control is not None:  # past the loop: no step progress to expect any more
             self._control.progress(self._step, "finished", {})
@@ -270,6 +278,10 @@ class Job:
                      f"all-reduce of step {self._step}")
         return tensor
 
+    def _gather_cut(self) -> bool:
+        """A tracked optimizer's parameter gather was cut by a fault (its step committed)."""
+        return self._control is not None and any(getattr(o, "gather_pending", False) for o in self._tracked.values())
+
     def _should_abort(self) -> bool:
         return self._control is not None and self._control.abort_gen > self._gen
 
@@ -336,6 +348,8 @@ class Job:
         self._announce_ready()
         self._step = index + 1
         self._last_step_s = time.monotonic() - self._step_started
+
+    def _maybe_checkpoint(self) -> None:
         every = self.cfg.checkpoint.every_steps
         if every and self._step % every == 0:
             self._save(self._step)
@@ -365,8 +379,8 @@ class Job:
         _set_rng_state(state["rng"])
 
     def _all_min(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
     def _save(self, step: int) -> None:

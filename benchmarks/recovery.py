@@ -356,6 +356,10 @@ class Bench:
         out = d / "weights.safetensors"
         cmd, env = self.command(name, d, out)
         res = launch(cmd, env, self.args.run_timeout_s, self.args.verbose)
+        if self.args.keep_logs:
+            log_dir = Path(self.args.keep_logs)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            (log_dir / f"{d.name}.log").write_text("".join(f"{t:.6f} {line}\n" for t, line in res.lines))
         run = Run(name, job_s=res.job_s)
         analyze(run, res.lines, self.args.kill_step, self.args.steps)
         if name.startswith("unbroken_"):
@@ -372,7 +376,9 @@ class Bench:
         else:
             run.problems.append("no final weights written")
         if not run.ok:
-            run.tail = [line for _, line in res.lines[-15:]]
+            notable = [line for _, line in res.lines
+                       if re.search(r"terminate called|abort|core dumped|fatal", line, re.I)]
+            run.tail = notable[:10] + ["..."] + [line for _, line in res.lines[-15:]]
         shutil.rmtree(d, ignore_errors=True)  # checkpoints of a run are not needed afterwards
         return run
 
@@ -503,6 +509,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-timeout-s", type=float, default=240.0, help="a run still going after this is killed")
     p.add_argument("--json", default=None, help="write the figures here (BENCHMARKS.md layout)")
     p.add_argument("--verbose", action="store_true", help="echo every launcher's output")
+    p.add_argument("--keep-logs", default=None, metavar="DIR",
+                   help="write each run's stamped output to DIR/<nnn>-<row>.log")
     args = p.parse_args(argv)
     if not 0 < args.kill_step < args.steps:
         p.error(f"--kill-step must be in [1, {args.steps - 1}], got {args.kill_step}")

@@ -117,7 +117,7 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
     root = Path(run_dir or f"runs/demo-{secrets.token_hex(3)}").absolute()
     kill_step, hang_step = max(1, steps // 3), max(2, (2 * steps) // 3)
     common = dict(script=str(EXAMPLE), nproc_per_node=nproc, max_restarts=3, omp_num_threads=1)
-    args = ("--steps", str(steps), "--step-sleep-s", "0.02", "--optimizer", "plain")
+    args = ("--steps", str(steps), "--step-sleep-s", "0.02")
     console.rule("[bold]unbroken demo")
     console.print(f"{nproc} ranks, example GPT, {steps} steps. Run directory: {root}")
     ref = resolve(LaunchConfig(**common, script_args=args + ("--out", str(root / "reference.safetensors")),

@@ -261,6 +261,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._finish(step)
         return loss
 
+    def release_process_groups(self) -> None:
+        """Drop this optimizer's references to its process groups (the job is over)."""
+        self.process_group = self._gather_group = None
+        self.retired_groups = []
+
     def recover(self, replaced: Iterable[int]) -> None:
         """Collective on the current (new) group after ranks were lost: see :mod:`unbroken.optim.repair`."""
         repair.recover(self, replaced)

@@ -13,6 +13,7 @@ optimizer reports ``sync``/``update``/``done`` through :meth:`Job.phase`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -97,6 +98,7 @@ class Job:
         self._announced_ready = False
         self._needs_state = cfg.replacement  # a replacement receives its state from replicas
         self._pause_phase = "compute"
+        self._owns_default_group = False
         self._control = self._build_control()
         self._injector = self._build_injector()
         self._storage = self._build_storage()
@@ -140,9 +142,10 @@ class Job:
                                         is_master=False, timeout=timeout)
             if self.cfg.replacement:
                 return  # joins the next generation's group when the regroup order comes
-        if dist.is_initialized():
+        if dist.is_initialized():  # the script built it: the script destroys it
             self._group = dist.group.WORLD
             return
+        self._owns_default_group = True
         if self.cfg.mode == "managed":
             dist.init_process_group(backend, store=dist.PrefixStore("gen0/", self._store), rank=self.rank,
                                     world_size=self.world_size, timeout=timeout)
@@ -336,10 +339,26 @@ class Job:
         return self._step
 
     def close(self) -> None:
-        """Leave the job: closes the controller link. Safe to call twice."""
+        """Leave the job: closes the controller link and the process group. Safe to call twice."""
         if self._control is not None:
             self._control.close()
             self._control = None
+        self._release_process_groups()
+
+    def _release_process_groups(self) -> None:
+        """Destroy the process groups now, not at interpreter exit, where a gloo group still
+        alive can abort the process. Groups with abandoned work stay (FACTS.md: destroying
+        them blocks until their timeout); a process exits cleanly with them."""
+        if not self._owns_default_group or not dist.is_initialized():
+            return
+        if self._graveyard or any(getattr(o, "abandoned_work", None) for o in self._tracked.values()):
+            return
+        for obj in self._tracked.values():
+            if hasattr(obj, "release_process_groups"):
+                obj.release_process_groups()
+        self._group = None
+        dist.destroy_process_group()
+        gc.collect()  # the group objects go now, while the interpreter is whole
 
     # -- internals -----------------------------------------------------------------------
     def _end_step(self, index: int) -> None:

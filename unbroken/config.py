@@ -104,9 +104,10 @@ class LaunchConfig:
     secret: str = ""
     job_id: str = ""
     inject: str = ""
-    recover_strategy: tuple[str, ...] = ("recover-in-place", "exit")
+    recover_strategy: tuple[str, ...] = ("recover-in-place", "recover", "exit")
     recovery_timeout_s: float = 60.0
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
+    no_replica_restore: bool = False  # never restore from replicas: checkpoints only (seeds' no-replica)
     stop_grace_s: float = 3.0
     pg_timeout_s: float = 60.0
     omp_num_threads: int = 1

@@ -66,9 +66,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("ckpt-every-steps", type=_positive_int, default=0, help="checkpoint every K steps (0: never)")
     flag("keep-checkpoints", type=_positive_int, default=3, help="committed checkpoints kept")
     flag("inject", default="", metavar="PLAN", help="faults to inject, e.g. kill:rank=2:step=30")
-    flag("recover-strategy", default="recover-in-place,exit",
-         help="allowed recovery strategies, cheapest first, a comma list (default recover-in-place,exit)")
+    flag("recover-strategy", default="recover-in-place,recover,exit",
+         help="allowed recovery strategies, cheapest first, a comma list (default recover-in-place,recover,exit)")
     flag("standby", action="store_true", help="join a running job as a spare agent (rung `recover`)")
+    flag("no-replica-restore", action="store_true",
+         help="never restore a lost rank from replicas; recover from the newest checkpoint instead")
     flag("recovery-timeout-s", type=_float, default=60.0, help="deadline of one in-flight recovery attempt")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
@@ -125,6 +127,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         recover_strategy=parse_strategies(args.recover_strategy),
         recovery_timeout_s=args.recovery_timeout_s,
         standby=args.standby,
+        no_replica_restore=args.no_replica_restore,
         pg_timeout_s=args.pg_timeout_s,
         checkpoint=CheckpointConfig(save_dir=args.save, load_dir=args.load,
                                     every_steps=args.ckpt_every_steps, keep=args.keep_checkpoints),

@@ -269,6 +269,7 @@ class JobState:
     recovery: Recovery | None = None
     max_recovery_tries: int = 3
     placement: tuple[int, ...] = ()  # the agent hosting each rank; () means rank // (world / nnodes)
+    replicas_allowed: bool = True  # False: --no-replica-restore
     standbys: frozenset[int] = frozenset()
 
     @property
@@ -345,6 +346,8 @@ def _on_worker_exited(state: JobState, event: WorkerExited) -> tuple[JobState, l
 
 def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str]:
     """Can the dead ranks be replaced in flight? (Every piece of their state has a live holder.)"""
+    if not state.replicas_allowed:
+        return False, "restoring from replicas is off (--no-replica-restore)"
     if state.ready != state.ranks:
         missing = sorted(state.ranks - state.ready)
         return False, f"ranks {missing} do not run an unbroken step loop (job.steps) yet"

@@ -66,7 +66,8 @@ class Controller:
         self.events = events
         self._lock = threading.RLock()
         self._state = sm.JobState(world_size=cfg.world_size, nnodes=cfg.nnodes,
-                                  max_restarts=cfg.max_restarts, allowed=cfg.recover_strategy)
+                                  max_restarts=cfg.max_restarts, allowed=cfg.recover_strategy,
+                                  replicas_allowed=not cfg.no_replica_restore)
         self._agents: dict[int, Connection] = {}
         self._workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
         self._step_times: deque[float] = deque(maxlen=200)

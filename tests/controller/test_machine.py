@@ -1,0 +1,162 @@
+"""The controller's state machine, as a pure function: decisions without processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from unbroken.controller import machine as sm
+
+
+def start(world=4, nnodes=1, max_restarts=3, allowed=("recover-in-place", "recover", "exit"), replicas=0, **kw):
+    state = sm.JobState(world_size=world, nnodes=nnodes, max_restarts=max_restarts, allowed=allowed, **kw)
+    for node in range(nnodes):
+        state, actions = sm.transition(state, sm.AgentJoined(node))
+    assert actions == [sm.StartAttempt(0)]
+    for rank in range(world):  # every rank runs a step loop that commits
+        state, _ = sm.transition(state, sm.SessionReady(rank, 0, replicas))
+    return state
+
+
+def run(state, *events):
+    actions = []
+    for event in events:
+        state, more = sm.transition(state, event)
+        actions += more
+    return state, actions
+
+
+def kinds(actions):
+    return [type(a).__name__ for a in actions]
+
+
+def commit(state, step):
+    return run(state, *(sm.StepSynced(r, state.attempt, state.gen, step) for r in range(state.world_size)))
+
+
+def test_a_step_commits_only_when_every_rank_reported_its_reduction():
+    state = start()
+    state, actions = run(state, *(sm.StepSynced(r, 0, 0, 5) for r in range(3)))
+    assert actions == [] and state.committed_step == -1
+    state, actions = run(state, sm.StepSynced(3, 0, 0, 5))
+    assert actions == [sm.CommitStep(0, 5)] and state.committed_step == 5
+
+
+def test_dead_rank_the_only_one_synced_means_roll_back():
+    state, _ = commit(start(), 4)
+    state, _ = run(state, sm.StepSynced(2, 0, 0, 5))  # only rank 2 finished the reduction of step 5
+    state, actions = run(state, sm.WorkerExited(2, 0, None, 9, step=5))
+    assert kinds(actions) == ["Decide", "AbortGeneration", "RestartRanks"]
+    assert actions[0].rung == "recover-in-place" and actions[2] == sm.RestartRanks(frozenset({2}), 1, 0)
+    state, actions = run(state, *(sm.WorkerPaused(r, 0, 5, "sync") for r in (0, 1, 3)),
+                         sm.ReplacementJoined(2, 0, 1))
+    (regroup,) = actions
+    assert (regroup.gen, regroup.resume_step, regroup.replaced) == (1, 5, frozenset({2}))
+    assert regroup.direction == "roll-back"
+    state, actions = run(state, *(sm.WorkerResumed(r, 0, 1) for r in range(4)))
+    assert actions == [sm.Recovered(1, 5, frozenset({2}))]
+    assert state.phase is sm.JobPhase.RUNNING and state.gen == 1
+
+
+def test_crash_after_commit_rolls_forward():
+    state, _ = commit(start(), 5)
+    state, _ = run(state, sm.WorkerExited(1, 0, None, 9, step=5))
+    state, actions = run(state, sm.WorkerPaused(0, 0, 5, "update"), sm.WorkerPaused(2, 0, 6, "sync"),
+                         sm.WorkerPaused(3, 0, 6, "compute"), sm.ReplacementJoined(1, 0, 1))
+    assert actions[0].resume_step == 6
+
+
+def test_a_second_fault_during_recovery_starts_the_next_generation():
+    state = start()
+    state, _ = run(state, sm.WorkerExited(2, 0, None, 9), sm.WorkerPaused(0, 0, 0, "sync"))
+    state, actions = run(state, sm.WorkerExited(0, 0, None, 9))  # a source dies while recovering
+    assert kinds(actions) == ["Decide", "AbortGeneration", "RestartRanks"]
+    assert state.recovery.gen == 2 and state.recovery.replaced == {0, 2} and state.recovery.paused == frozenset()
+    state, actions = run(state, sm.WorkerPaused(1, 0, 0, "sync"), sm.WorkerPaused(3, 0, 0, "sync"),
+                         sm.ReplacementJoined(2, 0, 2), sm.ReplacementJoined(0, 0, 2))
+    assert kinds(actions) == ["Regroup"] and actions[0].gen == 2
+
+
+def test_no_live_replica_falls_to_exit_and_restarts_the_job():
+    state = start(replicas=2)  # N = 2 over 4 ranks: shard 0 on ranks {0, 2}
+    state, _ = run(state, sm.WorkerExited(0, 0, None, 9))
+    state, actions = run(state, sm.WorkerExited(2, 0, None, 9))
+    assert kinds(actions) == ["Decide", "StopAttempt"] and actions[0].rung == "exit"
+    assert "no live replica of optimizer shard 0" in actions[0].reason
+    state, actions = run(state, sm.AgentStopped(0, 0))
+    assert actions == [sm.StartAttempt(1)] and state.restarts_used == 1 and state.ready == frozenset()
+
+
+def test_two_ranks_in_different_blocks_are_replaced_in_flight():
+    state = start(replicas=2)
+    state, _ = run(state, sm.WorkerExited(0, 0, None, 9))
+    state, actions = run(state, sm.WorkerExited(3, 0, None, 9))
+    assert actions[0].rung == "recover-in-place" and state.recovery.replaced == {0, 3}
+
+
+def test_without_a_step_loop_everywhere_only_exit_is_feasible():
+    state = sm.JobState(world_size=2, nnodes=1, max_restarts=1, allowed=("recover-in-place", "exit"))
+    state, _ = run(state, sm.AgentJoined(0), sm.SessionReady(0, 0, 0))
+    state, actions = run(state, sm.WorkerExited(1, 0, 1, None))
+    assert actions[0].rung == "exit" and "do not run an unbroken step loop" in actions[0].reason
+
+
+def test_no_replica_restore_forbids_in_flight():
+    state = start(replicas_allowed=False)
+    state, actions = run(state, sm.WorkerExited(1, 0, None, 9))
+    assert actions[0].rung == "exit" and "--no-replica-restore" in actions[0].reason
+
+
+def test_recover_moves_the_rank_to_a_standby_agent():
+    state = start(allowed=("recover", "exit"))
+    state, _ = run(state, sm.StandbyJoined(1))
+    state, actions = run(state, sm.WorkerExited(2, 0, None, 9))
+    assert actions[0].rung == "recover" and actions[2] == sm.RestartRanks(frozenset({2}), 1, 1)
+    assert state.agent_of(2) == 1 and state.standbys == frozenset()
+
+
+def test_a_lost_node_recovers_onto_a_standby_or_fails():
+    state = start(world=4, nnodes=2)
+    state, actions = run(state, sm.AgentLost(1))
+    assert kinds(actions)[-1] == "Finish" and actions[-1].exit_code == 1  # no spare: nothing can host 2, 3
+    state = start(world=4, nnodes=2)
+    state, _ = run(state, sm.StandbyJoined(2))
+    state, actions = run(state, sm.AgentLost(1))
+    assert actions[0].rung == "recover" and actions[2] == sm.RestartRanks(frozenset({2, 3}), 1, 2)
+
+
+def test_recovery_timeout_falls_to_exit():
+    state = start()
+    state, _ = run(state, sm.WorkerExited(2, 0, None, 9))
+    state, actions = run(state, sm.RecoveryTimeout(0, 1))
+    assert actions[0].rung == "exit" and state.phase is sm.JobPhase.STOPPING
+
+
+def test_hang_kills_one_rank_at_a_time():
+    state = start()
+    state, actions = run(state, sm.WorkerHung(1, 0, 7, 6.0), sm.WorkerHung(2, 0, 7, 6.0))
+    assert actions == [sm.KillWorker(1, "rank 1 made no step progress for 6.0 s")]
+    state, actions = run(state, sm.WorkerExited(1, 0, None, 9, step=7))
+    assert actions[0].failure.kind == "hang"
+
+
+def test_restart_budget_spent_reports_the_first_failure():
+    state = start(allowed=("exit",), max_restarts=1)
+    state, _ = run(state, sm.WorkerExited(3, 0, 2, None, step=4), sm.AgentStopped(0, 0))
+    state, actions = run(state, sm.WorkerExited(1, 1, None, 9, step=1))
+    assert actions[-1] == sm.Finish(1, "restart budget spent (1 of --max-restarts 1 used); root cause: "
+                                       "rank 3 exited (exit code 2) at step 4, attempt 0")
+    assert state.phase is sm.JobPhase.FAILED
+
+
+def test_events_of_an_older_attempt_are_ignored():
+    state = start(allowed=("exit",))
+    state, _ = run(state, sm.WorkerExited(0, 0, 1, None), sm.AgentStopped(0, 0))
+    before = dataclasses.replace(state)
+    state, actions = run(state, sm.WorkerExited(2, 0, 1, None), sm.StepSynced(1, 0, 0, 3))
+    assert actions == [] and state == before
+
+
+def test_all_ranks_finishing_ends_the_job():
+    state = start(world=2)
+    state, actions = run(state, sm.WorkerExited(0, 0, 0, None), sm.WorkerExited(1, 0, 0, None))
+    assert actions == [sm.Finish(0, "all 2 ranks finished")]

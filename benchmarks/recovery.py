@@ -11,7 +11,10 @@ it enters step --kill-step. Rows (BENCHMARKS.md names), interleaved A B C D A B 
   unbroken_restart_memory    `--recover-strategy exit --save DIR --ckpt-every-steps 1
                              --persist-every-steps C`: job restart from the shared-memory tier
                              (only when `unbroken run` has --persist-every-steps)
-  unbroken_restart_storage   `--recover-strategy exit --save DIR --ckpt-every-steps C`
+  unbroken_restart_storage   `--recover-strategy exit --save DIR --ckpt-every-steps C`; where the
+                             memory tier exists, `--ckpt-every-steps 0 --persist-every-steps C`
+                             instead (no shared-memory snapshots: each worker writes storage every
+                             C steps and the restart restores from storage, as the row says)
   torchrun_restart           `python -m torch.distributed.run --max-restarts 1 --rdzv-backend c10d`
                              with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see FACTS.md). The example
                              checkpoints every C steps through UNBROKEN_SAVE_DIR /
@@ -178,6 +181,7 @@ class Run:
     lost_steps: int | None = None
     job_s: float | None = None
     weights_equal: bool | None = None
+    timed_out: bool = False
     extra: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -284,8 +288,9 @@ def clean_shm(run_dir: Path) -> list[str]:
 # The rows.
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, workdir: Path, memory_tier: bool) -> None:
         self.args = args
+        self.memory_tier = memory_tier
         self.workdir = workdir
         self.counter = 0
         self.reference: dict | None = None
@@ -338,8 +343,10 @@ class Bench:
             return [*base, "--recover-strategy", "exit", "--save", str(d / "ckpt"), "--ckpt-every-steps", "1",
                     "--persist-every-steps", str(a.ckpt_every), *self.script_args(out)], env
         if name == "unbroken_restart_storage":
-            return [*base, "--recover-strategy", "exit", "--save", str(d / "ckpt"),
-                    "--ckpt-every-steps", str(a.ckpt_every), *self.script_args(out)], env
+            every = (["--ckpt-every-steps", "0", "--persist-every-steps", str(a.ckpt_every)] if self.memory_tier
+                     else ["--ckpt-every-steps", str(a.ckpt_every)])
+            return [*base, "--recover-strategy", "exit", "--save", str(d / "ckpt"), *every,
+                    *self.script_args(out)], env
         if name == "torchrun_restart":
             env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", UNBROKEN_SAVE_DIR=str(d / "ckpt"),
                        UNBROKEN_CKPT_EVERY_STEPS=str(a.ckpt_every), UNBROKEN_INJECT=self.inject,
@@ -368,6 +375,7 @@ class Bench:
             if leftover:
                 run.notes.append(f"removed {len(leftover)} leftover /dev/shm file(s)")
         if res.timed_out:
+            run.timed_out, run.job_s = True, None  # the job never finished: no job_s
             run.problems.append(f"timed out after {self.args.run_timeout_s:.0f} s")
         elif res.rc != 0:
             run.problems.append(f"exit code {res.rc}")
@@ -524,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     skipped: dict[str, str] = {}
-    if not has_memory_tier():
+    memory_tier = has_memory_tier()
+    if not memory_tier:
         skipped["unbroken_restart_memory"] = "n/a (memory tier not available in this version)"
     if importlib.util.find_spec("torchft") is None:
         skipped["torchft"] = "n/a (torchft not installed: skipped)"
@@ -538,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="unbroken-recovery-bench-"))
     results: dict[str, list[Run]] = {name: [] for name in ROWS if name not in skipped}
     try:
-        bench = Bench(args, workdir)
+        bench = Bench(args, workdir, memory_tier)
         print("fault-free reference run ...", flush=True)
         reference = bench.reference_run()
         if not reference.ok:
@@ -553,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                 run = bench.run_row(name)
                 results[name].append(run)
                 rec = "-" if run.recover_s is None else f"{run.recover_s:.2f}"
-                print(f"  recover_s {rec}, lost_steps {run.lost_steps}, job_s {run.job_s:.1f}, "
+                job = "-" if run.job_s is None else f"{run.job_s:.1f}"
+                print(f"  recover_s {rec}, lost_steps {run.lost_steps}, job_s {job}, "
                       f"weights {'equal' if run.weights_equal else 'DIFFER' if run.weights_equal is False else '?'}"
                       + (f"  PROBLEM: {'; '.join(run.problems)}" if run.problems else ""), flush=True)
     except KeyboardInterrupt:
@@ -578,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"benchmark": "recovery",
                "params": {"nproc": NPROC, "kill_rank": KILL_RANK, "steps": args.steps, "kill_step": args.kill_step,
                           "ckpt_every": args.ckpt_every, "repeats": args.repeats,
-                          "step_sleep_s": args.step_sleep_s, "optimizer": args.optimizer},
+                          "step_sleep_s": args.step_sleep_s, "optimizer": args.optimizer,
+                          "memory_tier_available": memory_tier},
                "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
                            "loadavg_1m_before": round(load_before, 2), "loadavg_1m_after": round(load_after, 2)},
                "skipped": skipped,

@@ -31,6 +31,8 @@ ENV_SAVE_DIR = "UNBROKEN_SAVE_DIR"
 ENV_LOAD_DIR = "UNBROKEN_LOAD_DIR"
 ENV_CKPT_EVERY = "UNBROKEN_CKPT_EVERY_STEPS"
 ENV_KEEP = "UNBROKEN_KEEP_CHECKPOINTS"
+ENV_PERSIST_EVERY = "UNBROKEN_PERSIST_EVERY_STEPS"
+ENV_SHM_DIR = "UNBROKEN_SHM_DIR"
 ENV_INJECT = "UNBROKEN_INJECT"
 ENV_PG_TIMEOUT = "UNBROKEN_PG_TIMEOUT_S"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
@@ -72,15 +74,27 @@ class CheckpointConfig:
 
     save_dir: str | None = None
     load_dir: str | None = None
-    every_steps: int = 0  # 0: never
+    every_steps: int = 0  # memory-tier snapshots under `unbroken run` (0: none)
+    persist_every_steps: int = 0  # storage-tier checkpoints (0: none; without a memory tier: every_steps)
     keep: int = 3
+    shm_dir: str = "/dev/shm"
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 0,
                  f"--ckpt-every-steps must be >= 0 (0 turns checkpoints off), got {self.every_steps}")
+        _require(self.persist_every_steps >= 0,
+                 f"--persist-every-steps must be >= 0 (0: never), got {self.persist_every_steps}")
         _require(self.keep >= 1, f"--keep-checkpoints must be >= 1, got {self.keep}")
-        _require(not (self.every_steps and not self.save_dir),
-                 "--ckpt-every-steps needs --save DIR (where to write the checkpoints)")
+        _require(not (self.every_steps and self.persist_every_steps % self.every_steps),
+                 f"--persist-every-steps {self.persist_every_steps} must be a multiple of --ckpt-every-steps "
+                 f"{self.every_steps} (storage checkpoints are made from shared-memory snapshots)")
+        _require(not ((self.every_steps or self.persist_every_steps) and not self.save_dir),
+                 "--ckpt-every-steps/--persist-every-steps need --save DIR (where checkpoints go)")
+
+    @property
+    def storage_every_steps(self) -> int:
+        """How often a worker without a memory tier (plain torchrun, one process) writes storage."""
+        return self.persist_every_steps or self.every_steps
 
     @property
     def resume_dir(self) -> str | None:
@@ -229,9 +243,12 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         save_dir=env.get(ENV_SAVE_DIR) or None,
         load_dir=env.get(ENV_LOAD_DIR) or None,
         every_steps=_env_int(env, ENV_CKPT_EVERY, 0),
+        persist_every_steps=_env_int(env, ENV_PERSIST_EVERY, 0),
         keep=_env_int(env, ENV_KEEP, 3),
+        shm_dir=env.get(ENV_SHM_DIR) or "/dev/shm",
     )
-    ckpt_fields = {k: overrides.pop(k) for k in ("save_dir", "load_dir", "every_steps", "keep") if k in overrides}
+    ckpt_fields = {k: overrides.pop(k) for k in ("save_dir", "load_dir", "every_steps", "persist_every_steps",
+                                                 "keep") if k in overrides}
     if ckpt_fields:
         ckpt = dataclasses.replace(ckpt, **ckpt_fields)
     cfg = WorkerConfig(
@@ -297,7 +314,9 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         ENV_RUN_DIR: str(cfg.run_dir),
         ENV_INJECT: cfg.inject,
         ENV_CKPT_EVERY: str(ckpt.every_steps),
+        ENV_PERSIST_EVERY: str(ckpt.persist_every_steps),
         ENV_KEEP: str(ckpt.keep),
+        ENV_SHM_DIR: ckpt.shm_dir,
         ENV_PG_TIMEOUT: str(cfg.pg_timeout_s),
         ENV_GEN: str(gen),
         ENV_RECOVERY_TIMEOUT: str(cfg.recovery_timeout_s),

@@ -105,7 +105,7 @@ def test_both_holders_of_a_shard_lost_falls_back_to_the_checkpoint(tmp_path, sha
     assert rungs[-1] == "exit", rungs
     assert "no live replica of optimizer shard 0" in events(run_dir, "decision")[-1]["reason"]
     (recovered,) = events(run_dir, "recovered")
-    assert recovered["tier"] == "storage" and recovered["step"] - recovered["restored_step"] == 2  # steps lost
+    assert recovered["tier"] == "memory" and recovered["step"] - recovered["restored_step"] == 2  # steps lost
 
 
 @pytest.mark.timeout(200)

@@ -36,7 +36,7 @@ def test_sigkill_of_one_worker_resumes_bit_exact(tmp_path, reference):
     (decision,) = events(run_dir, "decision")
     assert (decision["rung"], decision["rank"], decision["kind"]) == ("exit", 2, "crash")
     restored = events(run_dir, "restored")
-    assert {e["step"] for e in restored} == {5} and len(restored) == 4
+    assert {(e["step"], e["tier"]) for e in restored} == {(5, "memory")} and len(restored) == 4
     (recovered,) = events(run_dir, "recovered")
     assert recovered["step"] == 7 and recovered["restored_step"] == 5
 
@@ -73,7 +73,8 @@ def test_sigkill_under_plain_torchrun_resumes_bit_exact(tmp_path, reference):
 @pytest.mark.timeout(200)
 def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
-    result, _, _ = train(tmp_path, "first", steps=STEPS, flags=["--save", str(ckpt), "--ckpt-every-steps", "5"])
+    result, _, _ = train(tmp_path, "first", steps=STEPS, flags=["--save", str(ckpt), "--ckpt-every-steps", "5",
+                                                              "--persist-every-steps", "5"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     victim = ckpt / "step_00000010" / "rank_00001.safetensors"
     data = bytearray(victim.read_bytes())
@@ -108,7 +109,7 @@ def test_two_agents_on_loopback_recover_a_crash_on_the_second_node(tmp_path, ref
 
 @pytest.mark.timeout(120)
 def test_restart_budget_spent_reports_the_root_cause(tmp_path):
-    result, _, run_dir = train(tmp_path, "budget", steps=6, nproc=2, flags=[
+    result, _, run_dir = train(tmp_path, "budget", steps=6, nproc=2, flags=[*EXIT_ONLY,
         "--max-restarts", "0", "--inject", "raise:rank=1:step=3"])
     assert result.returncode == 1
     assert "root cause: rank 1" in result.stderr

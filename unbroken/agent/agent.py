@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from unbroken.agent.persister import Persister
+from unbroken.checkpoint import memory
 from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
@@ -61,6 +63,9 @@ class Agent:
         self._conn: Connection | None = None
         self._store_addr: tuple[str, int] = ("", 0)
         self.standby = cfg.standby
+        ckpt = cfg.checkpoint
+        self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._local_ranks, self._report_persisted) \
+            if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id else None
         self._world_size = 0  # the job's, from the controller's orders
         self._local_ranks: dict[int, int] = {}
         self._stop = threading.Event()
@@ -74,6 +79,9 @@ class Agent:
         self._conn.send(m.AgentRegister(node_rank=self.node_rank, nproc=self.cfg.nproc_per_node,
                                         host=socket.gethostname(), pid=os.getpid(), standby=self.standby))
         self._watcher.start()
+        self._claim_shared_memory()
+        if self._persister is not None:
+            self._persister.start()
         try:
             while True:
                 try:
@@ -94,7 +102,32 @@ class Agent:
         finally:
             self._stop.set()
             self._stop_all(None)
+            if self._persister is not None:
+                self._persister.stop()
+            self._release_shared_memory()
             self._conn.close()
+
+    # -- the node's shared-memory snapshots -------------------------------------------------
+    def _claim_shared_memory(self) -> None:
+        """Own this job's snapshot files on the node; clear what crashed jobs left behind."""
+        shm = self.cfg.checkpoint.shm_dir
+        if not self.cfg.job_id or not os.path.isdir(shm):
+            return
+        for job in memory.sweep_stale(shm):
+            log.info("agent %d: removed the shared-memory snapshots of dead job %s", self.node_rank, job)
+        memory.claim_job(shm, self.cfg.job_id, os.getpid())
+
+    def _release_shared_memory(self) -> None:
+        shm = self.cfg.checkpoint.shm_dir
+        if self.cfg.job_id and os.path.isdir(shm):
+            memory.remove_job(shm, self.cfg.job_id)
+
+    def _report_persisted(self, step: int, ranks: list[int], seconds: float, error: str) -> None:
+        self._send(m.Persisted(step=step, ranks=ranks, seconds=seconds, error=error))
+
+    def _local_ranks(self) -> list[int]:
+        with self._lock:
+            return sorted(r for r, p in self._procs.items() if p.state == "running")
 
     # -- workers -------------------------------------------------------------------------
     def _start(self, msg: m.StartWorkers) -> None:

@@ -51,7 +51,7 @@ CHUNK_BYTES = 64 << 20  # crc32 granularity: chunks verify in parallel on load
 GROWTH, GROW_ROUND_BYTES = 1.25, 2 << 20  # a slot too small grows to needed * 1.25, once
 MIN_HEADROOM_BYTES = 256 << 20  # left free in shm_dir: max(this, 10% of the free bytes)
 _JOB_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_SLOT_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})-r\d{5,}-s[01]$")
+_SLOT_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})-r\d{5,}(-s[01]|\.persisted(\.tmp)?)$")
 _OWNER_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})\.owner$")
 # magic, version, state, then _Header's fields after state, then header_crc (over all of it
 # but state and itself, so the state can change with one aligned 4-byte store).
@@ -110,9 +110,13 @@ class SnapshotWriter:
     rank is dead before it starts a new one). close() unmaps; the files stay.
     """
 
-    def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> None:
+    def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int, hold_every: int = 0) -> None:
         self.dir, self.job_id, self.rank = _check_dir(shm_dir), job_id, rank
         self.paths = [slot_path(self.dir, job_id, rank, s) for s in (0, 1)]
+        # Snapshots of steps divisible by hold_every are kept until the agent has persisted
+        # them (mark_persisted): the writer then rotates through the other slot only.
+        self.hold_every = hold_every
+        self._persisted_path = persisted_path(self.dir, job_id, rank)
         self._maps: list[_Mapping | None] = [None, None]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -154,7 +158,12 @@ class SnapshotWriter:
         meta_off = _round_up(cursor, ALIGN_BYTES)
         table_off = _round_up(meta_off + len(meta_bytes), ALIGN_BYTES)
         n_chunks = math.ceil((meta_off + len(meta_bytes) - HEADER_BYTES) / CHUNK_BYTES)
-        slot = 0 if self._newest is None else 1 - self._newest
+        slot = self._target_slot()
+        if slot is None:
+            self.skipped_writes += 1
+            logger.warning("rank %d: skipped the shared-memory snapshot of step %d: both slots hold "
+                           "snapshots the agent has not persisted yet", self.rank, step)
+            return time.perf_counter() - start
         fd = _open_slot(self.paths[slot])  # its flock is held until the commit is done
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -188,6 +197,24 @@ class SnapshotWriter:
             os.close(fd)
             raise
         return time.perf_counter() - start
+
+    def _target_slot(self) -> int | None:
+        """The slot to write: not the newest committed one, unless the other is held for the
+        persister (then the newest is overwritten; the held one stays committed meanwhile)."""
+        if self._newest is None:
+            return 0
+        other = 1 - self._newest
+        held = [self._held(s) for s in (0, 1)]
+        if not held[other]:
+            return other
+        return None if held[self._newest] else self._newest
+
+    def _held(self, slot: int) -> bool:
+        if not self.hold_every:
+            return False
+        h = _read_header(self.paths[slot])
+        return (h is not None and h.state == SlotState.COMMITTED and h.step % self.hold_every == 0
+                and h.step > read_persisted(self._persisted_path))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for the pending commit; False if it still runs after `timeout_s`.
@@ -379,6 +406,31 @@ class SnapshotReader:
 
 
 # ---- the agent's side: ownership and cleanup ---------------------------------------
+
+
+def persisted_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> Path:
+    """The marker holding the newest step of `rank` the agent has persisted to storage."""
+    return _check_dir(shm_dir) / f"unbroken-{_check_job_id(job_id)}-r{rank:05d}.persisted"
+
+
+def read_persisted(path: Path) -> int:
+    try:
+        return int(path.read_text() or -1)
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def mark_persisted(shm_dir: str | os.PathLike | None, job_id: str, rank: int, step: int) -> None:
+    """Tell `rank`'s writer that `step` is in storage: its held snapshot may be overwritten."""
+    path = persisted_path(shm_dir, job_id, rank)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, str(step).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
 
 
 def claim_job(shm_dir: str | os.PathLike | None, job_id: str, pid: int) -> Path:

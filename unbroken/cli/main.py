@@ -63,7 +63,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("run-dir", default=None, help="run directory: event log, config (default runs/<job-id>)")
     flag("save", default=None, metavar="DIR", help="write checkpoints to DIR")
     flag("load", default=None, metavar="DIR", help="resume from the newest complete checkpoint in DIR")
-    flag("ckpt-every-steps", type=_positive_int, default=0, help="checkpoint every K steps (0: never)")
+    flag("ckpt-every-steps", type=_positive_int, default=None,
+         help="shared-memory snapshot every K steps (default with --save: 1; 0: none)")
+    flag("persist-every-steps", type=_positive_int, default=None,
+         help="storage checkpoint every K steps, written by the agent in the background "
+              "(default with --save: max(10, --ckpt-every-steps); 0: none)")
     flag("keep-checkpoints", type=_positive_int, default=3, help="committed checkpoints kept")
     flag("inject", default="", metavar="PLAN", help="faults to inject, e.g. kill:rank=2:step=30")
     flag("recover-strategy", default="recover-in-place,recover,exit",
@@ -129,14 +133,23 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         standby=args.standby,
         no_replica_restore=args.no_replica_restore,
         pg_timeout_s=args.pg_timeout_s,
-        checkpoint=CheckpointConfig(save_dir=args.save, load_dir=args.load,
-                                    every_steps=args.ckpt_every_steps, keep=args.keep_checkpoints),
+        checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
     )
     from unbroken.faults.plan import parse_plan, validate_plan
 
     validate_plan(parse_plan(cfg.inject), cfg.world_size)
     return cfg
+
+
+def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+    """Checkpoint intervals; with --save the defaults are: memory every step, storage every 10."""
+    every, persist = args.ckpt_every_steps, args.persist_every_steps
+    if args.save:
+        every = 1 if every is None else every
+        persist = max(10, every) if persist is None else persist
+    return CheckpointConfig(save_dir=args.save, load_dir=args.load, every_steps=every or 0,
+                            persist_every_steps=persist or 0, keep=args.keep_checkpoints)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from unbroken.config import LaunchConfig
 from unbroken.controller import machine as sm
 from unbroken.controller.eventlog import EventLog
-from unbroken.errors import ConnectionClosed, ProtocolError
+from unbroken.checkpoint.storage import StorageTier
+from unbroken.errors import CheckpointError, ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
 from unbroken.protocol.wire import Connection, Server
 
@@ -82,6 +83,9 @@ class Controller:
         self._recovery_t: dict[str, float] = {}  # in-flight recovery milestones (monotonic)
         self._restore_s: list[float] = []
         self._recovery_deadline: tuple[int, float] | None = None  # (generation, monotonic deadline)
+        self._persisted: dict[int, set[int]] = {}  # step -> ranks whose files are in storage
+        ckpt = cfg.checkpoint
+        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep) if ckpt.save_dir else None
         self._server = Server(host, port, cfg.secret.encode(), self._on_connection)
         self._monitor = threading.Thread(target=self._monitor_loop, name="unbroken-hang-monitor", daemon=True)
 
@@ -205,10 +209,32 @@ class Controller:
             elif isinstance(msg, m.WorkersStopped):
                 self.events.emit("workers_stopped", node_rank=agent, attempt=msg.attempt)
                 self._apply(sm.AgentStopped(agent, msg.attempt))
+            elif isinstance(msg, m.Persisted):
+                self._on_persisted(msg)
             elif isinstance(msg, m.Heartbeat):
                 pass
             else:
                 log.warning("controller: unexpected %s from an agent", type(msg).__name__)
+
+    def _on_persisted(self, msg: m.Persisted) -> None:
+        """An agent wrote its ranks' files of a step; the manifest commits it once all ranks did."""
+        if msg.error:
+            self.events.emit("persist_failed", step=msg.step, ranks=msg.ranks, error=msg.error)
+            self._persisted.pop(msg.step, None)
+            return
+        done = self._persisted.setdefault(msg.step, set())
+        done.update(msg.ranks)
+        if len(done) < self.cfg.world_size:
+            return
+        del self._persisted[msg.step]
+        for older in [s for s in self._persisted if s < msg.step]:
+            del self._persisted[older]  # superseded: never committed
+        try:
+            self._storage.commit(msg.step, self.cfg.world_size)
+        except (CheckpointError, OSError) as exc:
+            self.events.emit("persist_failed", step=msg.step, error=str(exc))
+            return
+        self.events.emit("checkpoint_persisted", step=msg.step, seconds=round(msg.seconds, 4), tier="storage")
 
     def _on_worker_exited(self, msg: m.WorkerExited) -> None:
         w = self._workers[msg.rank]

@@ -479,3 +479,16 @@ class RestartWorker(Message):
     store_host: str = ""
     store_port: int = 0
     world_size: int = 0  # the job's (a standby agent does not know it from its own flags)
+
+
+# the storage tier, written by agents from the memory tier
+
+
+@message("persisted")
+class Persisted(Message):
+    """An agent wrote its ranks' files of ``step`` to storage (``error``: it failed)."""
+
+    step: int
+    ranks: list[int]
+    seconds: float
+    error: str = ""

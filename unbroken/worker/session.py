@@ -25,9 +25,10 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from unbroken.checkpoint.memory import SnapshotReader, SnapshotWriter
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import WorkerConfig, worker_config_from_env
-from unbroken.errors import CheckpointError, CollectiveAborted, ConfigError
+from unbroken.errors import CheckpointError, CollectiveAborted, ConfigError, NoCheckpoint
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.optim.comm import wait_all
@@ -102,6 +103,8 @@ class Job:
         self._control = self._build_control()
         self._injector = self._build_injector()
         self._storage = self._build_storage()
+        self._snapshots: SnapshotWriter | None = None  # the memory tier, built at the first snapshot
+        self._memory_tier = self._control is not None and bool(cfg.job_id) and cfg.checkpoint.every_steps > 0
         self._build_process_group(backend or _default_backend(self.device))
         # A replacement joins the next generation's group now, so the script builds its
         # model and optimizer on a group of the right size; its state comes in steps().
@@ -330,7 +333,9 @@ class Job:
             self._metrics[key] = value
 
     def checkpoint(self) -> None:
-        """Checkpoint the state now (after the last completed step)."""
+        """Checkpoint the state now (after the last completed step), to storage too."""
+        if self._memory_tier:
+            self._snapshot(self._step)
         self._save(self._step)
 
     @property
@@ -340,6 +345,9 @@ class Job:
 
     def close(self) -> None:
         """Leave the job: closes the controller link and the process group. Safe to call twice."""
+        if self._snapshots is not None:
+            self._snapshots.close()  # waits for the last snapshot's commit
+            self._snapshots = None
         if self._control is not None:
             self._control.close()
             self._control = None
@@ -369,9 +377,24 @@ class Job:
         self._last_step_s = time.monotonic() - self._step_started
 
     def _maybe_checkpoint(self) -> None:
-        every = self.cfg.checkpoint.every_steps
-        if every and self._step % every == 0:
+        ckpt = self.cfg.checkpoint
+        if self._memory_tier:  # a shared-memory snapshot; the agent persists some of them
+            if self._step % ckpt.every_steps == 0:
+                self._snapshot(self._step)
+        elif ckpt.storage_every_steps and self._step % ckpt.storage_every_steps == 0:
             self._save(self._step)
+
+    def _snapshot(self, step: int) -> None:
+        """Copy the state into this rank's shared-memory slot (the step is blocked only for the copy)."""
+        try:
+            if self._snapshots is None:
+                ckpt = self.cfg.checkpoint
+                hold = ckpt.persist_every_steps if ckpt.save_dir else 0  # kept until the agent persisted it
+                self._snapshots = SnapshotWriter(ckpt.shm_dir, self.cfg.job_id, self.rank, hold_every=hold)
+            self._snapshots.write(step, self._state(), {"step": step})
+        except CheckpointError as exc:  # e.g. /dev/shm too small: storage checkpoints go on
+            self._memory_tier = False
+            self._save_failed(step, exc)
 
     def _report_progress(self) -> None:
         if self._control is not None:
@@ -433,27 +456,54 @@ class Job:
                         "checkpoint: %s (reported once)", self.rank, step, exc)
 
     def _restore(self) -> int:
-        """Agree with every rank on the newest step all can load, load it; return the step."""
+        """Agree with every rank on the newest step all can load, load it; return the step.
+
+        Sources, fastest first: this node's shared-memory snapshots (a job-level restart of
+        the same job), then the storage tier. Every rank must load the same step.
+        """
         if self._restored:
             return self._step
         self._restored = True
-        if self._storage is None:
+        memory = SnapshotReader(self.cfg.checkpoint.shm_dir, self.cfg.job_id, self.rank) \
+            if self._control is not None and self.cfg.job_id else None
+        if memory is None and self._storage is None:
             return 0
         started = time.monotonic()
-        local = self._storage.newest_loadable_step(self.rank)
+        bound: int | None = None
         while True:
-            agreed = self._all_min(-1 if local is None else local)
+            agreed = self._all_min(self._newest_available(memory, bound))
             if agreed < 0:
                 return 0
-            local = self._storage.newest_loadable_step(self.rank, at_or_below=agreed)
-            if self._all_min(1 if local == agreed else 0):
+            loaded = self._load_step(memory, agreed)
+            if self._all_min(1 if loaded else 0):
                 break
-        state, _meta = self._storage.load_rank(agreed, self.rank)
+            bound = agreed if loaded else agreed - 1  # someone could not load it: go older
+        state, tier = loaded
         self._load_state(state)
         seconds = time.monotonic() - started
-        log.info("rank %d: restored step %d from storage in %.3f s", self.rank, agreed, seconds)
-        self._event("restored", step=agreed, tier="storage", seconds=seconds)
+        log.info("rank %d: restored step %d from %s in %.3f s", self.rank, agreed, tier, seconds)
+        self._event("restored", step=agreed, tier=tier, seconds=seconds)
         return agreed
+
+    def _newest_available(self, memory: SnapshotReader | None, bound: int | None) -> int:
+        steps = [s for s, _ in memory.committed()] if memory is not None else []
+        stored = self._storage.newest_loadable_step(self.rank, at_or_below=bound) if self._storage else None
+        candidates = [s for s in steps if bound is None or s <= bound] + ([stored] if stored is not None else [])
+        return max(candidates, default=-1)
+
+    def _load_step(self, memory: SnapshotReader | None, step: int) -> tuple[dict, str] | None:
+        if memory is not None:
+            try:
+                return memory.load(step)[0], "memory"
+            except (NoCheckpoint, CheckpointError) as exc:
+                if not isinstance(exc, NoCheckpoint):
+                    log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", self.rank, step, exc)
+        if self._storage is not None:
+            try:
+                return self._storage.load_rank(step, self.rank)[0], "storage"
+            except CheckpointError as exc:
+                log.warning("rank %d: checkpoint of step %d unusable: %s", self.rank, step, exc)
+        return None
 
 
 def init(**overrides: Any) -> Job:

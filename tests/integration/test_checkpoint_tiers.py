@@ -1,0 +1,55 @@
+"""The two checkpoint tiers under the launcher: memory snapshots, background persistence."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import EXAMPLE, run_cli
+from tests.integration.helpers import TRAIN_ARGS, events, train
+
+
+@pytest.mark.timeout(200)
+def test_a_failing_storage_write_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "step_00000010").write_text("in the way")  # a file where step 10's directory must go
+    result, _, run_dir = train(tmp_path, "full", steps=12, flags=[
+        "--save", str(ckpt), "--ckpt-every-steps", "1", "--persist-every-steps", "5"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [e["step"] for e in events(run_dir, "checkpoint_persisted")] == [5]
+    assert [e["step"] for e in events(run_dir, "persist_failed")] == [10]
+    assert (result.stdout + result.stderr).count("persisting step 10 failed") == 1  # said once
+    assert not (ckpt / "step_00000010").is_dir()
+    verify = run_cli(["ckpt", "verify", str(ckpt)], timeout_s=60)
+    assert verify.returncode == 0, verify.stdout
+    assert (ckpt / "latest").read_text().strip() == "step_00000005"
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_the_workers_and_releases_shared_memory(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+           "--save", str(tmp_path / "ckpt"), str(EXAMPLE), "--steps", "1000", "--step-sleep-s", "0.05", *TRAIN_ARGS]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not events(run_dir, "checkpoint_persisted"):  # snapshots exist, one step persisted
+            assert time.monotonic() < deadline and job.poll() is None, "no checkpoint within 60 s"
+            time.sleep(0.2)
+        job_id = json.loads((run_dir / "config.node0.json").read_text())["job_id"]
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"unbroken-{job_id}-")]
+        job.send_signal(signal.SIGINT)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    assert job.returncode == 130, output[-3000:]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"unbroken-{job_id}")]

@@ -1,0 +1,95 @@
+"""The persister: an agent thread that copies committed shared-memory snapshots to storage.
+
+It runs in the agent (never in a worker), at low priority, so a persisting node slows
+training by as little as possible. Every ``poll_s`` it looks at its ranks' committed
+snapshots; when every one of them holds the same step that is due (a multiple of
+``--persist-every-steps``) and newer than the
+last one persisted, it writes each rank's files of that step (temporary name, fsync,
+rename) and tells the controller, which writes the manifest once every rank of the job has
+its files there (an explicit ``job.checkpoint()`` writes storage from the worker). Snapshots that commit while it writes are not queued: the next round takes
+the newest, so stale ones are skipped and the trainer is never blocked.
+
+A failure (disk full, ...) is reported once per step and never stops training; no
+manifest is written for that step, so the previous checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from unbroken.checkpoint import memory
+from unbroken.checkpoint.memory import SnapshotReader
+from unbroken.checkpoint.storage import StorageTier
+from unbroken.config import CheckpointConfig
+from unbroken.errors import CheckpointError, NoCheckpoint
+
+log = logging.getLogger(__name__)
+
+NICE = 10  # the persister thread's niceness: the training processes come first
+
+
+class Persister:
+    def __init__(self, ckpt: CheckpointConfig, job_id: str, world_size: int, ranks: Callable[[], list[int]],
+                 report: Callable[[int, list[int], float, str], None], poll_s: float = 0.2) -> None:
+        self._ckpt = ckpt
+        self._job_id = job_id
+        self._world_size = world_size
+        self._ranks = ranks  # the ranks this agent hosts now
+        self._report = report
+        self._poll_s = poll_s
+        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep)
+        self._last = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="unbroken-persister", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (AttributeError, OSError):  # not Linux: plain priority
+            pass
+        while not self._stop.wait(self._poll_s):
+            ranks = self._ranks()
+            step = self._due_step(ranks)
+            if step is not None:
+                self._persist(step, ranks)
+
+    def _due_step(self, ranks: list[int]) -> int | None:
+        """The newest step every local rank has committed in memory and that is due to persist."""
+        if not ranks:
+            return None
+        common: set[int] | None = None
+        for rank in ranks:
+            reader = SnapshotReader(self._ckpt.shm_dir, self._job_id, rank)
+            steps = {s for s, _ in reader.committed()}
+            common = steps if common is None else common & steps
+        every = self._ckpt.persist_every_steps
+        due = [s for s in common or () if s > self._last and every and s % every == 0]
+        return max(due, default=None)
+
+    def _persist(self, step: int, ranks: list[int]) -> None:
+        started = time.monotonic()
+        self._last = step
+        try:
+            for rank in ranks:  # held by the writers until marked persisted: no race with them
+                state, meta = SnapshotReader(self._ckpt.shm_dir, self._job_id, rank).load(step)
+                self._storage.save_rank(step, rank, self._world_size, state, meta)
+            for rank in ranks:
+                memory.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
+        except (CheckpointError, NoCheckpoint, OSError) as exc:
+            for rank in ranks:  # release the held snapshots; the next due step is tried instead
+                memory.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
+            log.warning("persisting step %d failed; the previous checkpoint stays the newest: %s", step, exc)
+            self._report(step, ranks, time.monotonic() - started, str(exc) or type(exc).__name__)
+            return
+        self._report(step, ranks, time.monotonic() - started, "")

@@ -33,3 +33,10 @@ def events(run_dir: Path, name: str | None = None) -> list[dict]:
     from unbroken.controller.eventlog import read_events
 
     return [e for e in read_events(run_dir) if name is None or e["event"] == name]
+
+
+def reference_run(tmp_path_factory, name: str = "reference", *, steps: int, train_args: list[str] = ()) -> Path:
+    """Final weights of a fault-free 4-rank run (for a module-scoped fixture)."""
+    result, out, _ = train(tmp_path_factory.mktemp(name), "reference", steps=steps, train_args=train_args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.conftest import EXAMPLE, free_port
-from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, train
+from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, reference_run, train
 
 STEPS = 12
 SHARDED = ["--optimizer", "sharded", "--num-replicas", "2"]
@@ -22,19 +22,13 @@ SHARDED = ["--optimizer", "sharded", "--num-replicas", "2"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    result, out, _ = train(tmp, "reference", steps=STEPS)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+    return reference_run(tmp_path_factory, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def sharded_reference(tmp_path_factory):
     """The fault-free run with the replicated sharded optimizer (N = 2): its own weights."""
-    tmp = tmp_path_factory.mktemp("sharded-reference")
-    result, out, _ = train(tmp, "reference", steps=STEPS, train_args=SHARDED)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+    return reference_run(tmp_path_factory, "sharded-reference", steps=STEPS, train_args=SHARDED)
 
 
 def _survivor_pids(run_dir, replaced: set[int]) -> tuple[dict, dict]:

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.conftest import EXAMPLE, free_port
-from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, train
+from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, reference_run, train
 
 STEPS = 12
 EXIT_ONLY = ["--recover-strategy", "exit"]
@@ -21,10 +21,7 @@ EXIT_ONLY = ["--recover-strategy", "exit"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Final weights of the fault-free 4-rank run (computed once per module)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    result, out, _ = train(tmp, "reference", steps=STEPS)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+    return reference_run(tmp_path_factory, steps=STEPS)
 
 
 @pytest.mark.timeout(200)

@@ -155,36 +155,23 @@ class Controller:
         first = conn.recv(timeout_s=10.0)
         if not isinstance(first, m.AgentRegister):
             raise ProtocolError(f"agent {conn.peer} must register first, sent {type(first).__name__}")
-        if first.standby:
-            self._serve_standby(conn, first)
-            return
         node = first.node_rank
-        if not 0 <= node < self.cfg.nnodes or first.nproc != self.cfg.nproc_per_node:
+        if not first.standby and (not 0 <= node < self.cfg.nnodes or first.nproc != self.cfg.nproc_per_node):
             conn.send(m.Shutdown(exit_code=2, reason=(
                 f"agent of node {node} with --nproc-per-node {first.nproc} does not fit this job "
                 f"(--nnodes {self.cfg.nnodes}, --nproc-per-node {self.cfg.nproc_per_node})")))
             return
         with self._lock:
-            self._agents[node] = conn
-            self.events.emit("agent_joined", node_rank=node, host=first.host, pid=first.pid)
-            self._apply(sm.AgentJoined(node))
-        try:
-            while True:
-                self._on_agent_message(node, conn.recv())
-        except ConnectionClosed:
-            with self._lock:
-                if self._agents.get(node) is conn and not self._done.is_set():
-                    del self._agents[node]
-                    self.events.emit("agent_lost", node_rank=node)
-                    self._apply(sm.AgentLost(node))
-            raise
-
-    def _serve_standby(self, conn: Connection, first: m.AgentRegister) -> None:
-        with self._lock:
-            agent = max([self.cfg.nnodes - 1, *self._agents]) + 1  # spares get ids after the nodes
+            if first.standby:  # spares get ids after the nodes
+                agent = max([self.cfg.nnodes - 1, *self._agents]) + 1
+                self.events.emit("standby_joined", agent=agent, host=first.host, pid=first.pid)
+                event: sm.Event = sm.StandbyJoined(agent)
+            else:
+                agent = node
+                self.events.emit("agent_joined", node_rank=node, host=first.host, pid=first.pid)
+                event = sm.AgentJoined(node)
             self._agents[agent] = conn
-            self.events.emit("standby_joined", agent=agent, host=first.host, pid=first.pid)
-            self._apply(sm.StandbyJoined(agent))
+            self._apply(event)
         try:
             while True:
                 self._on_agent_message(agent, conn.recv())

@@ -12,6 +12,7 @@ Worker states (``WorkerProc.state``): running -> exited (on its own) | stopped (
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -63,6 +64,8 @@ class Agent:
         self._conn: Connection | None = None
         self._store_addr: tuple[str, int] = ("", 0)
         self.standby = cfg.standby
+        self._spare: subprocess.Popen | None = None
+        self._use_spare = bool({"recover-in-place", "recover"} & set(cfg.recover_strategy))
         ckpt = cfg.checkpoint
         self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._local_ranks, self._report_persisted) \
             if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id else None
@@ -82,6 +85,8 @@ class Agent:
         self._claim_shared_memory()
         if self._persister is not None:
             self._persister.start()
+        if self.standby:
+            self._start_spare()
         try:
             while True:
                 try:
@@ -101,6 +106,7 @@ class Agent:
                     return msg.exit_code, msg.reason
         finally:
             self._stop.set()
+            self._drop_spare()
             self._stop_all(None)
             if self._persister is not None:
                 self._persister.stop()
@@ -136,6 +142,7 @@ class Agent:
         self._world_size = msg.world_size
         for rank in msg.ranks or own:
             self._spawn(rank, msg.attempt, gen=0)
+        self._start_spare()
 
     def _restart(self, msg: m.RestartWorker) -> None:
         """Start one worker again (in-flight recovery); the old process is already dead."""
@@ -159,10 +166,12 @@ class Agent:
         env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt,
                               controller=self.controller, store_host=host, store_port=port, gen=gen,
                               world_size=self._world_size))
-        popen = subprocess.Popen([sys.executable, "-u", self.cfg.script, *self.cfg.script_args],
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                 preexec_fn=_die_with_parent)
+        argv = [self.cfg.script, *self.cfg.script_args]
+        popen = self._take_spare(env, argv) if gen > 0 else None
+        if popen is None:
+            popen = subprocess.Popen([sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         proc = WorkerProc(rank, local_rank, attempt, popen)
         proc.reader = threading.Thread(target=self._read_output, args=(proc,),
                                        name=f"unbroken-out-r{rank}", daemon=True)
@@ -170,6 +179,39 @@ class Agent:
         with self._lock:
             self._procs[rank] = proc
         self._send(m.WorkerStarted(rank=rank, pid=popen.pid, attempt=attempt))
+
+    # -- the warm spare ----------------------------------------------------------------------
+    def _start_spare(self) -> None:
+        """Pre-start a process that imports torch, to replace a lost rank without that wait."""
+        if not self._use_spare or self._spare is not None:
+            return
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.omp_num_threads), PYTHONUNBUFFERED="1")
+        self._spare = subprocess.Popen([sys.executable, "-u", "-m", "unbroken.agent.spare"], env=env,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _take_spare(self, env: dict[str, str], argv: list[str]) -> subprocess.Popen | None:
+        spare, self._spare = self._spare, None
+        if spare is None or spare.poll() is not None:
+            return None
+        try:
+            assert spare.stdin is not None
+            spare.stdin.write((json.dumps({"env": env, "argv": argv}) + "\n").encode())
+            spare.stdin.close()
+        except OSError:
+            spare.kill()
+            spare.wait()
+            return None
+        # The next spare starts from this (the command) thread: PR_SET_PDEATHSIG follows the
+        # thread that forked, and this one lives as long as the agent.
+        self._start_spare()
+        return spare
+
+    def _drop_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            _signal_group(spare, signal.SIGKILL)
+            spare.wait()
 
     def _read_output(self, proc: WorkerProc) -> None:
         assert proc.popen.stdout is not None

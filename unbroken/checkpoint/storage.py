@@ -1,6 +1,7 @@
 """Storage tier of the checkpoint engine: durable, checksummed, committed-by-manifest steps.
 
-Layout under one checkpoint directory `root`:
+`root` is a local directory (a path or a `file://` URL) or any fsspec URL (`memory://`,
+`s3://`, `gs://`, ... with that protocol's fsspec plugin installed). Layout under `root`:
 
     root/step_00000030/rank_00000.safetensors  tensors (header metadata carries the spec too)
     root/step_00000030/rank_00000.json         rank record: step, rank, spec, bytes, crc32, meta
@@ -9,8 +10,10 @@ Layout under one checkpoint directory `root`:
 
 Every file is written to a temporary name in its final directory, fsynced, renamed, and
 the directory fsynced, so a crash or a full disk leaves either the old file or the new one.
-A step is committed iff its MANIFEST.json parses and is ours; nothing is ever loaded
-before its size and crc32 match the manifest.
+Object stores have no atomic rename or fsync: there a file is a temporary object moved to
+its final name, which is still all-or-nothing per object. A step is committed iff its
+MANIFEST.json (written last) parses and is ours; nothing is ever loaded before its size and
+crc32 match the manifest.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import re
 import shutil
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Union
 
 import safetensors.torch
 
@@ -52,7 +56,11 @@ def rank_file_names(rank: int) -> tuple[str, str]:
 
 
 class _LocalFiles:
-    """The only place that touches the filesystem; an fsspec backend replaces this class."""
+    """File operations on a local directory (durable: fsync, modes 0o600/0o700).
+
+    This class and `_FsspecFiles` are the only places that touch storage; a StorageTier
+    picks one from its root (see `_open_root`).
+    """
 
     def write_atomic(self, path: Path, data: bytes) -> None:
         """Write `data` to `path` via tmp + fsync + rename + directory fsync (mode 0o600)."""
@@ -113,8 +121,14 @@ class _LocalFiles:
         except FileNotFoundError:
             return []
 
+    def is_dir(self, path: Path) -> bool:
+        return path.is_dir()
+
     def is_real_dir(self, path: Path) -> bool:
         return path.is_dir() and not path.is_symlink()
+
+    def open_read(self, path: Path) -> IO[bytes]:
+        return open(path, "rb")
 
     def remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)
@@ -123,12 +137,149 @@ class _LocalFiles:
         shutil.rmtree(path)
 
 
+@dataclass(frozen=True)
+class _ObjectPath:
+    """A path on an fsspec filesystem: `url` names it in messages, `fs_path` is what the
+    filesystem's methods take. Offers the pathlib operations StorageTier uses."""
+
+    url: str
+    fs_path: str
+
+    def __truediv__(self, name: str) -> _ObjectPath:
+        return _ObjectPath(f"{self.url}/{name}", f"{self.fs_path}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self.fs_path.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> _ObjectPath:
+        return _ObjectPath(self.url.rsplit("/", 1)[0], self.fs_path.rsplit("/", 1)[0])
+
+    def with_name(self, name: str) -> _ObjectPath:
+        return self.parent / name
+
+    def __str__(self) -> str:
+        return self.url
+
+
+_AnyPath = Union[Path, _ObjectPath]
+
+
+class _FsspecFiles:
+    """The operations of `_LocalFiles` on any fsspec filesystem (object stores included).
+
+    No fsync (the filesystem decides durability) and no rename: a file is written as a
+    temporary object, then moved (copy + delete on object stores), so a reader sees the old
+    object, the new one, or none, never a partial one. Listings and sizes drop the
+    filesystem's listing cache first: another process (a persister, a controller) may have
+    written since. Safe to use from any thread, like the fsspec filesystem itself.
+    """
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+
+    def write_atomic(self, path: _ObjectPath, data: bytes) -> None:
+        tmp = path.with_name(f"{path.name}.tmp-{os.urandom(4).hex()}")
+        try:
+            self._fs.pipe_file(tmp.fs_path, data)
+            self._fs.mv(tmp.fs_path, path.fs_path)
+        except BaseException:
+            try:
+                self.remove(tmp)
+            except OSError:
+                pass  # keep the original error; a stray .tmp- object is ours, retention removes it
+            raise
+
+    def fsync_dir(self, path: _ObjectPath) -> None:
+        pass  # nothing to sync: an object is durable (or not) once its write returned
+
+    def make_dir(self, path: _ObjectPath) -> None:
+        self._fs.makedirs(path.fs_path, exist_ok=True)  # a no-op on most object stores
+
+    def read_bytes(self, path: _ObjectPath) -> bytes:
+        return self._fs.cat_file(path.fs_path)
+
+    def size(self, path: _ObjectPath) -> int | None:
+        self._fs.invalidate_cache(path.fs_path)
+        try:
+            return self._fs.size(path.fs_path)
+        except FileNotFoundError:
+            return None
+
+    def crc32(self, path: _ObjectPath) -> int:
+        crc = 0
+        with self.open_read(path) as f:
+            while chunk := f.read(_CHUNK_BYTES):
+                crc = zlib.crc32(chunk, crc)
+        return crc
+
+    def list_dir(self, path: _ObjectPath) -> list[str]:
+        self._fs.invalidate_cache(path.fs_path)
+        try:
+            entries = self._fs.ls(path.fs_path, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def is_dir(self, path: _ObjectPath) -> bool:
+        self._fs.invalidate_cache(path.fs_path)
+        return self._fs.isdir(path.fs_path)
+
+    is_real_dir = is_dir  # no symlinks on object stores
+
+    def open_read(self, path: _ObjectPath) -> IO[bytes]:
+        return self._fs.open(path.fs_path, "rb")
+
+    def remove(self, path: _ObjectPath) -> None:
+        try:
+            self._fs.rm_file(path.fs_path)
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, path: _ObjectPath) -> None:
+        self._fs.rm(path.fs_path, recursive=True)
+
+
+def _open_root(root: str | os.PathLike) -> tuple[_AnyPath, _LocalFiles | _FsspecFiles]:
+    """(root path, files backend) for a local path, a `file://` URL or an fsspec URL.
+
+    Raises ConfigError naming the URL when its protocol has no installed fsspec plugin.
+    """
+    text = os.fspath(root)
+    if isinstance(text, bytes) or "://" not in text:  # a plain path, even one with "::"
+        return Path(root), _LocalFiles()
+    try:
+        import fsspec.core
+        from fsspec.implementations.local import LocalFileSystem
+        from fsspec.registry import known_implementations
+    except ImportError as exc:
+        raise ConfigError(f"checkpoint location {text!r} is a URL, which needs the fsspec "
+                          f"package: pip install fsspec ({exc})") from exc
+    protocol = text.split("://", 1)[0].split("::")[0]
+    try:
+        fs, fs_path = fsspec.core.url_to_fs(text)
+    except ImportError as exc:  # a protocol fsspec knows, whose plugin is not installed
+        plugin = known_implementations.get(protocol, {}).get("class", "?").split(".")[0]
+        raise ConfigError(
+            f"checkpoint location {text!r}: the fsspec plugin for protocol {protocol!r} "
+            f"({plugin}) is not installed: pip install {plugin} ({exc})") from exc
+    except ValueError as exc:  # fsspec: "Protocol not known"
+        raise ConfigError(
+            f"checkpoint location {text!r}: no fsspec plugin provides protocol {protocol!r} "
+            f"({exc}); install the fsspec plugin for it, or give a local path") from exc
+    if type(fs) is LocalFileSystem:  # file:// keeps the durable local backend
+        return Path(fs_path), _LocalFiles()
+    url = text.rstrip("/") if not text.endswith("://") else text
+    return _ObjectPath(url, fs_path.rstrip("/")), _FsspecFiles(fs)
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if type(value) is not int or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _require(obj: Any, path: Path, kind: str, **types: type) -> None:
+def _require(obj: Any, path: _AnyPath, kind: str, **types: type) -> None:
     """CheckpointCorrupt naming `path` unless `obj` is a dict whose fields have `types`."""
     for key, expected in types.items():
         value = obj.get(key) if isinstance(obj, dict) else None
@@ -147,15 +298,18 @@ def _to_json(obj: Any, what: str, indent: int | None = None) -> bytes:
 class StorageTier:
     """Owns one checkpoint directory: writes rank files, commits steps, verifies and loads.
 
+    `root` is a local path, a `file://` URL (both: a durable local directory) or another
+    fsspec URL such as `memory://bucket/ckpt` or `s3://bucket/ckpt`; `self.root` is a Path
+    for the former, a path object whose str() is the URL for the latter.
+
     Safe to use from several processes on one directory as long as each rank saves only
     its own files and one process commits a step. Holds no state beyond its settings.
     """
 
     def __init__(self, root: str | os.PathLike, keep: int = 3) -> None:
         _check_int("keep (number of committed checkpoints to retain)", keep, 1)
-        self.root = Path(root)
+        self.root, self._files = _open_root(root)
         self.keep = keep
-        self._files = _LocalFiles()
 
     # ---- writing -------------------------------------------------------------------
 
@@ -332,7 +486,7 @@ class StorageTier:
 
     # ---- helpers -------------------------------------------------------------------
 
-    def _step_dir(self, step: int) -> Path:
+    def _step_dir(self, step: int) -> _AnyPath:
         return self.root / step_dir_name(step)
 
     def _step_dirs(self) -> list[int]:
@@ -353,7 +507,7 @@ class StorageTier:
         except CheckpointCorrupt:
             return False
 
-    def _read_json(self, path: Path, kind: str) -> dict:
+    def _read_json(self, path: _AnyPath, kind: str) -> dict:
         """Parse one of our JSON files; CheckpointCorrupt naming the path if it is not ours."""
         try:
             obj = json.loads(self._files.read_bytes(path))
@@ -395,7 +549,7 @@ class StorageTier:
                                     f"{record['step']}, expected rank {rank} of step {step}")
         return record
 
-    def _check_metadata(self, step: int, rank: int) -> tuple[Path, dict, dict]:
+    def _check_metadata(self, step: int, rank: int) -> tuple[_AnyPath, dict, dict]:
         """Manifest and rank record agree on `rank`; return (tensor path, entry, record)."""
         manifest = self._read_manifest(step)
         if not 0 <= rank < manifest["world_size"]:
@@ -411,7 +565,7 @@ class StorageTier:
         return path, entry, record
 
     @staticmethod
-    def _check_bytes(path: Path, entry: dict, found_bytes: int | None, crc) -> None:
+    def _check_bytes(path: _AnyPath, entry: dict, found_bytes: int | None, crc) -> None:
         expected = entry["bytes"]
         if found_bytes is None:
             raise CheckpointCorrupt(f"{path}: missing (the manifest lists {expected} bytes)")
@@ -440,7 +594,8 @@ class StorageTier:
 def describe(root: str | os.PathLike) -> list[dict]:
     """One dict per step dir in `root`, newest first: step, committed, world_size,
     ranks (rank numbers with a rank record), bytes (total size of the dir's files)."""
-    tier, files = StorageTier(root), _LocalFiles()
+    tier = StorageTier(root)
+    files = tier._files
     out = []
     for step in sorted(tier._step_dirs(), reverse=True):
         path = tier._step_dir(step)

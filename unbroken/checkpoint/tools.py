@@ -1,23 +1,27 @@
 """Functions behind `unbroken ckpt ls|show|verify|export DIR`: they return data, never print.
 
-Read-only except `export`, which writes one new file at the path it is given.
+DIR is anything StorageTier takes: a local path, `file://`, or an fsspec URL (`s3://...`).
+Read-only except `export`, which writes one new local file (or, for DCP, one new local
+directory) at the path it is given.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
 import torch
 
-from unbroken.checkpoint.storage import StorageTier, describe, step_dir_name
+from unbroken.checkpoint.storage import StorageTier, _AnyPath, describe, step_dir_name
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError, NoCheckpoint
 
-EXPORT_FORMATS = ("safetensors", "torch")
+EXPORT_FORMATS = ("safetensors", "torch", "dcp")
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -39,7 +43,7 @@ def show_step(root: str | os.PathLike, step: int | None = None) -> dict:
         path = tier.root / step_dir_name(step) / entry["file"]
         ranks.append({"rank": entry["rank"], "file": str(path), "bytes": entry["bytes"],
                       "crc32": entry["crc32"], "meta": record.get("meta") or {},
-                      "tensors": _tensor_table(path)})
+                      "tensors": _tensor_table(tier, path)})
     return {"step": step, "world_size": manifest["world_size"],
             "created_unix": manifest.get("created_unix"), "meta": manifest.get("meta") or {},
             "ranks": ranks}
@@ -48,7 +52,7 @@ def show_step(root: str | os.PathLike, step: int | None = None) -> dict:
 def verify(root: str | os.PathLike, step: int | None = None) -> list[str]:
     """Problems in `step`, or in every committed step when None; empty means all OK."""
     tier = StorageTier(root)
-    if not Path(root).is_dir():
+    if not tier._files.is_dir(tier.root):
         return [f"{root}: no such checkpoint directory"]
     if step is not None:
         return tier.verify_step(step)
@@ -60,13 +64,18 @@ def verify(root: str | os.PathLike, step: int | None = None) -> list[str]:
 
 def export(root: str | os.PathLike, out_path: str | os.PathLike, step: int | None = None,
            fmt: str = "safetensors", rank: int = 0, subtree: str = "model") -> dict:
-    """Write `rank`'s `subtree` (a flat {name: tensor} state dict) of `step` to one file.
+    """Write `rank`'s `subtree` (a flat {name: tensor} state dict) of `step` to `out_path`.
 
-    `fmt="safetensors"` loads with `safetensors.torch.load_file`, `fmt="torch"` with
-    `torch.load(path, weights_only=True)`. Returns {path, step, rank, tensors, bytes}.
+    `fmt="safetensors"` writes one file that loads with `safetensors.torch.load_file`,
+    `fmt="torch"` one for `torch.load(path, weights_only=True)`, `fmt="dcp"` a new
+    torch.distributed.checkpoint directory for `dcp.load(state_dict, checkpoint_id=path)`
+    (an existing non-empty `out_path` is refused). Returns {path, step, rank, tensors, bytes}.
     """
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"export format {fmt!r} is not supported; use one of {EXPORT_FORMATS}")
+    out = Path(out_path)
+    if fmt == "dcp":
+        _check_new_dir(out)  # before any loading: never touch a user's directory
     tier = StorageTier(root)
     step = _resolve_step(tier, step)
     state, _ = tier.load_rank(step, rank)
@@ -77,7 +86,9 @@ def export(root: str | os.PathLike, out_path: str | os.PathLike, step: int | Non
         raise CheckpointError(f"step {step} rank {rank} has no {subtree!r} entry to export "
                               f"(top-level keys: {keys})")
     tensors = _plain_state_dict(state[subtree], f"{subtree!r} of step {step} rank {rank}")
-    out = Path(out_path)
+    if fmt == "dcp":
+        return {"path": str(out), "step": step, "rank": rank, "tensors": len(tensors),
+                "bytes": _write_dcp(tensors, out)}
     tmp = out.with_name(f".{out.name}.tmp-{os.urandom(4).hex()}")
     try:
         if fmt == "safetensors":
@@ -89,6 +100,35 @@ def export(root: str | os.PathLike, out_path: str | os.PathLike, step: int | Non
         tmp.unlink(missing_ok=True)
     return {"path": str(out), "step": step, "rank": rank, "tensors": len(tensors),
             "bytes": out.stat().st_size}
+
+
+def _check_new_dir(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"export --out {out}: exists and is not an empty directory; a DCP "
+                          "export writes a new directory and never overwrites one. Pick a "
+                          "new path or remove it yourself.")
+
+
+def _write_dcp(tensors: dict[str, torch.Tensor], out: Path) -> int:
+    """Save `tensors` as a DCP directory at `out` (missing or empty); return its bytes.
+
+    Written into a temporary sibling, then renamed, so `out` is complete or absent.
+    `no_dist=True`: a plain single-process save, no collectives even if this process
+    happens to have a process group.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.urandom(4).hex()}")
+    try:
+        with warnings.catch_warnings():  # DCP warns that it saves in one process: intended
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled",
+                                    category=UserWarning)
+            dcp.save(tensors, checkpoint_id=tmp, no_dist=True)
+        _check_new_dir(out)  # again: it may have appeared while we were writing
+        os.replace(tmp, out)  # onto a missing or empty directory: atomic on POSIX
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
 
 
 def _resolve_step(tier: StorageTier, step: int | None) -> int:
@@ -115,10 +155,10 @@ def _plain_state_dict(tree: Any, what: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tensor_table(path: Path) -> list[dict]:
+def _tensor_table(tier: StorageTier, path: _AnyPath) -> list[dict]:
     """[{name, dtype, shape, bytes}] from a safetensors header (data is not read)."""
     try:
-        with open(path, "rb") as f:
+        with tier._files.open_read(path) as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > _MAX_HEADER_BYTES:
                 raise ValueError(f"header length {header_len} is implausible")

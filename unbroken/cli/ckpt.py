@@ -1,5 +1,7 @@
 """`unbroken ckpt ls|show|verify|export DIR`: look into a checkpoint directory.
 
+DIR is a local path or an fsspec URL (`memory://`, `s3://...` with its plugin installed).
+
 Exit codes: 0 fine, 1 corruption found (verify) or nothing to show, 2 bad usage.
 """
 
@@ -57,7 +59,8 @@ def _verify(console: Console, args: argparse.Namespace) -> int:
 
 def _export(console: Console, args: argparse.Namespace) -> int:
     if not args.out:
-        raise ConfigError("ckpt export needs --out FILE (where to write the consolidated weights)")
+        raise ConfigError("ckpt export needs --out PATH (where to write the consolidated weights: "
+                          "a file, or a new directory for --format dcp)")
     info = tools.export(args.dir, args.out, step=args.step, fmt=args.format)
     console.print(f"exported step {info['step']} ({info['tensors']} tensors, {info['bytes']:,} bytes) "
                   f"to {info['path']}")

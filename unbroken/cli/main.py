@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("dir")
     ckpt.add_argument("--step", type=_positive_int, default=None)
     ckpt.add_argument("--out", default=None, help="export: output file")
-    ckpt.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    ckpt.add_argument("--format", choices=["safetensors", "torch", "dcp"], default="safetensors")
     return parser
 
 

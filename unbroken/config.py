@@ -20,7 +20,7 @@ from unbroken.errors import ConfigError
 #: Strategies of the recovery ladder, cheapest first (DESIGN.md section 6).
 STRATEGIES = ("retry", "recover-in-place", "recover", "elastic", "dump", "exit")
 #: Strategies this version can carry out.
-IMPLEMENTED_STRATEGIES = ("recover-in-place", "exit")
+IMPLEMENTED_STRATEGIES = ("retry", "recover-in-place", "recover", "exit")
 
 # Environment variables the launcher sets for its workers (beyond torchrun's own).
 ENV_CONTROLLER = "UNBROKEN_CONTROLLER"  # host:port of the controller
@@ -118,7 +118,7 @@ class LaunchConfig:
     secret: str = ""
     job_id: str = ""
     inject: str = ""
-    recover_strategy: tuple[str, ...] = ("recover-in-place", "recover", "exit")
+    recover_strategy: tuple[str, ...] = ("retry", "recover-in-place", "recover", "exit")
     recovery_timeout_s: float = 60.0
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
     no_replica_restore: bool = False  # never restore from replicas: checkpoints only (seeds' no-replica)

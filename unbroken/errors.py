@@ -71,3 +71,8 @@ class NoLiveReplica(UnbrokenError):
         self.piece = piece
         self.holders = holders
         self.dead = dead
+
+
+class DeviceMemoryError(UnbrokenError):
+    """A device-memory fault damaged tensors of this rank (an HBM/ECC uncorrectable error, or an
+    injected one); the process is still usable and the damaged state can come from replicas."""

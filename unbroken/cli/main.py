@@ -70,8 +70,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
               "(default with --save: max(10, --ckpt-every-steps); 0: none)")
     flag("keep-checkpoints", type=_positive_int, default=3, help="committed checkpoints kept")
     flag("inject", default="", metavar="PLAN", help="faults to inject, e.g. kill:rank=2:step=30")
-    flag("recover-strategy", default="recover-in-place,recover,exit",
-         help="allowed recovery strategies, cheapest first, a comma list (default recover-in-place,recover,exit)")
+    flag("recover-strategy", default="retry,recover-in-place,recover,exit",
+         help="allowed recovery strategies, cheapest first, a comma list (default retry,recover-in-place,recover,exit)")
     flag("standby", action="store_true", help="join a running job as a spare agent (rung `recover`)")
     flag("no-replica-restore", action="store_true",
          help="never restore a lost rank from replicas; recover from the newest checkpoint instead")

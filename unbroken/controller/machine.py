@@ -55,6 +55,7 @@ class Failure:
         how = {"hang": "hung (no step progress) and was killed",
                "crash": "was killed by a signal" if self.signal else "crashed",
                "node-lost": "was lost with its node's agent",
+               "memory-fault": "reported state damaged in memory",
                "recovery-timeout": "was not recovered in time"}.get(self.kind, "exited")
         detail = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
         step = "before its first step" if self.step is None else f"at step {self.step}"
@@ -147,13 +148,22 @@ class WorkerResumed:
 
 
 @dataclass(frozen=True)
+class WorkerDamaged:
+    """A live rank reports state damaged in memory (a device-memory fault): rung `retry`."""
+
+    rank: int
+    attempt: int
+    what: str
+
+
+@dataclass(frozen=True)
 class RecoveryTimeout:
     attempt: int
     gen: int
 
 
 Event = (AgentJoined | WorkerExited | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
-         | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout)
+         | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged)
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -315,6 +325,10 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return _replace(state, ready=state.ready | {event.rank}, num_replicas=event.num_replicas), []
     if isinstance(event, StepSynced):
         return _on_step_synced(state, event)
+    if isinstance(event, WorkerDamaged):
+        if state.phase is not JobPhase.RUNNING:
+            return state, [KillWorker(event.rank, f"state damaged during a recovery: {event.what}")]
+        return _recover(state, Failure(rank=event.rank, attempt=event.attempt, kind="memory-fault"))
     if isinstance(event, (WorkerPaused, ReplacementJoined, WorkerResumed, RecoveryTimeout)):
         return _on_recovery_event(state, event)
     raise TypeError(f"unknown event {event!r}")
@@ -374,10 +388,21 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     in_flight, why = in_flight_feasible(state, dead)
     in_flight = in_flight and tries <= state.max_recovery_tries
     own_agents = {state.agent_of(r) for r in failed}
-    feasible = {"recover-in-place": in_flight and own_agents <= state.agents,
+    feasible = {"retry": in_flight and failure.kind == "memory-fault" and recovery is None,
+                "recover-in-place": in_flight and own_agents <= state.agents,
                 "recover": in_flight and bool(state.standbys),
                 "exit": state.restarts_used < state.max_restarts and state.hosts() <= state.agents}
     rung = choose_rung(state.allowed, feasible)
+    if failure.kind == "memory-fault" and rung != "retry":
+        # Not repairable in place: the damaged process goes, and its exit takes the ladder on.
+        return state, [Decide(rung, failure, f"{failure.describe()}; no retry ({why})"),
+                       KillWorker(failure.rank, f"state damaged in memory, not repairable in place ({why})")]
+    if rung == "retry":  # no process exits: the damaged rank receives its state from replicas
+        gen = state.gen + 1
+        reason = f"{failure.describe()}; {why}; repairing rank {failure.rank} from replicas"
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
+                         recovery=Recovery(rung, gen, frozenset({failure.rank}), tries))
+        return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
     if rung in ("recover-in-place", "recover"):
         gen = (recovery.gen if recovery else state.gen) + 1
         placement = tuple(state.agent_of(r) for r in range(state.world_size))

@@ -286,6 +286,11 @@ class Controller:
                 if granted:
                     self.events.emit("fault_injected", rank=rank, fault=msg.fault_id, step=w.step)
                 conn.send(m.FaultClaim(fault_id=msg.fault_id, granted=granted))
+            elif isinstance(msg, m.Damaged):
+                if self._fault_t is None:
+                    self._fault_t, self._fault_step = time.monotonic(), max((v.step or 0) for v in self._workers.values())
+                self.events.emit("memory_fault", rank=rank, what=msg.what, step=w.step)
+                self._apply(sm.WorkerDamaged(rank, attempt, msg.what))
             elif isinstance(msg, m.SessionReady):
                 self._apply(sm.SessionReady(rank, attempt, msg.num_replicas))
             elif isinstance(msg, m.Paused):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from unbroken.errors import InjectedFault
+from unbroken.errors import DeviceMemoryError, InjectedFault
 from unbroken.faults.plan import Fault, FaultKind
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,11 @@ def file_claim(run_dir: str | os.PathLike | None) -> Claim:
 class FaultInjector:
     """Fires this rank's faults of a plan at the matching step and phase."""
 
-    def __init__(self, faults: Iterable[Fault], rank: int, claim: Claim) -> None:
+    def __init__(self, faults: Iterable[Fault], rank: int, claim: Claim,
+                 damage: Callable[[str], list[str]] | None = None) -> None:
         self._pending = [f for f in faults if f.rank == rank]
         self._claim = claim
+        self._damage = damage  # overwrites part of the named state for real; returns what it hit
         self.rank = rank
 
     def at(self, step: int, phase: str) -> None:
@@ -80,8 +82,14 @@ class FaultInjector:
         elif kind is FaultKind.RAISE:
             raise InjectedFault(f"injected fault {fault} (rank {self.rank}, step {fault.step})")
         elif kind is FaultKind.EXIT:
-            code = int(dict(fault.params).get("code", "1"))
             sys.stdout.flush()
-            os._exit(code)
+            os._exit(fault.exit_code)
+        elif kind is FaultKind.CORRUPT and self._damage is not None:
+            # As a device reports an uncorrectable memory error: the bytes are really damaged,
+            # and the error names the rank and the tensors.
+            what = fault.corrupt_target
+            hit = self._damage(what)
+            raise DeviceMemoryError(f"rank {self.rank}: uncorrectable memory error in {what} "
+                                    f"({', '.join(hit) or 'nothing to damage'}), injected by {fault}")
         else:
             raise InjectedFault(f"fault kind {kind.value!r} ({fault}) is not supported by this version")

@@ -492,3 +492,12 @@ class Persisted(Message):
     ranks: list[int]
     seconds: float
     error: str = ""
+
+
+@message("damaged")
+class Damaged(Message):
+    """A worker's state was damaged in memory (its process is fine): rung `retry` repairs it."""
+
+    rank: int
+    attempt: int
+    what: str

@@ -107,6 +107,9 @@ class ControlClient:
                 self._commit.wait(poll_s)
         return True
 
+    def damaged(self, what: str) -> None:
+        self._send(m.Damaged(rank=self.rank, attempt=self.attempt, what=what))
+
     def paused(self, gen: int, step: int, phase: str) -> None:
         self._send(m.Paused(rank=self.rank, attempt=self.attempt, gen=gen, step=step, phase=phase))
 

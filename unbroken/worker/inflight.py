@@ -55,6 +55,10 @@ def survive(job: Job) -> int:
     job._drop_step_in_flight()
     control = job._control
     reported = control.abort_gen
+    if job._damaged:  # rung `retry`: this process stays; its state comes from replicas
+        control.damaged(job._damaged)
+        job._damaged, job._needs_state = "", True
+        return _transfer_until_done(job, started, _await_order(job, reported))
     control.paused(reported, job.step_index, job._pause_phase)
     return _transfer_until_done(job, started, _await_order(job, reported))
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from unbroken.checkpoint.memory import SnapshotReader, SnapshotWriter
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import WorkerConfig, worker_config_from_env
-from unbroken.errors import CheckpointError, CollectiveAborted, ConfigError, NoCheckpoint
+from unbroken.errors import CheckpointError, CollectiveAborted, ConfigError, DeviceMemoryError, NoCheckpoint
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.optim.comm import wait_all
@@ -99,6 +99,7 @@ class Job:
         self._announced_ready = False
         self._needs_state = cfg.replacement  # a replacement receives its state from replicas
         self._pause_phase = "compute"
+        self._damaged = ""  # a device-memory fault damaged this rank's state: repair from replicas
         self._owns_default_group = False
         self._control = self._build_control()
         self._injector = self._build_injector()
@@ -131,7 +132,7 @@ class Job:
             claim = lambda fault: control.claim_fault(fault.fault_id)  # noqa: E731
         else:
             claim = file_claim(self.cfg.run_dir)
-        return FaultInjector(faults, self.rank, claim)
+        return FaultInjector(faults, self.rank, claim, damage=self._damage)
 
     def _build_storage(self) -> StorageTier | None:
         ckpt = self.cfg.checkpoint
@@ -200,6 +201,13 @@ class Job:
             if self._control is not None:
                 self._step_rng = _rng_state()  # to redo this step exactly if it is aborted
             self._in_step, self._committed_this_step = True, False
+            try:
+                self.phase("compute")  # faults planned for 'compute' fire here, as the step starts
+            except Exception as exc:
+                if not self._is_recoverable(exc):
+                    raise
+                self._recovery_needed = True
+                continue
             yield index
             if self._recovery_needed:
                 continue
@@ -218,7 +226,7 @@ class Job:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[int]:
-        """The fault boundary of one step. Faults injected at ``compute`` fire on entry.
+        """The fault boundary of one step (its phase ``compute`` began in :meth:`steps`).
 
         Under `unbroken run`, a collective aborted inside the step (a peer was lost) does
         not propagate: the step is dropped and :meth:`steps` recovers in flight and
@@ -226,7 +234,6 @@ class Job:
         """
         index = self._step
         try:
-            self.phase("compute")
             yield index
         except Exception as exc:
             if not self._is_recoverable(exc):
@@ -238,9 +245,13 @@ class Job:
         self._end_step(index)
 
     def _is_recoverable(self, exc: Exception) -> bool:
-        """A collective that failed or was aborted because a peer was lost, under a controller."""
+        """A collective that failed or was aborted because a peer was lost, or state damaged in
+        memory, under a controller (which repairs both from replicas)."""
         if self._control is None:
             return False
+        if isinstance(exc, DeviceMemoryError):
+            self._damaged = str(exc)
+            return True
         if isinstance(exc, CollectiveAborted):
             return True
         notes = getattr(exc, "__notes__", ())
@@ -283,6 +294,26 @@ class Job:
             wait_all([work], self._should_abort if self._control else None, self._graveyard,
                      f"all-reduce of step {self._step}")
         return tensor
+
+    def _damage(self, what: str) -> list[str]:
+        """Fault injection: really overwrite part of this rank's params, optimizer state or grads."""
+        hit = []
+        for name, obj in self._tracked.items():
+            if what in ("params", "grads") and isinstance(obj, torch.nn.Module):
+                for pname, p in obj.named_parameters():
+                    t = p.grad if what == "grads" else p.data
+                    if t is not None and t.numel() > 1:
+                        with torch.no_grad():
+                            t.view(-1)[: max(1, t.numel() // 8)] = 1e30
+                        return [f"{name}.{pname}" + (".grad" if what == "grads" else "")]
+            if what == "optimizer" and isinstance(obj, torch.optim.Optimizer):
+                for index, state in enumerate(obj.state.values()):
+                    for key, t in state.items():
+                        if isinstance(t, torch.Tensor) and t.numel() > 1:
+                            with torch.no_grad():
+                                t.view(-1)[: max(1, t.numel() // 8)] = 1e30
+                            return [f"{name}.state[{index}].{key}"]
+        return hit
 
     def _gather_cut(self) -> bool:
         """A tracked optimizer's parameter gather was cut by a fault (its step committed)."""

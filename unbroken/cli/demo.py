@@ -1,7 +1,7 @@
-"""`unbroken demo`: the example GPT on 4 ranks survives a crash and a hang, and proves it.
+"""`unbroken demo`: the example GPT on 4 ranks survives a crash, a memory fault and a hang.
 
 Two runs of the same job under the launcher: a fault-free reference, then one with a
-SIGKILL and a hang injected. A live table shows each rank's step, loss and state; the
+SIGKILL, a corruption of optimizer state (repaired by `retry`) and a hang injected. A live table shows each rank's step, loss and state; the
 summary lists every fault, how it was recovered and how long it took, and whether the
 final weights equal the reference bit for bit.
 """
@@ -83,13 +83,14 @@ def summarize(run_dir: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for fault in (e for e in events if e["event"] == "fault_injected"):
         after = [e for e in events if e["t"] >= fault["t"]]
-        detection = next((e for e in after if e["event"] == "hang_detected" or
+        detection = next((e for e in after if e["event"] in ("hang_detected", "memory_fault") or
                           (e["event"] == "worker_exited" and e.get("exit_code") != 0)), None)
         decision = next((e for e in after if e["event"] == "decision"), None)
         in_flight = next((e for e in after if e["event"] == "recovered_in_flight"), None)
+        in_flight_rungs = ("retry", "recover-in-place", "recover")
         recovered = next((e for e in after if e["event"] == "recovered"), None)
         rows.append({"fault": fault, "detection": detection, "decision": decision,
-                     "in_flight": in_flight if decision and decision["rung"] == "recover-in-place" else None,
+                     "in_flight": in_flight if decision and decision["rung"] in in_flight_rungs else None,
                      "recovered": recovered})
     return rows
 
@@ -101,8 +102,9 @@ def _recovery_table(rows: list[dict[str, Any]]) -> Table:
         table.add_column(col, no_wrap=True)
     for row in rows:
         d, rec, fl = row["detection"], row["recovered"], row["in_flight"]
-        how = "-" if d is None else "hang (no progress)" if d["event"] == "hang_detected" else (
-            f"exit, signal {d.get('signal')}" if d.get("signal") else f"exit {d.get('exit_code')}")
+        how = "-" if d is None else "hang (no progress)" if d["event"] == "hang_detected" else \
+            "memory fault" if d["event"] == "memory_fault" else (
+                f"exit, signal {d.get('signal')}" if d.get("signal") else f"exit {d.get('exit_code')}")
         parts = "-" if fl is None else "/".join(f"{fl[k]:.2f}" for k in ("detect_s", "replace_s", "regroup_s",
                                                                           "restore_s") if fl.get(k) is not None)
         table.add_row(row["fault"]["fault"], how, row["decision"]["rung"] if row["decision"] else "-",
@@ -113,9 +115,9 @@ def _recovery_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, live: bool = True) -> int:
-    console = Console(width=None if sys.stdout.isatty() else 140)  # logs: no truncated columns
+    console = Console(width=None if sys.stdout.isatty() else 170)  # logs: no truncated columns
     root = Path(run_dir or f"runs/demo-{secrets.token_hex(3)}").absolute()
-    kill_step, hang_step = max(1, steps // 3), max(2, (2 * steps) // 3)
+    kill_step, corrupt_step, hang_step = max(1, steps // 4), max(2, steps // 2), max(3, (3 * steps) // 4)
     common = dict(script=str(EXAMPLE), nproc_per_node=nproc, max_restarts=3, omp_num_threads=1)
     args = ("--steps", str(steps), "--step-sleep-s", "0.02")
     console.rule("[bold]unbroken demo")
@@ -126,7 +128,9 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
     if ref_result.exit_code != 0:
         console.print(f"[red]the reference run failed: {ref_result.reason}")
         return 1
-    plan = f"kill:rank={min(2, nproc - 1)}:step={kill_step},hang:rank={min(1, nproc - 1)}:step={hang_step}"
+    plan = (f"kill:rank={min(2, nproc - 1)}:step={kill_step},"
+            f"corrupt:rank={min(3, nproc - 1)}:step={corrupt_step}:what=optimizer,"
+            f"hang:rank={min(1, nproc - 1)}:step={hang_step}")
     console.print(f"faulty run: injecting [bold]{plan}[/bold]")
     faulty = resolve(LaunchConfig(**common, script_args=args + ("--out", str(root / "faulty.safetensors")),
                                   run_dir=root / "faulty", inject=plan,
@@ -141,7 +145,7 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
                   + (f", final loss (rank 0): {losses[0]:.4f}" if losses and losses[0] is not None else ""))
     console.print(f"final weights equal to the fault-free run, bit for bit: "
                   f"{'[green]yes' if equal else '[red]NO'}")
-    ok = result.exit_code == 0 and equal and len(recovered) == len(rows) == 2
+    ok = result.exit_code == 0 and equal and len(recovered) == len(rows) == 3
     console.print("[bold green]demo passed" if ok else "[bold red]demo FAILED")
     return 0 if ok else 1
 

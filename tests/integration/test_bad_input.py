@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import EXAMPLE, free_port, run_cli
+from tests.conftest import EXAMPLE, REPO, free_port, run_cli
 from unbroken.errors import AuthError
 from unbroken.protocol.wire import connect
 
@@ -67,3 +67,13 @@ def test_wrong_secret_and_garbage_on_the_control_port_leave_the_job_running(tmp_
             job.communicate()
     assert job.returncode == 0, output[-3000:]
     assert "job finished" in output
+
+
+@pytest.mark.timeout(60)
+def test_an_unchanged_torchrun_script_runs_under_the_launcher(tmp_path):
+    script = REPO / "tests" / "integration" / "scripts" / "plain_torchrun_script.py"
+    result = run_cli(["run", "--nproc-per-node", "3", "--run-dir", str(tmp_path / "run"), str(script)],
+                     timeout_s=50)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for rank in range(3):
+        assert f"[rank {rank}] rank {rank} of 3: sum 6" in result.stdout

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file

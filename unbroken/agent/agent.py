@@ -109,7 +109,7 @@ class Agent:
             self._drop_spare()
             self._stop_all(None)
             if self._persister is not None:
-                self._persister.stop()
+                self._persister.stop()  # its last report still goes out on the open connection
             self._release_shared_memory()
             self._conn.close()
 

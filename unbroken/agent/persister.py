@@ -43,6 +43,7 @@ class Persister:
         self._poll_s = poll_s
         self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep)
         self._last = -1
+        self._ranks_at_stop: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="unbroken-persister", daemon=True)
 
@@ -50,8 +51,14 @@ class Persister:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop, after persisting the newest due snapshot not yet persisted (nothing is lost at
+        the end of a job)."""
         self._stop.set()
         self._thread.join(timeout=30)
+        ranks = self._ranks_at_stop or self._ranks()
+        step = self._due_step(ranks)
+        if step is not None:
+            self._persist(step, ranks)
 
     def _loop(self) -> None:
         try:
@@ -60,6 +67,7 @@ class Persister:
             pass
         while not self._stop.wait(self._poll_s):
             ranks = self._ranks()
+            self._ranks_at_stop = ranks or self._ranks_at_stop  # the workers may be gone at stop()
             step = self._due_step(ranks)
             if step is not None:
                 self._persist(step, ranks)

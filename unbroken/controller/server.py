@@ -113,8 +113,13 @@ class Controller:
         with self._lock:
             self._execute([sm.StopAttempt(self._state.attempt, reason), sm.Finish(exit_code, reason)])
 
-    def close(self) -> None:
+    def close(self, drain_s: float = 10.0) -> None:
+        """Stop serving; first let the agents finish (their last reports, e.g. a checkpoint
+        persisted at the end of the job, are still taken in)."""
         self._done.set()
+        deadline = time.monotonic() + drain_s
+        while self._agents and time.monotonic() < deadline:
+            time.sleep(0.02)
         self._server.close()
         self._stores.clear()
         self._store = None
@@ -177,10 +182,11 @@ class Controller:
                 self._on_agent_message(agent, conn.recv())
         except ConnectionClosed:
             with self._lock:
-                if self._agents.get(agent) is conn and not self._done.is_set():
+                if self._agents.get(agent) is conn:
                     del self._agents[agent]
-                    self.events.emit("agent_lost", node_rank=agent)
-                    self._apply(sm.AgentLost(agent))
+                    if not self._done.is_set():
+                        self.events.emit("agent_lost", node_rank=agent)
+                        self._apply(sm.AgentLost(agent))
             raise
 
     def _on_agent_message(self, agent: int, msg: m.Message) -> None:

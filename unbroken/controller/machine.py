@@ -56,6 +56,8 @@ class Failure:
                "crash": "was killed by a signal" if self.signal else "crashed",
                "node-lost": "was lost with its node's agent",
                "memory-fault": "reported state damaged in memory",
+               "dump-failed": "was lost, and the dump of its state failed",
+               "dumped": "was lost; the survivors dumped the job's state",
                "recovery-timeout": "was not recovered in time"}.get(self.kind, "exited")
         detail = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
         step = "before its first step" if self.step is None else f"at step {self.step}"
@@ -157,13 +159,24 @@ class WorkerDamaged:
 
 
 @dataclass(frozen=True)
+class StepDumped:
+    """A survivor wrote the files of ``ranks`` for the dump of ``step`` (``error``: it failed)."""
+
+    rank: int
+    attempt: int
+    step: int
+    ranks: tuple[int, ...]
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class RecoveryTimeout:
     attempt: int
     gen: int
 
 
 Event = (AgentJoined | WorkerExited | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
-         | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged)
+         | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped)
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -236,8 +249,22 @@ class Recovered:
     replaced: frozenset[int]
 
 
+@dataclass(frozen=True)
+class DumpOrder:
+    """Survivors write the state at ``step``; ``assign`` maps each lost rank to its writer."""
+
+    gen: int
+    step: int
+    assign: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class CommitDump:
+    step: int
+
+
 Action = (StartAttempt | StopAttempt | KillWorker | Decide | Finish | CommitStep | AbortGeneration
-          | RestartRanks | Regroup | Recovered)
+          | RestartRanks | Regroup | Recovered | DumpOrder | CommitDump)
 
 
 @dataclass(frozen=True)
@@ -253,6 +280,8 @@ class Recovery:
     joined: frozenset[int] = frozenset()
     resumed: frozenset[int] = frozenset()
     regrouped: bool = False
+    dump_step: int = -1
+    dumped: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -280,6 +309,7 @@ class JobState:
     max_recovery_tries: int = 3
     placement: tuple[int, ...] = ()  # the agent hosting each rank; () means rank // (world / nnodes)
     replicas_allowed: bool = True  # False: --no-replica-restore
+    can_dump: bool = False  # a storage tier exists (--save)
     standbys: frozenset[int] = frozenset()
 
     @property
@@ -329,6 +359,8 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         if state.phase is not JobPhase.RUNNING:
             return state, [KillWorker(event.rank, f"state damaged during a recovery: {event.what}")]
         return _recover(state, Failure(rank=event.rank, attempt=event.attempt, kind="memory-fault"))
+    if isinstance(event, StepDumped):
+        return _on_step_dumped(state, event)
     if isinstance(event, (WorkerPaused, ReplacementJoined, WorkerResumed, RecoveryTimeout)):
         return _on_recovery_event(state, event)
     raise TypeError(f"unknown event {event!r}")
@@ -391,6 +423,7 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     feasible = {"retry": in_flight and failure.kind == "memory-fault" and recovery is None,
                 "recover-in-place": in_flight and own_agents <= state.agents,
                 "recover": in_flight and bool(state.standbys),
+                "dump": in_flight and state.can_dump and (recovery is None or recovery.rung != "dump"),
                 "exit": state.restarts_used < state.max_restarts and state.hosts() <= state.agents}
     rung = choose_rung(state.allowed, feasible)
     if failure.kind == "memory-fault" and rung != "retry":
@@ -402,6 +435,11 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
         reason = f"{failure.describe()}; {why}; repairing rank {failure.rank} from replicas"
         state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
                          recovery=Recovery(rung, gen, frozenset({failure.rank}), tries))
+        return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
+    if rung == "dump":  # survivors write one consistent copy from replicas, then the job restarts
+        gen = (recovery.gen if recovery else state.gen) + 1
+        reason = f"{failure.describe()}; {why}; survivors dump the state, then the job restarts"
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(), recovery=Recovery(rung, gen, dead, tries))
         return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
     if rung in ("recover-in-place", "recover"):
         gen = (recovery.gen if recovery else state.gen) + 1
@@ -424,7 +462,8 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     if rung == GIVE_UP:
         return _fail(state, failure, f"restart budget spent ({state.restarts_used} of --max-restarts "
                                      f"{state.max_restarts} used)")
-    not_in_flight = "" if "recover-in-place" not in state.allowed else f" (in flight: no; {why})"
+    in_flight_rungs = {"retry", "recover-in-place", "recover", "dump"} & set(state.allowed)
+    not_in_flight = f" ({', '.join(sorted(in_flight_rungs))}: no; {why})" if in_flight_rungs else ""
     decision = Decide(rung, failure, f"{failure.describe()}; restart {state.restarts_used + 1} "
                                      f"of {state.max_restarts}{not_in_flight}")
     stop = StopAttempt(state.attempt, f"{rung}: {failure.describe()}")
@@ -450,6 +489,35 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
                      gen=0, committed_step=-1, sync_step=-1, synced=frozenset(), ready=frozenset(),
                      recovery=None)
     return state, [StartAttempt(attempt)]
+
+
+def _writers(state: JobState, rec: Recovery) -> tuple[tuple[int, int], ...]:
+    """For each lost rank, the survivor holding an identical copy of its state (the lowest)."""
+    replicas = ReplicaMap.full(state.world_size) if state.num_replicas == 0 else \
+        ReplicaMap(state.world_size, state.num_replicas)
+    alive = state.ranks - rec.replaced
+    pairs = []
+    for rank in sorted(rec.replaced):
+        holders = [set(replicas.holders(p)) & alive for p in replicas.pieces_of(rank)]
+        pairs.append((rank, min(set.intersection(*holders))))
+    return tuple(pairs)
+
+
+def _on_step_dumped(state: JobState, event: StepDumped) -> tuple[JobState, list[Action]]:
+    rec = state.recovery
+    if rec is None or rec.rung != "dump" or event.step != rec.dump_step:
+        return state, []
+    failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="crash")
+    if event.error:  # no consistent copy: nothing is committed, the job restarts from the newest one
+        state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries, rung="dump"))
+        state, actions = _recover(state, dataclasses.replace(failure, kind="dump-failed"))
+        return state, [Decide("dump", failure, f"dump refused by rank {event.rank}: {event.error}"), *actions]
+    rec = dataclasses.replace(rec, dumped=rec.dumped | set(event.ranks))
+    if rec.dumped != state.ranks:
+        return _replace(state, recovery=rec), []
+    state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries))
+    state, actions = _recover(state, dataclasses.replace(failure, kind="dumped", step=rec.dump_step))
+    return state, [CommitDump(rec.dump_step), *actions]
 
 
 def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Action]]:
@@ -501,7 +569,8 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         return _replace(state, recovery=rec), []
     else:
         return state, []
-    if not rec.regrouped and rec.paused | rec.joined == state.ranks:
+    needed = state.ranks - rec.replaced if rec.rung == "dump" else state.ranks  # a dump has no replacements
+    if not rec.regrouped and (rec.paused | rec.joined) >= needed:
         survivors = {rank: Position(step, phase) for rank, step, phase in rec.positions if rank in rec.paused}
         try:
             decision = decide(state.committed_step, survivors)
@@ -512,6 +581,9 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
             state, more = _recover(state, failure)
             return state, actions + more
         rec = dataclasses.replace(rec, regrouped=True)
+        if rec.rung == "dump":
+            rec = dataclasses.replace(rec, dump_step=decision.resume_step)
+            return _replace(state, recovery=rec), [DumpOrder(rec.gen, decision.resume_step, _writers(state, rec))]
         return _replace(state, recovery=rec), [Regroup(rec.gen, decision.resume_step, rec.replaced,
                                                        decision.direction.value, decision.reason)]
     return _replace(state, recovery=rec), []

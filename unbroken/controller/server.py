@@ -68,7 +68,8 @@ class Controller:
         self._lock = threading.RLock()
         self._state = sm.JobState(world_size=cfg.world_size, nnodes=cfg.nnodes,
                                   max_restarts=cfg.max_restarts, allowed=cfg.recover_strategy,
-                                  replicas_allowed=not cfg.no_replica_restore)
+                                  replicas_allowed=not cfg.no_replica_restore,
+                                  can_dump=bool(cfg.checkpoint.save_dir))
         self._agents: dict[int, Connection] = {}
         self._workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
         self._step_times: deque[float] = deque(maxlen=200)
@@ -292,6 +293,9 @@ class Controller:
                 if granted:
                     self.events.emit("fault_injected", rank=rank, fault=msg.fault_id, step=w.step)
                 conn.send(m.FaultClaim(fault_id=msg.fault_id, granted=granted))
+            elif isinstance(msg, m.Dumped):
+                self.events.emit("worker_dumped", rank=rank, step=msg.step, ranks=msg.ranks, error=msg.error)
+                self._apply(sm.StepDumped(rank, attempt, msg.step, tuple(msg.ranks), msg.error))
             elif isinstance(msg, m.Damaged):
                 if self._fault_t is None:
                     self._fault_t, self._fault_step = time.monotonic(), max((v.step or 0) for v in self._workers.values())
@@ -419,6 +423,15 @@ class Controller:
                                            replaced=sorted(action.replaced)))
             elif isinstance(action, sm.Recovered):
                 self._on_recovered_in_flight(action)
+            elif isinstance(action, sm.DumpOrder):
+                self.events.emit("dump", gen=action.gen, step=action.step, assign=[list(p) for p in action.assign])
+                self._to_workers(m.Dump(gen=action.gen, step=action.step, assign=[list(p) for p in action.assign]))
+            elif isinstance(action, sm.CommitDump):
+                try:
+                    self._storage.commit(action.step, self.cfg.world_size, {"dump": True})
+                    self.events.emit("dump_committed", step=action.step)
+                except (CheckpointError, OSError, AttributeError) as exc:
+                    self.events.emit("dump_failed", step=action.step, error=str(exc))
             elif isinstance(action, sm.Finish):
                 self._finish(action)
 

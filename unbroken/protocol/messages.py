@@ -501,3 +501,22 @@ class Damaged(Message):
     rank: int
     attempt: int
     what: str
+
+
+@message("dump")
+class Dump(Message):
+    """Rung `dump`: write the state at ``step`` to storage: this rank's file and those of the
+    lost ranks in ``assign`` (pairs [lost rank, writer rank]) that name this rank."""
+
+    gen: int
+    step: int
+    assign: list[list[int]]
+
+
+@message("dumped")
+class Dumped(Message):
+    rank: int
+    attempt: int
+    step: int
+    ranks: list[int]
+    error: str = ""

@@ -107,6 +107,9 @@ class ControlClient:
                 self._commit.wait(poll_s)
         return True
 
+    def dumped(self, step: int, ranks: list[int], error: str) -> None:
+        self._send(m.Dumped(rank=self.rank, attempt=self.attempt, step=step, ranks=ranks, error=error))
+
     def damaged(self, what: str) -> None:
         self._send(m.Damaged(rank=self.rank, attempt=self.attempt, what=what))
 
@@ -119,7 +122,7 @@ class ControlClient:
     def resumed(self, gen: int, step: int, restore_s: float) -> None:
         self._send(m.Resumed(rank=self.rank, attempt=self.attempt, gen=gen, step=step, restore_s=restore_s))
 
-    def wait_regroup(self, timeout_s: float, on_abort, reported_gen: int) -> m.Regroup | None:
+    def wait_regroup(self, timeout_s: float, on_abort, reported_gen: int) -> m.Regroup | m.Dump | None:
         """Wait for the regroup order. ``on_abort(gen)`` runs when an abort newer than
         ``reported_gen`` (the one this rank last reported for) arrives meanwhile."""
         deadline = time.monotonic() + timeout_s
@@ -132,7 +135,7 @@ class ControlClient:
                 msg = self._replies.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if isinstance(msg, m.Regroup) and msg.gen >= seen_gen:
+            if isinstance(msg, (m.Regroup, m.Dump)) and msg.gen >= seen_gen:
                 return msg
         return None
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from unbroken.errors import JobFailed
-from unbroken.protocol.messages import Regroup
+from unbroken.errors import CheckpointError, JobFailed
+from unbroken.protocol.messages import Dump, Regroup
 from unbroken.recovery.transfer import broadcast_state
 
 if TYPE_CHECKING:
@@ -85,13 +85,36 @@ def _announce(job: Job, gen: int) -> None:
         job._control.paused(gen, job.step_index, job._pause_phase)
 
 
-def _await_order(job: Job, reported: int) -> Regroup:
+def _await_order(job: Job, reported: int) -> Regroup:  # a Dump order is carried out inside
     order = job._control.wait_regroup(job.cfg.recovery_timeout_s, lambda gen: _announce(job, gen), reported)
     if order is None:
         raise JobFailed(f"rank {job.rank}: no regroup order from the controller within "
                         f"{job.cfg.recovery_timeout_s:.0f} s (--recovery-timeout-s); giving up")
+    if isinstance(order, Dump):
+        _dump(job, order)  # then wait: the agent stops this process for the job restart
+        return _await_order(job, job._control.abort_gen)
     job._adopt_group(order.gen, new_group(job, order.gen))
     return order
+
+
+def _dump(job: Job, order: Dump) -> None:
+    """Rung `dump`: write this rank's state, and that of the lost ranks it holds replicas of,
+    to storage at the decided step. No collective: every survivor writes on its own."""
+    ranks = [job.rank] + [lost for lost, writer in order.assign if writer == job.rank]
+    error = ""
+    try:
+        if job._storage is None or job.cfg.checkpoint.save_dir is None:
+            raise CheckpointError("no storage tier (--save DIR) to dump to")
+        if job._gather_cut():
+            raise CheckpointError("a parameter gather was cut: this rank holds no consistent copy")
+        job._injector.at(order.step, "checkpoint")  # a fault planned for the dump fires here
+        state = job._state()
+        for rank in ranks:  # a replica's state is the lost rank's state, bit for bit
+            job._storage.save_rank(order.step, rank, job.world_size, state, {"step": order.step, "dump": True})
+    except (CheckpointError, OSError) as exc:
+        error = str(exc) or type(exc).__name__
+        log.warning("rank %d: dump of step %d failed: %s", job.rank, order.step, error)
+    job._control.dumped(order.step, ranks, error)
 
 
 def _transfer_until_done(job: Job, started: float, order: Regroup) -> int:

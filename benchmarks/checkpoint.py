@@ -41,7 +41,8 @@ import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 
-from unbroken.checkpoint.memory import SnapshotReader, SnapshotWriter, remove_job
+from unbroken.checkpoint.memory import SnapshotReader, SnapshotWriter
+from unbroken.checkpoint.shm_files import remove_job
 from unbroken.checkpoint.storage import StorageTier
 
 N_TENSORS = 30

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from unbroken.errors import ConfigError
 
@@ -209,24 +209,16 @@ class WorkerConfig:
         return self.gen > 0
 
 
-def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
+def _env_number(env: Mapping[str, str], key: str, default: int | float, kind: type = int) -> Any:
+    """``env[key]`` as ``kind`` (int or float); ``default`` when unset or empty."""
     raw = env.get(key)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise ConfigError(f"environment variable {key}={raw!r} must be an integer") from None
-
-
-def _env_float(env: Mapping[str, str], key: str, default: float) -> float:
-    raw = env.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"environment variable {key}={raw!r} must be a number") from None
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"environment variable {key}={raw!r} must be {what}") from None
 
 
 def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) -> WorkerConfig:
@@ -242,9 +234,9 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
     ckpt = CheckpointConfig(
         save_dir=env.get(ENV_SAVE_DIR) or None,
         load_dir=env.get(ENV_LOAD_DIR) or None,
-        every_steps=_env_int(env, ENV_CKPT_EVERY, 0),
-        persist_every_steps=_env_int(env, ENV_PERSIST_EVERY, 0),
-        keep=_env_int(env, ENV_KEEP, 3),
+        every_steps=_env_number(env, ENV_CKPT_EVERY, 0),
+        persist_every_steps=_env_number(env, ENV_PERSIST_EVERY, 0),
+        keep=_env_number(env, ENV_KEEP, 3),
         shm_dir=env.get(ENV_SHM_DIR) or "/dev/shm",
     )
     ckpt_fields = {k: overrides.pop(k) for k in ("save_dir", "load_dir", "every_steps", "persist_every_steps",
@@ -253,22 +245,22 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         ckpt = dataclasses.replace(ckpt, **ckpt_fields)
     cfg = WorkerConfig(
         mode=mode,
-        rank=_env_int(env, "RANK", 0),
-        world_size=_env_int(env, "WORLD_SIZE", 1),
-        local_rank=_env_int(env, "LOCAL_RANK", 0),
-        local_world_size=_env_int(env, "LOCAL_WORLD_SIZE", 1),
-        node_rank=_env_int(env, "GROUP_RANK", 0),
+        rank=_env_number(env, "RANK", 0),
+        world_size=_env_number(env, "WORLD_SIZE", 1),
+        local_rank=_env_number(env, "LOCAL_RANK", 0),
+        local_world_size=_env_number(env, "LOCAL_WORLD_SIZE", 1),
+        node_rank=_env_number(env, "GROUP_RANK", 0),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=_env_int(env, "MASTER_PORT", 0),
-        attempt=_env_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        master_port=_env_number(env, "MASTER_PORT", 0),
+        attempt=_env_number(env, "TORCHELASTIC_RESTART_COUNT", 0),
         controller=controller,
         secret=env.get(ENV_SECRET, ""),
         job_id=env.get(ENV_JOB_ID, ""),
         run_dir=env.get(ENV_RUN_DIR) or None,
         inject=env.get(ENV_INJECT, ""),
-        pg_timeout_s=_env_float(env, ENV_PG_TIMEOUT, 60.0),
-        gen=_env_int(env, ENV_GEN, 0),
-        recovery_timeout_s=_env_float(env, ENV_RECOVERY_TIMEOUT, 60.0),
+        pg_timeout_s=_env_number(env, ENV_PG_TIMEOUT, 60.0, float),
+        gen=_env_number(env, ENV_GEN, 0),
+        recovery_timeout_s=_env_number(env, ENV_RECOVERY_TIMEOUT, 60.0, float),
         checkpoint=ckpt,
     )
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from unbroken.checkpoint import memory
-from unbroken.checkpoint.memory import (HEADER_BYTES, SnapshotReader, SnapshotWriter, claim_job,
-                                        remove_job, slot_path, sweep_stale)
+from unbroken.checkpoint.memory import HEADER_BYTES, SnapshotReader, SnapshotWriter
+from unbroken.checkpoint.shm_files import claim_job, remove_job, slot_path, sweep_stale
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError, NoCheckpoint
 
 HERE = Path(__file__).resolve().parent

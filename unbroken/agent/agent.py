@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from unbroken.agent.persister import Persister
-from unbroken.checkpoint import memory
+from unbroken.checkpoint import shm_files
 from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
@@ -119,14 +119,14 @@ class Agent:
         shm = self.cfg.checkpoint.shm_dir
         if not self.cfg.job_id or not os.path.isdir(shm):
             return
-        for job in memory.sweep_stale(shm):
+        for job in shm_files.sweep_stale(shm):
             log.info("agent %d: removed the shared-memory snapshots of dead job %s", self.node_rank, job)
-        memory.claim_job(shm, self.cfg.job_id, os.getpid())
+        shm_files.claim_job(shm, self.cfg.job_id, os.getpid())
 
     def _release_shared_memory(self) -> None:
         shm = self.cfg.checkpoint.shm_dir
         if self.cfg.job_id and os.path.isdir(shm):
-            memory.remove_job(shm, self.cfg.job_id)
+            shm_files.remove_job(shm, self.cfg.job_id)
 
     def _report_persisted(self, step: int, ranks: list[int], seconds: float, error: str) -> None:
         self._send(m.Persisted(step=step, ranks=ranks, seconds=seconds, error=error))

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable
 
-from unbroken.checkpoint import memory
+from unbroken.checkpoint import shm_files
 from unbroken.checkpoint.memory import SnapshotReader
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import CheckpointConfig
@@ -93,10 +93,10 @@ class Persister:
                 state, meta = SnapshotReader(self._ckpt.shm_dir, self._job_id, rank).load(step)
                 self._storage.save_rank(step, rank, self._world_size, state, meta)
             for rank in ranks:
-                memory.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
+                shm_files.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
         except (CheckpointError, NoCheckpoint, OSError) as exc:
             for rank in ranks:  # release the held snapshots; the next due step is tried instead
-                memory.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
+                shm_files.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
             log.warning("persisting step %d failed; the previous checkpoint stays the newest: %s", step, exc)
             self._report(step, ranks, time.monotonic() - started, str(exc) or type(exc).__name__)
             return

@@ -15,7 +15,9 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
 
 from unbroken.errors import DeviceMemoryError, InjectedFault
 from unbroken.faults.plan import Fault, FaultKind
@@ -93,3 +95,27 @@ class FaultInjector:
                                     f"({', '.join(hit) or 'nothing to damage'}), injected by {fault}")
         else:
             raise InjectedFault(f"fault kind {kind.value!r} ({fault}) is not supported by this version")
+
+
+def damage_tracked(tracked: Mapping[str, Any], what: str) -> list[str]:
+    """For a `corrupt` fault: really overwrite part of the first tensor of ``what`` (params,
+    optimizer state or grads) among the tracked objects; return the names of what was hit."""
+    for name, obj in tracked.items():
+        if what in ("params", "grads") and isinstance(obj, torch.nn.Module):
+            for pname, p in obj.named_parameters():
+                t = p.grad if what == "grads" else p.data
+                if t is not None and t.numel() > 1:
+                    _overwrite(t)
+                    return [f"{name}.{pname}" + (".grad" if what == "grads" else "")]
+        if what == "optimizer" and isinstance(obj, torch.optim.Optimizer):
+            for index, state in enumerate(obj.state.values()):
+                for key, t in state.items():
+                    if isinstance(t, torch.Tensor) and t.numel() > 1:
+                        _overwrite(t)
+                        return [f"{name}.state[{index}].{key}"]
+    return []
+
+
+def _overwrite(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.view(-1)[: max(1, t.numel() // 8)] = 1e30

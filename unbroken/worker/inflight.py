@@ -30,6 +30,7 @@ import torch.distributed as dist
 from unbroken.errors import CheckpointError, JobFailed
 from unbroken.protocol.messages import Dump, Regroup
 from unbroken.recovery.transfer import broadcast_state
+from unbroken.worker import rng as rng_state
 
 if TYPE_CHECKING:
     from unbroken.worker.session import Job
@@ -166,4 +167,4 @@ def _transfer(job: Job, replaced: set[int]) -> None:
     rng = broadcast_state(job._rng_at_step_start() if job.rank == src else None, src, group,
                           what=f"transfer of the RNG state from rank {src}", **common)
     if receiving:
-        job._set_rng(rng)
+        rng_state.restore(rng)

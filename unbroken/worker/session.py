@@ -16,8 +16,6 @@ import contextlib
 import gc
 import logging
 import os
-import random
-import sys
 import time
 from datetime import timedelta
 from typing import Any, Iterator
@@ -29,38 +27,15 @@ from unbroken.checkpoint.memory import SnapshotReader, SnapshotWriter
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import WorkerConfig, worker_config_from_env
 from unbroken.errors import CheckpointError, CollectiveAborted, ConfigError, DeviceMemoryError, NoCheckpoint
-from unbroken.faults.inject import FaultInjector, file_claim
+from unbroken.faults.inject import FaultInjector, damage_tracked, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.optim.comm import wait_all
-from unbroken.worker import inflight
+from unbroken.worker import inflight, rng
 from unbroken.worker.control import ControlClient
 
 log = logging.getLogger(__name__)
 
 PHASES = ("compute", "sync", "update", "done")
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np = sys.modules.get("numpy")
-    if np is not None and "numpy" in state:
-        name, keys, pos, has_gauss, gauss_value = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss_value))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _default_backend(device: torch.device) -> str:
@@ -132,7 +107,7 @@ class Job:
             claim = lambda fault: control.claim_fault(fault.fault_id)  # noqa: E731
         else:
             claim = file_claim(self.cfg.run_dir)
-        return FaultInjector(faults, self.rank, claim, damage=self._damage)
+        return FaultInjector(faults, self.rank, claim, damage=lambda what: damage_tracked(self._tracked, what))
 
     def _build_storage(self) -> StorageTier | None:
         ckpt = self.cfg.checkpoint
@@ -199,14 +174,13 @@ class Job:
             index = self._step
             self._step_started = time.monotonic()
             if self._control is not None:
-                self._step_rng = _rng_state()  # to redo this step exactly if it is aborted
+                self._step_rng = rng.capture()  # to redo this step exactly if it is aborted
             self._in_step, self._committed_this_step = True, False
             try:
                 self.phase("compute")  # faults planned for 'compute' fire here, as the step starts
             except Exception as exc:
-                if not self._is_recoverable(exc):
+                if not self._abort_step(index, exc):
                     raise
-                self._recovery_needed = True
                 continue
             yield index
             if self._recovery_needed:
@@ -216,9 +190,8 @@ class Job:
             try:
                 self._maybe_checkpoint()
             except Exception as exc:  # a peer lost during the checkpoint: not committed, recover
-                if not self._is_recoverable(exc):
+                if not self._abort_step(index, exc):
                     raise
-                self._recovery_needed = True
                 continue
             self._report_progress()
         if self._control is not None:  # past the loop: no step progress to expect any more
@@ -236,23 +209,28 @@ class Job:
         try:
             yield index
         except Exception as exc:
-            if not self._is_recoverable(exc):
+            if not self._abort_step(index, exc):
                 raise
-            log.warning("rank %d: step %d aborted (%s); recovering in flight", self.rank, index,
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            self._recovery_needed = True
             return
         self._end_step(index)
+
+    def _abort_step(self, index: int, exc: Exception) -> bool:
+        """A fault inside step ``index``: drop the step and recover in flight (True), or not (False)."""
+        if not self._is_recoverable(exc):
+            return False
+        if isinstance(exc, DeviceMemoryError):
+            self._damaged = str(exc)  # rung `retry`: this rank's state comes from replicas
+        log.warning("rank %d: step %d aborted (%s); recovering in flight", self.rank, index,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        self._recovery_needed = True
+        return True
 
     def _is_recoverable(self, exc: Exception) -> bool:
         """A collective that failed or was aborted because a peer was lost, or state damaged in
         memory, under a controller (which repairs both from replicas)."""
         if self._control is None:
             return False
-        if isinstance(exc, DeviceMemoryError):
-            self._damaged = str(exc)
-            return True
-        if isinstance(exc, CollectiveAborted):
+        if isinstance(exc, (DeviceMemoryError, CollectiveAborted)):
             return True
         notes = getattr(exc, "__notes__", ())
         return isinstance(exc, RuntimeError) and any(n.startswith("unbroken: during the") for n in notes)
@@ -295,26 +273,6 @@ class Job:
                      f"all-reduce of step {self._step}")
         return tensor
 
-    def _damage(self, what: str) -> list[str]:
-        """Fault injection: really overwrite part of this rank's params, optimizer state or grads."""
-        hit = []
-        for name, obj in self._tracked.items():
-            if what in ("params", "grads") and isinstance(obj, torch.nn.Module):
-                for pname, p in obj.named_parameters():
-                    t = p.grad if what == "grads" else p.data
-                    if t is not None and t.numel() > 1:
-                        with torch.no_grad():
-                            t.view(-1)[: max(1, t.numel() // 8)] = 1e30
-                        return [f"{name}.{pname}" + (".grad" if what == "grads" else "")]
-            if what == "optimizer" and isinstance(obj, torch.optim.Optimizer):
-                for index, state in enumerate(obj.state.values()):
-                    for key, t in state.items():
-                        if isinstance(t, torch.Tensor) and t.numel() > 1:
-                            with torch.no_grad():
-                                t.view(-1)[: max(1, t.numel() // 8)] = 1e30
-                            return [f"{name}.state[{index}].{key}"]
-        return hit
-
     def _gather_cut(self) -> bool:
         """A tracked optimizer's parameter gather was cut by a fault (its step committed)."""
         return self._control is not None and any(getattr(o, "gather_pending", False) for o in self._tracked.values())
@@ -333,14 +291,11 @@ class Job:
             if hasattr(obj, "zero_grad"):
                 obj.zero_grad(set_to_none=True)
         if self._in_step and self._step_rng is not None:
-            _set_rng_state(self._step_rng)
+            rng.restore(self._step_rng)
         self._in_step = False
 
     def _rng_at_step_start(self) -> dict[str, Any]:
-        return self._step_rng if self._in_step and self._step_rng is not None else _rng_state()
-
-    def _set_rng(self, state: dict[str, Any]) -> None:
-        _set_rng_state(state)
+        return self._step_rng if self._in_step and self._step_rng is not None else rng.capture()
 
     def _load_tracked(self, name: str, obj: Any, state: Any) -> None:
         if isinstance(obj, torch.Tensor):
@@ -439,7 +394,7 @@ class Job:
     def _state(self) -> dict[str, Any]:
         tracked = {name: (obj if isinstance(obj, torch.Tensor) else obj.state_dict())
                    for name, obj in self._tracked.items()}
-        return {"tracked": tracked, "rng": _rng_state()}
+        return {"tracked": tracked, "rng": rng.capture()}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         tracked = state["tracked"]
@@ -449,7 +404,7 @@ class Job:
                                   f"(it holds {sorted(tracked)})")
         for name, obj in self._tracked.items():
             self._load_tracked(name, obj, tracked[name])
-        _set_rng_state(state["rng"])
+        rng.restore(state["rng"])
 
     def _all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)

@@ -10,10 +10,10 @@ The training-loop API::
 """
 
 from unbroken import errors
-from unbroken.errors import UnbrokenError
+from unbroken.errors import EXIT_FATAL, FatalError, UnbrokenError
 from unbroken.worker.session import Job, init
 
-__all__ = ["Job", "UnbrokenError", "errors", "init", "optim"]
+__all__ = ["EXIT_FATAL", "FatalError", "Job", "UnbrokenError", "errors", "init", "optim"]
 __version__ = "0.1.0"
 
 

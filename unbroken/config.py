@@ -37,6 +37,11 @@ ENV_INJECT = "UNBROKEN_INJECT"
 ENV_PG_TIMEOUT = "UNBROKEN_PG_TIMEOUT_S"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
 ENV_RECOVERY_TIMEOUT = "UNBROKEN_RECOVERY_TIMEOUT_S"
+ENV_SDC_EVERY = "UNBROKEN_SDC_CHECK_EVERY_STEPS"
+ENV_FINITE_CHECK = "UNBROKEN_FINITE_CHECK"
+
+#: What a rank reported degraded (sub-health) leads to: nothing, or a dump and a clean restart.
+SUB_HEALTH_POLICIES = ("ignore", "grace-exit")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -125,6 +130,10 @@ class LaunchConfig:
     stop_grace_s: float = 3.0
     pg_timeout_s: float = 60.0
     omp_num_threads: int = 1
+    sdc_check_every_steps: int = 0  # cross-replica checksum of the state every K steps (0: off)
+    finite_check: bool = True  # a non-finite loss/gradient is a fault for rung `retry`
+    sub_health_policy: str = "ignore"
+    straggler_factor: float = 0.0  # a rank computing this many times slower than the job's median is degraded
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hang: HangConfig = field(default_factory=HangConfig)
 
@@ -149,6 +158,13 @@ class LaunchConfig:
             _require(name in STRATEGIES,
                      f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(STRATEGIES)})")
         _require(bool(self.recover_strategy), "--recover-strategy must name at least one strategy")
+        _require(self.sdc_check_every_steps >= 0,
+                 f"--sdc-check-every-steps must be >= 0 (0: off), got {self.sdc_check_every_steps}")
+        _require(self.straggler_factor == 0 or self.straggler_factor > 1,
+                 f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
+        _require(self.sub_health_policy in SUB_HEALTH_POLICIES,
+                 f"--sub-health-policy: unknown policy {self.sub_health_policy!r} "
+                 f"(allowed: {', '.join(SUB_HEALTH_POLICIES)})")
 
     @property
     def world_size(self) -> int:
@@ -177,6 +193,13 @@ def secret_from_env(env: Mapping[str, str] | None = None) -> str:
     return env.get(ENV_SECRET, "")
 
 
+def managed_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """True in a worker started by `unbroken run` (mode ``managed``), even where the rest of
+    its environment is invalid."""
+    env = os.environ if env is None else env
+    return bool(env.get(ENV_CONTROLLER, ""))
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a worker process knows about its job: resolved once, in :func:`worker_config_from_env`.
@@ -202,6 +225,8 @@ class WorkerConfig:
     pg_timeout_s: float = 60.0
     gen: int = 0  # > 0: this process replaces a lost rank and joins generation `gen`
     recovery_timeout_s: float = 60.0
+    sdc_check_every_steps: int = 0
+    finite_check: bool = True
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
@@ -261,11 +286,15 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         pg_timeout_s=_env_number(env, ENV_PG_TIMEOUT, 60.0, float),
         gen=_env_number(env, ENV_GEN, 0),
         recovery_timeout_s=_env_number(env, ENV_RECOVERY_TIMEOUT, 60.0, float),
+        sdc_check_every_steps=_env_number(env, ENV_SDC_EVERY, 0),
+        finite_check=env.get(ENV_FINITE_CHECK, "1") != "0",
         checkpoint=ckpt,
     )
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
     _require(cfg.world_size >= 1, f"WORLD_SIZE must be >= 1, got {cfg.world_size}")
     _require(0 <= cfg.rank < cfg.world_size, f"RANK={cfg.rank} must be in [0, WORLD_SIZE={cfg.world_size})")
+    _require(cfg.sdc_check_every_steps >= 0,
+             f"{ENV_SDC_EVERY} must be >= 0 (0: off), got {cfg.sdc_check_every_steps}")
     if cfg.mode == "managed":
         _require(bool(cfg.secret), f"{ENV_CONTROLLER} is set but {ENV_SECRET} is not")
     return cfg
@@ -312,6 +341,8 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         ENV_PG_TIMEOUT: str(cfg.pg_timeout_s),
         ENV_GEN: str(gen),
         ENV_RECOVERY_TIMEOUT: str(cfg.recovery_timeout_s),
+        ENV_SDC_EVERY: str(cfg.sdc_check_every_steps),
+        ENV_FINITE_CHECK: "1" if cfg.finite_check else "0",
     }
     if ckpt.save_dir:
         env[ENV_SAVE_DIR] = ckpt.save_dir

@@ -2,14 +2,32 @@
 
 Every message names what failed, the values involved (rank, step, path, setting) and,
 where there is one, the setting that controls it or what to do next.
+
+Also the exit code :data:`EXIT_FATAL`: a worker exiting with it is never restarted.
 """
+
+# A worker process exiting with this code says "fatal: do not restart me": the controller
+# fails the job at once instead of taking the recovery ladder (a deterministic error would
+# only fail again). Distinct from 1 and 2 (scripts, argparse), the sysexits range 64-78,
+# the shell's 126/127 and 128 + signal. The library exits with it for a FatalError under
+# `unbroken run`; a script may too: ``sys.exit(unbroken.EXIT_FATAL)``.
+EXIT_FATAL = 97
 
 
 class UnbrokenError(Exception):
     """Base class of every error raised by unbroken."""
 
 
-class ConfigError(UnbrokenError, ValueError):
+class FatalError(UnbrokenError):
+    """An error no restart can fix (bad configuration, state that cannot fit).
+
+    Under `unbroken run`, one leaving ``unbroken.init()``, ``job.track()``, ``job.steps()``
+    or a ``with job.step():`` block is logged and ends the worker with :data:`EXIT_FATAL`,
+    so the job fails at once instead of restarting. Elsewhere it propagates as raised.
+    """
+
+
+class ConfigError(FatalError, ValueError):
     """A flag, config value or environment variable is invalid (usage error, exit code 2)."""
 
 
@@ -35,6 +53,11 @@ class CheckpointCorrupt(CheckpointError):
 
 class NoCheckpoint(CheckpointError):
     """No complete checkpoint exists where one was asked for."""
+
+
+class ShmCapacityError(FatalError):
+    """The memory tier's slots of this node's ranks would not fit in the shared-memory
+    directory with headroom (checked before the first step; see ``check_shm_capacity``)."""
 
 
 class InjectedFault(UnbrokenError):
@@ -73,6 +96,32 @@ class NoLiveReplica(UnbrokenError):
         self.dead = dead
 
 
-class DeviceMemoryError(UnbrokenError):
+class StateDamaged(UnbrokenError):
+    """This rank's training state (or the step in flight) is damaged while its process is fine:
+    rung `retry` brings the state back from replicas and every rank redoes the step.
+
+    ``kind`` says how it was found: "memory-fault", "non-finite" or "sdc".
+    """
+
+    kind = "memory-fault"
+
+
+class DeviceMemoryError(StateDamaged):
     """A device-memory fault damaged tensors of this rank (an HBM/ECC uncorrectable error, or an
     injected one); the process is still usable and the damaged state can come from replicas."""
+
+    kind = "memory-fault"
+
+
+class NonFiniteError(StateDamaged):
+    """The loss or the gradients of the step in flight are NaN or infinite on this rank (the
+    seeds' "TRE"): the step is redone from its start on every rank."""
+
+    kind = "non-finite"
+
+
+class SilentCorruption(StateDamaged):
+    """The cross-replica check found this rank's state different from the majority of its
+    replicas (silent data corruption): the odd copy is replaced from the majority."""
+
+    kind = "sdc"

@@ -262,7 +262,7 @@ def test_flipped_byte_is_detected_and_load_falls_back(job, caplog):
         f.seek(HEADER_BYTES + 100)
         f.write(bytes([byte[0] ^ 0x01]))
     assert reader.committed() == [(2, 1), (1, 0)]
-    with pytest.raises(CheckpointCorrupt, match=f"{path}.*crc32 mismatch"):
+    with pytest.raises(CheckpointCorrupt, match=f"{path}.*checksum mismatch"):
         reader.load(2)
     with caplog.at_level(logging.WARNING, logger="unbroken.checkpoint.memory"):
         state, _ = reader.load()
@@ -274,7 +274,7 @@ def test_flipped_byte_is_detected_and_load_falls_back(job, caplog):
         f.write(b"\xff")
     assert reader.committed() == [(2, 1)]
     assert reader.slots()[0]["state"] == "INVALID"
-    with pytest.raises(CheckpointCorrupt, match="crc32 mismatch"):
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
         reader.load()
 
 
@@ -434,3 +434,94 @@ def test_writer_skips_a_slot_pinned_by_a_reader(job):
         assert reader.committed() == [(3, 0), (2, 1)] and writer.skipped_writes == 1
     finally:
         writer.close()
+
+
+def _all_tensors(tree, path="state"):
+    """{path: tensor} of every tensor leaf of a nested dict/list/tuple."""
+    if isinstance(tree, torch.Tensor):
+        return {path: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
+        if isinstance(tree, (list, tuple)) else ()
+    return {p: t for k, v in items for p, t in _all_tensors(v, f"{path}/{k}").items()}
+
+
+@pytest.mark.timeout(60)
+def test_load_into_fills_the_given_tensors_in_place_bit_exact(job):
+    model, opt = _model_and_optimizer()
+    _train(model, opt, 3, seed=1)
+    writer = SnapshotWriter(SHM, job, 0)
+    try:
+        written = _snapshot_state(model, opt, 3)
+        written["odd"] = torch.arange(6.0).to(torch.complex128) * 1j  # stored as raw bytes
+        writer.write(3, written)
+        writer.flush()
+        written = _deep_copy(written)
+    finally:
+        writer.close()
+    # A restarted worker: a new model and optimizer (other values, optimizer state built).
+    fresh, fresh_opt = _model_and_optimizer(seed=5)
+    _train(fresh, fresh_opt, 1, seed=2)
+    into = _snapshot_state(fresh, fresh_opt, 0)
+    into["odd"] = torch.zeros(6, dtype=torch.complex128)
+    before = {p: (t, t.data_ptr()) for p, t in _all_tensors(into).items()}
+    state, meta = SnapshotReader(SHM, job, 0).load(into=into)
+    _assert_same(written, state)
+    after = _all_tensors(state)
+    assert after.keys() == before.keys()
+    for p, (t, ptr) in before.items():
+        assert after[p].data_ptr() == ptr, p  # no new allocation anywhere
+        # The tie's second entry is the first's tensor; a dtype stored as raw bytes comes
+        # back as a view of the given tensor.
+        if p not in ("state/model/3.weight", "state/odd"):
+            assert after[p] is t, p
+    assert state["model"]["0.weight"] is state["model"]["3.weight"]  # the tie is kept
+    _assert_same(written["model"], fresh.state_dict())  # the model itself holds the snapshot
+    _assert_same(written["optimizer"]["state"], fresh_opt.state_dict()["state"])
+    _assert_same(written["odd"], into["odd"])
+
+
+@pytest.mark.timeout(60)
+def test_load_into_falls_back_to_new_tensors_where_the_leaf_does_not_fit(job):
+    _two_snapshots(job)  # step 2: {"x": 1000 x 2.0, "step": 2}
+    reader = SnapshotReader(SHM, job, 0)
+    for into in ({"x": torch.zeros(999)}, {"x": torch.zeros(1000, dtype=torch.float64)},
+                 {"x": torch.zeros(2000)[::2]}, {"x": [torch.zeros(1000)]}, {"y": torch.zeros(1000)}):
+        snapshot = _deep_copy(into)
+        state, _ = reader.load(into=into)
+        assert torch.equal(state["x"], torch.full((1000,), 2.0)) and state["step"] == 2
+        _assert_same(snapshot, into)  # untouched
+    into = {"x": torch.zeros(1000), "step": 7}  # a non-tensor leaf is ignored
+    x = into["x"]
+    state, _ = reader.load(1, into=into)
+    assert state["x"] is x and torch.equal(x, torch.full((1000,), 1.0)) and state["step"] == 1
+    # read_flat takes the targets by tensor name.
+    tensors, _, _ = reader.read_flat(2, into={"x": x})
+    assert tensors["x"] is x and torch.equal(x, torch.full((1000,), 2.0))
+    # One tensor given for two snapshot tensors: only the first lands in it.
+    writer = SnapshotWriter(SHM, job, 1)
+    try:
+        writer.write(1, {"a": torch.ones(10), "b": torch.full((10,), 2.0)})
+    finally:
+        writer.close()
+    t = torch.zeros(10)
+    state, _ = SnapshotReader(SHM, job, 1).load(into={"a": t, "b": t})
+    assert state["a"] is t and state["b"] is not t
+    assert torch.equal(t, torch.ones(10)) and torch.equal(state["b"], torch.full((10,), 2.0))
+
+
+@pytest.mark.timeout(60)
+def test_load_into_a_corrupt_snapshot_raises(job):
+    writer = SnapshotWriter(SHM, job, 0)
+    try:  # several checksum chunks, the damage in the last one
+        writer.write(1, {"a": torch.ones(3 * memory.CHUNK_BYTES // 4 + 5)})
+    finally:
+        writer.close()
+    path = slot_path(SHM, job, 0, 0)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 3 * memory.CHUNK_BYTES + 7)
+        f.write(b"\x99")
+    into = {"a": torch.zeros(3 * memory.CHUNK_BYTES // 4 + 5)}
+    with pytest.raises(CheckpointCorrupt, match=f"{path}.*checksum mismatch.*chunk\\(s\\) \\[3\\]"):
+        SnapshotReader(SHM, job, 0).load(1, into=into)
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
+        SnapshotReader(SHM, job, 0).load()

@@ -215,3 +215,25 @@ def test_bad_arguments(tmp_path):
         tier.save_rank(1, 2, 2, {})
     with pytest.raises(CheckpointError, match="not JSON-serializable"):
         tier.save_rank(1, 0, 1, {}, meta={"x": object()})
+
+
+def test_loadable_steps_lists_a_ranks_committed_steps_without_reading_data(tmp_path, caplog):
+    tier = StorageTier(tmp_path, keep=5)
+    for step in (10, 20, 30):
+        _save(tier, step, world_size=2)
+    tier.save_rank(40, 0, 2, _state(40))  # never committed: not listed, no warning
+    rotted = _rank_file(tmp_path, 30, rank=1)
+    data = bytearray(rotted.read_bytes())
+    data[-3] ^= 0x40  # same size: listed here, its crc32 fails at load
+    rotted.write_bytes(bytes(data))
+    truncated = _rank_file(tmp_path, 20, rank=1)
+    truncated.write_bytes(truncated.read_bytes()[:-10])
+    with caplog.at_level(logging.WARNING, logger="unbroken.checkpoint.storage"):
+        assert tier.loadable_steps(0) == [30, 20, 10]
+        assert caplog.records == []
+        assert tier.loadable_steps(1) == [30, 10]
+    assert len(caplog.records) == 1 and str(truncated) in caplog.records[0].getMessage()
+    assert tier.loadable_steps(1, at_or_below=29) == [10]
+    assert tier.loadable_steps(0, at_or_below=5) == []
+    with pytest.raises(CheckpointCorrupt, match="crc32 mismatch"):
+        tier.load_rank(30, 1)

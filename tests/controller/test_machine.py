@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from unbroken.controller import machine as sm
+from unbroken.errors import EXIT_FATAL
 
 
 def start(world=4, nnodes=1, max_restarts=3, allowed=("recover-in-place", "recover", "exit"), replicas=0, **kw):
@@ -160,3 +161,38 @@ def test_all_ranks_finishing_ends_the_job():
     state = start(world=2)
     state, actions = run(state, sm.WorkerExited(0, 0, 0, None), sm.WorkerExited(1, 0, 0, None))
     assert actions == [sm.Finish(0, "all 2 ranks finished")]
+
+
+def test_a_fatal_exit_fails_the_job_at_once_without_a_restart():
+    state = start(max_restarts=5)
+    state, actions = run(state, sm.WorkerExited(1, 0, EXIT_FATAL, None, last_lines=(
+        "loading data", "unbroken: rank 1: fatal error: ShmCapacityError: does not fit in /dev/shm")))
+    assert state.phase is sm.JobPhase.FAILED and state.restarts_used == 0 and state.recovery is None
+    assert kinds(actions) == ["Decide", "StopAttempt", "Finish"]
+    assert actions[0].rung == sm.GIVE_UP and actions[0].failure.kind == "fatal"
+    (finish,) = [a for a in actions if isinstance(a, sm.Finish)]
+    assert finish.exit_code == 1
+    assert finish.reason.startswith(f"rank 1 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted): "
+                                    "loading data | unbroken: rank 1: fatal error: ShmCapacityError")
+    assert "root cause: rank 1 exited with a fatal error (EXIT_FATAL: not restarted) (exit code 97) before its " \
+           "first step, attempt 0" in finish.reason
+    # The others exiting afterwards (stopped) changes nothing: no new attempt starts.
+    state, actions = run(state, sm.WorkerExited(0, 0, None, 15), sm.AgentStopped(0, 0))
+    assert actions == [] and state.phase is sm.JobPhase.FAILED
+
+
+def test_a_fatal_exit_during_an_in_flight_recovery_ends_it():
+    state = start()
+    state, _ = run(state, sm.WorkerExited(2, 0, None, 9))
+    assert state.phase is sm.JobPhase.RECOVERING
+    state, actions = run(state, sm.WorkerExited(0, 0, EXIT_FATAL, None, step=3))
+    assert state.phase is sm.JobPhase.FAILED and state.recovery is None
+    assert not {"StartAttempt", "RestartRanks", "AbortGeneration", "Regroup"} & set(kinds(actions))
+    assert actions[-1].reason.startswith(f"rank 0 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not "
+                                         "restarted): no output; root cause: rank 2 was killed by a signal")
+
+
+def test_an_exit_code_other_than_exit_fatal_still_restarts():
+    state = start(allowed=("exit",))
+    _, actions = run(state, sm.WorkerExited(1, 0, EXIT_FATAL - 1, None))
+    assert kinds(actions) == ["Decide", "StopAttempt"] and actions[0].rung == "exit"

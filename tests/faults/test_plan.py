@@ -157,7 +157,7 @@ def _error(text: str) -> str:
 def test_unknown_kind_message_names_item_and_allowed_kinds():
     assert _error("kil:rank=2:step=3") == (
         "--inject: 'kil:rank=2:step=3': unknown fault kind 'kil' "
-        "(allowed: kill, hang, raise, exit, corrupt, nan, subhealth)"
+        "(allowed: kill, hang, raise, exit, corrupt, nan, subhealth, flip)"
     )
 
 
@@ -229,7 +229,7 @@ def test_key_given_twice_in_one_item():
 @pytest.mark.parametrize("kind", ["kill", "hang", "raise", "exit", "nan", "subhealth"])
 def test_what_on_a_non_corrupt_fault(kind):
     message = _error(f"{kind}:rank=0:step=1:what=params")
-    assert f"key 'what' is only allowed on corrupt faults, not on {kind}" in message
+    assert f"key 'what' is only allowed on corrupt and flip faults, not on {kind}" in message
 
 
 def test_code_on_a_non_exit_fault():

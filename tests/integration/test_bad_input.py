@@ -23,6 +23,7 @@ from unbroken.protocol.wire import connect
     (["--inject", "kill:rank=9:step=3"], "rank 9"),
     (["--recover-strategy", "pray"], "unknown strategy 'pray'"),
     (["--ckpt-every-steps", "5"], "--ckpt-every-steps/--persist-every-steps need --save DIR"),
+    (["--save", "ckpt", "--shm-dir", "/nonexistent/shm"], "--shm-dir '/nonexistent/shm' is not a directory"),
     (["--nnodes", "1:4"], "elastic node ranges are not supported"),
 ])
 def test_bad_flags_exit_2_with_a_clear_message(tmp_path, flags, expected):

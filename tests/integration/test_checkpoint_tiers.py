@@ -57,3 +57,43 @@ def test_ctrl_c_stops_the_workers_and_releases_shared_memory(tmp_path):
             job.communicate()
     assert job.returncode == 130, output[-3000:]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"unbroken-{job_id}")]
+
+
+@pytest.fixture
+def shm_300m(tmp_path):
+    """A 300 MiB tmpfs as the shm dir (needs root and mount); skipped where it cannot be mounted."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_memory_tier_too_big_for_the_shm_dir_fails_before_step_0_without_a_restart(tmp_path, shm_300m):
+    # 2 ranks x 2 slots of a ~40 MB AdamW snapshot, plus 256 MiB of headroom: more than 300 MiB.
+    # (The default model's 8 MiB of slots would fit.)
+    started = time.monotonic()
+    result, _, run_dir = train(tmp_path, "big", steps=5, nproc=2, timeout_s=90, train_args=[
+        "--n-embd", "256", "--n-layer", "4", "--n-head", "4"], flags=[
+        "--save", str(tmp_path / "ckpt"), "--shm-dir", str(shm_300m)])
+    elapsed = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert elapsed < 60, f"took {elapsed:.1f} s"
+    assert "ShmCapacityError" in output and f"does not fit in {shm_300m}" in output
+    assert "--ckpt-every-steps 0" in output
+    exits = events(run_dir, "worker_exited")
+    assert 97 in [e["exit_code"] for e in exits] and {e["attempt"] for e in exits} == {0}
+    assert all(e["step"] in (None, 0) for e in exits)  # before the first step ran
+    assert [e["attempt"] for e in events(run_dir, "attempt_started")] == [0]  # no restart
+    assert [e["rung"] for e in events(run_dir, "decision")] == ["give-up"]
+    assert "does not fit" in events(run_dir, "fatal_error")[0]["error"]
+    (finished,) = events(run_dir, "job_finished")
+    assert finished["exit_code"] == 1 and "EXIT_FATAL" in finished["reason"]
+    assert not [n for n in os.listdir(shm_300m) if n.startswith("unbroken-")]

@@ -34,6 +34,9 @@ def test_sigkill_of_one_worker_resumes_bit_exact(tmp_path, reference):
     assert (decision["rung"], decision["rank"], decision["kind"]) == ("exit", 2, "crash")
     restored = events(run_dir, "restored")
     assert {(e["step"], e["tier"]) for e in restored} == {(5, "memory")} and len(restored) == 4
+    # The controller decided the step from every rank's offer: each loads it from its own memory.
+    (decided,) = [e for e in events(run_dir, "restore_decided") if e["attempt"] == 1]
+    assert (decided["step"], decided["tier"], decided["tiers"], decided["round"]) == (5, "memory", ["memory"] * 4, 0)
     (recovered,) = events(run_dir, "recovered")
     assert recovered["step"] == 7 and recovered["restored_step"] == 5
 
@@ -88,6 +91,9 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(tmp_path, reference
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert str(victim) in result.stdout + result.stderr, "the warning must name the corrupt file"
     assert {e["step"] for e in events(run_dir, "restored")} == {5}
+    # Every rank offered step 10 (its files look whole); rank 1 failed to load it, so the
+    # controller decided again, older than 10.
+    assert [(e["round"], e["step"]) for e in events(run_dir, "restore_decided")] == [(0, 10), (1, 5)]
     assert_same_weights(reference, out)
 
 

@@ -209,3 +209,56 @@ def test_registration_refuses_mistakes() -> None:
             rank: int
 
     assert not {"zz_test_protocol_set", "zz_test_protocol_type_field"} & set(message_types())
+
+
+RESTORE_EXAMPLES = [
+    m.RestoreOffer(rank=3, attempt=1, round=0, memory_steps=[10, 5], storage_steps=[10, 5, 0]),
+    m.RestoreOffer(rank=0, attempt=0, round=2, memory_steps=[], storage_steps=[]),
+    m.RestoreAt(attempt=1, round=0, step=10),
+    m.RestoreAt(attempt=0, round=1, step=-1),  # nothing restorable: start fresh
+]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("msg", RESTORE_EXAMPLES, ids=lambda msg: f"{type(msg).__name__}-{msg.round}")
+def test_restore_messages_round_trip(msg: Message) -> None:
+    assert decode(_wire(encode(msg))) == msg
+
+
+def _offer(**changes: Any) -> dict:
+    obj = encode(m.RestoreOffer(rank=1, attempt=0, round=0, memory_steps=[5], storage_steps=[5]))
+    obj.update(changes)
+    return obj
+
+
+BAD_RESTORE = [
+    (_offer(memory_steps=[5, "4"]), "message 'restore_offer': field 'memory_steps' must be list[int], got str at [1]"),
+    (_offer(storage_steps=5), "message 'restore_offer': field 'storage_steps' must be list[int], got int"),
+    (_offer(storage_steps=[10, -3]), "message 'restore_offer': field 'storage_steps' must be >= 0, got -3 at [1]"),
+    (_offer(round=-1), "message 'restore_offer': field 'round' must be >= 0, got -1"),
+    (_offer(rank=-2), "message 'restore_offer': field 'rank' must be >= 0, got -2"),
+    (_offer(round=True), "field 'round' must be int, got bool"),
+    ({"type": "restore_offer", "rank": 0, "attempt": 0, "round": 0, "memory_steps": []},
+     "message 'restore_offer': missing required field 'storage_steps' (list[int])"),
+    ({"type": "restore_at", "attempt": 0, "round": 0, "step": -2},
+     "message 'restore_at': field 'step' must be >= -1, got -2"),
+    ({"type": "restore_at", "attempt": 0, "round": 0, "step": 1.0}, "field 'step' must be int, got float"),
+    ({"type": "restore_at", "attempt": 0, "round": 0, "step": 3, "tier": "memory"},
+     "message 'restore_at': unknown field 'tier'"),
+]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("obj, text", BAD_RESTORE, ids=[text for _, text in BAD_RESTORE])
+def test_bad_restore_messages_are_rejected_naming_the_field(obj: Any, text: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(obj)
+    assert text in str(info.value)
+
+
+@pytest.mark.timeout(20)
+def test_restore_messages_refuse_bad_values_when_built_too() -> None:
+    with pytest.raises(ProtocolError, match="field 'memory_steps' must be >= 0, got -1 at \\[0\\]"):
+        m.RestoreOffer(rank=0, attempt=0, round=0, memory_steps=[-1], storage_steps=[])
+    with pytest.raises(ProtocolError, match="field 'step' must be >= -1, got -5"):
+        m.RestoreAt(attempt=0, round=0, step=-5)

@@ -13,11 +13,18 @@ import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Union
+from typing import IO, Any, Iterable, Union
 
 from unbroken.errors import ConfigError
 
 _CHUNK_BYTES = 4 << 20
+# What write_atomic writes: bytes, or buffers written one after the other (a file streamed
+# from tensors without joining them into one bytes object first).
+Data = Union[bytes, Iterable[Any]]
+
+
+def _parts(data: Data) -> Iterable[Any]:
+    return (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
 
 
 class _LocalFiles:
@@ -27,16 +34,17 @@ class _LocalFiles:
     picks one from its root (see `_open_root`).
     """
 
-    def write_atomic(self, path: Path, data: bytes) -> None:
+    def write_atomic(self, path: Path, data: Data) -> None:
         """Write `data` to `path` via tmp + fsync + rename + directory fsync (mode 0o600)."""
         tmp = path.with_name(f"{path.name}.tmp-{os.urandom(4).hex()}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.fchmod(fd, 0o600)  # umask-proof
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                for part in _parts(data):
+                    view = memoryview(part).cast("B")
+                    while view:
+                        view = view[os.write(fd, view):]
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -144,10 +152,15 @@ class _FsspecFiles:
     def __init__(self, fs: Any) -> None:
         self._fs = fs
 
-    def write_atomic(self, path: _ObjectPath, data: bytes) -> None:
+    def write_atomic(self, path: _ObjectPath, data: Data) -> None:
         tmp = path.with_name(f"{path.name}.tmp-{os.urandom(4).hex()}")
         try:
-            self._fs.pipe_file(tmp.fs_path, data)
+            if isinstance(data, bytes):
+                self._fs.pipe_file(tmp.fs_path, data)
+            else:
+                with self._fs.open(tmp.fs_path, "wb") as f:
+                    for part in data:
+                        f.write(part)
             self._fs.mv(tmp.fs_path, path.fs_path)
         except BaseException:
             try:

@@ -3,13 +3,15 @@
 Files, in a tmpfs directory (`shm_dir`, /dev/shm by default), outlive a worker's SIGKILL:
     unbroken-{job_id}-r{rank:05d}-s{0,1}   the two slots of one rank, written by its worker
     unbroken-{job_id}.owner                the owning agent (names, ownership, clean-up: shm_files)
-Slot layout: [0, 4096) header (magic, version, state, seq, step, offsets, crc32s); tensor
-bytes at 64-byte aligned offsets; the JSON meta (flatten_state spec, tensor index, user
-meta); then a table of crc32s, one per CHUNK_BYTES of [4096, end of meta).
+Slot layout: [0, 4096) header (magic, version, state, seq, step, offsets, the table's
+crc32, its own crc32); tensor bytes at 64-byte aligned offsets; the JSON meta (flatten_state
+spec, tensor index, user meta); then the checksum table: xxh3_64 of each CHUNK_BYTES of the
+tensor bytes [4096, meta), then one of the meta. (Version 2; version 1 used crc32 over
+tensors and meta together, 3-5x slower, and its slots read as invalid now.)
 
 A slot's state goes EMPTY -> WRITING -> COPIED -> COMMITTED -> WRITING ... WRITING is stored
 before the first byte of a snapshot, COPIED once tensors and meta are in place (the training
-step resumes there), COMMITTED only after the crc32 table and the checksummed header are. The
+step resumes there), COMMITTED only after the checksum table and the checksummed header are. The
 writer always writes the slot not holding the newest committed snapshot, so a crash at any
 point leaves that one intact. A reader pins the slot it reads (flock LOCK_SH); the writer
 takes LOCK_EX from WRITING to COMMITTED and skips a snapshot whose slot is pinned rather than
@@ -18,6 +20,7 @@ wait. The agent owns the files' lifetime; the writer never deletes them.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import fcntl
 import json
@@ -30,11 +33,13 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import xxhash
 
 from unbroken.checkpoint.codec import flatten_state, unflatten_state
 from unbroken.checkpoint.shm_files import _check_dir, _open_slot, persisted_path, read_persisted, slot_path
@@ -42,16 +47,18 @@ from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError, NoC
 
 logger = logging.getLogger(__name__)
 
-MAGIC, VERSION, META_FORMAT = b"UNBRKSHM", 1, "unbroken-shm-snapshot"
+MAGIC, VERSION, META_FORMAT = b"UNBRKSHM", 2, "unbroken-shm-snapshot"
 HEADER_BYTES = 4096  # tensor data starts on the second page
 ALIGN_BYTES = 64
-CHUNK_BYTES = 64 << 20  # crc32 granularity: chunks verify in parallel on load
+CHUNK_BYTES = 16 << 20  # checksum granularity: chunks verify (and copy) in parallel on load
+PIECE_BYTES = 512 << 10  # a load reads this much, then hashes it while it is still in cache
 GROWTH, GROW_ROUND_BYTES = 1.25, 2 << 20  # a slot too small grows to needed * 1.25, once
 MIN_HEADROOM_BYTES = 256 << 20  # left free in shm_dir: max(this, 10% of the free bytes)
 # magic, version, state, then _Header's fields after state, then header_crc (over all of it
 # but state and itself, so the state can change with one aligned 4-byte store).
 _HEADER = struct.Struct("<8sIIQqQQQQQQII")
 _STATE, _STATE_OFFSET = struct.Struct("<I"), 12
+_HASH = struct.Struct("<Q")  # one checksum table entry: xxh3_64
 
 
 class SlotState(enum.IntEnum):
@@ -70,8 +77,8 @@ class _Header(NamedTuple):
     meta_len: int
     table_off: int
     chunk_bytes: int
-    n_chunks: int
-    table_crc: int
+    n_chunks: int  # checksum table entries: the tensor chunks, then the meta
+    table_crc: int  # crc32 of the table
 
     def pack(self) -> bytes:
         crc = zlib.crc32(_HEADER.pack(MAGIC, VERSION, 0, *self[1:], 0))
@@ -91,7 +98,7 @@ class _Header(NamedTuple):
 class SnapshotWriter:
     """Copies one rank's state into its two shared-memory slots; runs in the worker.
 
-    Owns the two slot mappings and at most one commit thread (crc32 of the last write, then
+    Owns the two slot mappings and at most one commit thread (checksums of the last write, then
     COPIED -> COMMITTED). `write` blocks for the wait on the previous commit plus the copy.
     Call it from one thread; one writer per rank (the agent makes sure an old worker of the
     rank is dead before it starts a new one). close() unmaps; the files stay.
@@ -144,7 +151,7 @@ class SnapshotWriter:
                                   f" {exc}") from exc
         meta_off = _round_up(cursor, ALIGN_BYTES)
         table_off = _round_up(meta_off + len(meta_bytes), ALIGN_BYTES)
-        n_chunks = math.ceil((meta_off + len(meta_bytes) - HEADER_BYTES) / CHUNK_BYTES)
+        n_chunks = math.ceil((meta_off - HEADER_BYTES) / CHUNK_BYTES) + 1
         slot = self._target_slot()
         if slot is None:
             self.skipped_writes += 1
@@ -162,7 +169,7 @@ class SnapshotWriter:
                            self.paths[slot])
             return time.perf_counter() - start
         try:
-            m = self._ensure(slot, fd, table_off + 4 * n_chunks)
+            m = self._ensure(slot, fd, table_off + _HASH.size * n_chunks)
             _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.WRITING)  # first store of a snapshot
             header = _Header(SlotState.WRITING, self._seq, step, HEADER_BYTES, meta_off,
                              len(meta_bytes), table_off, CHUNK_BYTES, n_chunks, 0)
@@ -219,11 +226,11 @@ class SnapshotWriter:
             self._maps = [None, None]
 
     def _commit(self, m: _Mapping, fd: int, slot: int, header: _Header) -> None:
-        """Commit thread: crc32 table, checksummed header, the state COMMITTED, unpin."""
+        """Commit thread: checksum table, checksummed header, the state COMMITTED, unpin."""
         try:
-            crcs = _chunk_crcs(m.mm, header.data_off, header.meta_off + header.meta_len,
-                               header.chunk_bytes)
-            table = struct.pack(f"<{len(crcs)}I", *crcs)
+            with memoryview(m.mm) as view:
+                hashes = [xxhash.xxh3_64_intdigest(view[a:b]) for a, b in _hashed_ranges(header)]
+            table = struct.pack(f"<{len(hashes)}Q", *hashes)
             m.mm[header.table_off:header.table_off + len(table)] = table
             m.mm[:_HEADER.size] = header._replace(table_crc=zlib.crc32(table)).pack()
             _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.COMMITTED)  # the commit point
@@ -298,10 +305,11 @@ class SnapshotWriter:
 class SnapshotReader:
     """Reads one rank's committed snapshots; runs in the agent or in a restarted worker.
 
-    Holds no mapping between calls: each read pins the newest committed slot (flock LOCK_SH;
-    the writer never rewrites a pinned slot), verifies its crc32s, copies the tensors out,
-    unmaps and unpins. Safe while the writer runs: the writer only locks a slot it rewrites,
-    and such a slot is never the newest committed one.
+    Holds nothing between calls: each read pins the newest committed slot (flock LOCK_SH;
+    the writer never rewrites a pinned slot), reads its tensors with pread (no mapping, no
+    page faults on the slot) straight into their destinations, hashing each piece right after
+    it lands, and unpins. Safe while the writer runs: the writer only locks a slot it
+    rewrites, and such a slot is never the newest committed one.
     """
 
     def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> None:
@@ -323,23 +331,43 @@ class SnapshotReader:
         except after a rollback, where the snapshots written since count as newer)."""
         return [(h.step, slot) for slot, h in self._committed_headers()]
 
-    def read_flat(self, step: int | None = None) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    def read_flat(self, step: int | None = None, into: dict[str, torch.Tensor] | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict, dict]:
         """(tensors, spec, user meta) of the newest committed snapshot, or of `step`.
 
-        Tensors are copies. Without `step`, a snapshot failing its checksum is skipped with a
-        warning and the older one returned; with `step`, CheckpointCorrupt names the file.
-        NoCheckpoint when no (such) snapshot is committed. Nothing is returned half-way.
+        Tensors are new, except where `into` ({tensor name: tensor}, names as in the
+        snapshot) holds a CPU contiguous tensor of the stored dtype and shape: that one is
+        filled in place and returned. Every byte returned is verified against its checksum
+        first. Without `step`, a snapshot failing its checksum is skipped with a warning and
+        the older one returned; with `step`, CheckpointCorrupt names the file. NoCheckpoint
+        when no (such) snapshot is committed. On any error, and after a skipped snapshot,
+        tensors of `into` may hold partly overwritten bytes.
         """
+        return self._read(step, lambda spec: into or {})
+
+    def load(self, step: int | None = None, into: Any = None) -> tuple[Any, dict]:
+        """(state tree, user meta) of the newest committed snapshot, or of `step`.
+
+        `into`: a tree shaped like the one written (e.g. the state of a freshly built model
+        and optimizer). Each snapshot tensor whose leaf at the same place in `into` is a CPU
+        contiguous tensor of the same dtype and shape is read straight into that leaf, with no
+        allocation, and the returned tree holds that very tensor (a view of it for dtypes
+        stored as raw bytes); the others (no such leaf, another shape or dtype) come back as
+        new tensors, and `into`'s other leaves are ignored. On CheckpointCorrupt (and whenever
+        a newer snapshot was skipped) tensors of `into` may be partly overwritten: load
+        another step into them, or trust only the returned tree. Otherwise as read_flat.
+        """
+        tensors, spec, meta = self._read(step, lambda spec: _into_targets(spec, into))
+        return unflatten_state(tensors, spec), meta
+
+    def _read(self, step: int | None, targets: Callable[[dict], dict[str, torch.Tensor]]
+              ) -> tuple[dict[str, torch.Tensor], dict, dict]:
         skip: set[int] = set()
         errors: list[CheckpointCorrupt] = []
         while (pin := self._pin(step, skip)) is not None:
             slot, fd, header = pin
             try:
-                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private: never written back
-                try:
-                    return _copy_out(self.paths[slot], mm, header)
-                finally:
-                    _close_map(mm)
+                return _read_slot(self.paths[slot], fd, header, targets)
             except CheckpointCorrupt as exc:
                 if step is not None:
                     raise
@@ -355,11 +383,6 @@ class SnapshotReader:
             f"no committed shared-memory snapshot{'' if step is None else f' of step {step}'} for "
             f"rank {self.rank} of job {self.job_id!r} in {self.dir} (committed: "
             f"{[s for s, _ in self.committed()]})")
-
-    def load(self, step: int | None = None) -> tuple[Any, dict]:
-        """(state tree, user meta) of the newest committed snapshot, or of `step`; see read_flat."""
-        tensors, spec, meta = self.read_flat(step)
-        return unflatten_state(tensors, spec), meta
 
     def _committed_headers(self) -> list[tuple[int, _Header]]:
         found = [(slot, h) for slot, p in enumerate(self.paths)
@@ -459,48 +482,155 @@ def _flatten_sources(state: Any) -> tuple[dict[str, tuple[torch.Tensor, torch.Te
             for name, t in tensors.items()}, spec
 
 
-def _chunk_crcs(mm: mmap.mmap, start: int, end: int, chunk_bytes: int,
-                workers: int = 1) -> list[int]:
-    """crc32 of each chunk of mm[start:end]; zlib releases the GIL, so workers run in parallel."""
-    bounds = [(a, min(a + chunk_bytes, end)) for a in range(start, end, chunk_bytes)]
-    with memoryview(mm) as view:
-        def crc(ab: tuple[int, int]) -> int:
-            with view[ab[0]:ab[1]] as part:
-                return zlib.crc32(part)
-        if workers <= 1 or len(bounds) < 2:
-            return [crc(b) for b in bounds]
-        with ThreadPoolExecutor(min(workers, len(bounds))) as pool:
-            return list(pool.map(crc, bounds))
+def _hashed_ranges(h: _Header) -> list[tuple[int, int]]:
+    """The byte ranges of a slot its checksum table covers, in table order: CHUNK_BYTES
+    chunks of the tensor bytes [data_off, meta_off), then the meta."""
+    data = [(a, min(a + h.chunk_bytes, h.meta_off))
+            for a in range(h.data_off, h.meta_off, h.chunk_bytes)]
+    return data + [(h.meta_off, h.meta_off + h.meta_len)]
 
 
-def _copy_out(path: Path, mm: mmap.mmap, h: _Header) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """Verify the crc32s of a pinned slot, then copy its tensors out: (tensors, spec, meta)."""
-    end = h.table_off + 4 * h.n_chunks
-    if len(mm) < end or not HEADER_BYTES <= h.data_off <= h.meta_off <= h.table_off:
-        raise CheckpointCorrupt(f"{path}: truncated or malformed: {len(mm)} bytes, its header "
+def _read_slot(path: Path, fd: int, h: _Header, targets: Callable[[dict], dict]
+               ) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """Verify and read a pinned slot: (tensors, spec, meta). The table and the meta are
+    checked first; the tensor bytes are checked as they are read into their destinations
+    (`targets(spec)`, else new tensors), and nothing is returned unless all of them match."""
+    end = h.table_off + _HASH.size * h.n_chunks
+    size = os.fstat(fd).st_size
+    if size < end or not HEADER_BYTES <= h.data_off <= h.meta_off <= h.table_off \
+            or h.chunk_bytes <= 0 or h.n_chunks != len(_hashed_ranges(h)):
+        raise CheckpointCorrupt(f"{path}: truncated or malformed: {size} bytes, its header "
                                 f"(step {h.step}) says {end}")
-    table = mm[h.table_off:h.table_off + 4 * h.n_chunks]
+    table = os.pread(fd, end - h.table_off, h.table_off)
     if zlib.crc32(table) != h.table_crc:
-        raise CheckpointCorrupt(f"{path}: the crc32 table of step {h.step} fails its checksum")
-    got = _chunk_crcs(mm, h.data_off, h.meta_off + h.meta_len, h.chunk_bytes,
-                      workers=min(4, os.cpu_count() or 1))
-    expected = struct.unpack(f"<{h.n_chunks}I", table)
-    bad = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
-    if bad or len(got) != h.n_chunks:
-        raise CheckpointCorrupt(f"{path}: crc32 mismatch in the snapshot of step {h.step}: "
-                                f"chunk(s) {bad} of {h.n_chunks} ({h.chunk_bytes} bytes each "
+        raise CheckpointCorrupt(f"{path}: the checksum table of step {h.step} fails its crc32")
+    expected = struct.unpack(f"<{h.n_chunks}Q", table)
+    raw = os.pread(fd, h.meta_len, h.meta_off)
+    if xxhash.xxh3_64_intdigest(raw) != expected[-1]:
+        raise CheckpointCorrupt(f"{path}: checksum mismatch in the meta of the snapshot of "
+                                f"step {h.step} ({h.meta_len} bytes from byte {h.meta_off})")
+    meta = _parse_meta(path, raw, h)
+    tensors, regions = _plan_reads(path, meta["tensors"], targets(meta["spec"]), h)
+    bad = _read_verified(path, fd, h, regions, expected[:-1])
+    if bad:
+        raise CheckpointCorrupt(f"{path}: checksum mismatch in the snapshot of step {h.step}: "
+                                f"chunk(s) {bad} of {h.n_chunks - 1} ({h.chunk_bytes} bytes each "
                                 f"from byte {h.data_off})")
-    meta = _parse_meta(path, mm[h.meta_off:h.meta_off + h.meta_len], h)
-    buf, tensors = torch.frombuffer(mm, dtype=torch.uint8), {}
-    for name, e in meta["tensors"].items():
-        out = torch.empty(e["nbytes"], dtype=torch.uint8)
-        out.copy_(buf[e["offset"]:e["offset"] + e["nbytes"]])
-        tensors[name] = out.view(getattr(torch, e["dtype"])).reshape(e["shape"])
     return tensors, meta["spec"], meta["meta"]
 
 
+def _plan_reads(path: Path, index: dict, targets: dict[str, torch.Tensor], h: _Header
+                ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, memoryview | None]]]:
+    """(tensors to return, regions): regions cover [data_off, meta_off) in order, each
+    (offset, bytes, writable view of its destination, or None for alignment padding).
+
+    A target is used when it is a plain CPU contiguous tensor of the stored dtype and shape
+    that overlaps no other target (two snapshot tensors must not land in one memory)."""
+    entries = sorted(index.items(), key=lambda item: item[1]["offset"])
+    used = {name: t for name, e in entries if e["nbytes"]
+            and _fits(t := targets.get(name), getattr(torch, e["dtype"]), e["shape"])}
+    end = 0
+    for name, t in sorted(used.items(), key=lambda item: item[1].data_ptr()):
+        if t.data_ptr() < end:  # overlaps the one before it in memory: use a new tensor
+            del used[name]
+        else:
+            end = t.data_ptr() + index[name]["nbytes"]
+    tensors: dict[str, torch.Tensor] = {}
+    regions: list[tuple[int, int, memoryview | None]] = []
+    cursor = h.data_off
+    for name, e in entries:
+        if e["offset"] < cursor:
+            raise CheckpointCorrupt(f"{path}: tensor {name!r} overlaps the one before it")
+        if e["offset"] > cursor:
+            regions.append((cursor, e["offset"] - cursor, None))
+        dst = used.get(name)
+        if dst is None:
+            dst = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+        if e["nbytes"]:
+            # A writable view of the tensor's memory for os.preadv, without numpy.
+            raw = (ctypes.c_ubyte * e["nbytes"]).from_address(dst.data_ptr())
+            regions.append((e["offset"], e["nbytes"], memoryview(raw).cast("B")))
+        tensors[name], cursor = dst, e["offset"] + e["nbytes"]
+    if h.meta_off > cursor:
+        regions.append((cursor, h.meta_off - cursor, None))
+    return tensors, regions
+
+
+def _fits(t: Any, dtype: torch.dtype, shape: list[int]) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" \
+        and t.layout == torch.strided and t.dtype == dtype and list(t.shape) == shape \
+        and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _read_verified(path: Path, fd: int, h: _Header, regions: list, expected: tuple[int, ...]
+                   ) -> list[int]:
+    """Read `regions` into their destinations and hash them, each CHUNK_BYTES chunk in one
+    worker thread and PIECE_BYTES at a time (hashed while still in cache; pread and xxhash
+    release the GIL); the indices of the chunks whose hash is not `expected`."""
+    chunks: list[list[tuple[int, int, memoryview | None]]] = [[] for _ in expected]
+    for offset, nbytes, view in regions:  # cut the regions at the chunk bounds
+        pos, stop = offset, offset + nbytes
+        while pos < stop:
+            k = (pos - h.data_off) // h.chunk_bytes
+            cut = min(stop, h.data_off + (k + 1) * h.chunk_bytes)
+            chunks[k].append((pos, cut - pos, None if view is None else view[pos - offset:cut - offset]))
+            pos = cut
+    failed = threading.Event()  # one bad chunk is enough: the others stop early
+
+    def verify(k: int) -> bool:
+        hasher = xxhash.xxh3_64()
+        for offset, nbytes, view in chunks[k]:
+            for a in range(0, nbytes, PIECE_BYTES):
+                if failed.is_set():
+                    return True
+                n = min(PIECE_BYTES, nbytes - a)
+                piece = os.pread(fd, n, offset + a) if view is None else view[a:a + n]
+                if (len(piece) if view is None else os.preadv(fd, [piece], offset + a)) != n:
+                    raise CheckpointCorrupt(f"{path}: truncated at byte {offset + a} while "
+                                            f"reading the snapshot of step {h.step}")
+                hasher.update(piece)
+        if hasher.intdigest() != expected[k]:
+            failed.set()
+            return False
+        return True
+
+    workers = min(4, os.cpu_count() or 1, len(chunks))
+    if workers <= 1:
+        ok = [verify(k) for k in range(len(chunks))]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="unbroken-shm-read") as pool:
+            ok = list(pool.map(verify, range(len(chunks))))
+    return [k for k, good in enumerate(ok) if not good]
+
+
+def _into_targets(spec: dict, into: Any) -> dict[str, Any]:
+    """{snapshot tensor name: the tensor at the same place in `into`}, walking the spec of
+    flatten_state and `into` together (a dtype stored as raw bytes: a uint8 view of it)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, leaf: Any) -> None:
+        tag = node.get("t") if isinstance(node, dict) else None
+        if tag == "tensor" and isinstance(leaf, torch.Tensor) and node.get("k") not in out:
+            if "dtype" not in node:
+                out[node["k"]] = leaf
+            elif str(leaf.dtype).removeprefix("torch.") == node["dtype"] \
+                    and list(leaf.shape) == node["shape"] and leaf.is_contiguous():
+                out[node["k"]] = leaf.detach().reshape(-1).view(torch.uint8)
+        elif tag == "dict" and isinstance(leaf, Mapping):
+            for key, child in node["items"]:
+                if key in leaf:
+                    walk(child, leaf[key])
+        elif tag in ("list", "tuple") and isinstance(leaf, (list, tuple)):
+            for child, sub in zip(node["items"], leaf):
+                walk(child, sub)
+
+    if into is not None:
+        walk(spec.get("root"), into)
+    return out
+
+
 def _parse_meta(path: Path, raw: bytes, h: _Header) -> dict:
-    """The meta JSON of a slot whose crc32s matched; CheckpointCorrupt if it is not ours."""
+    """The meta JSON of a slot whose checksum matched; CheckpointCorrupt if it is not ours."""
     try:
         meta = json.loads(raw)
         if (meta["format"], meta["version"], meta["step"], meta["seq"]) != \

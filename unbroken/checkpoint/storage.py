@@ -18,15 +18,18 @@ crc32 match the manifest.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import re
+import struct
 import time
 import zlib
-from typing import Any
+from typing import Any, Iterator
 
 import safetensors.torch
+import torch
 
 from unbroken.checkpoint.codec import flatten_state, unflatten_state
 from unbroken.checkpoint.files import _AnyPath, open_root
@@ -42,6 +45,11 @@ _STEP_RE = re.compile(r"^step_(\d{8,})$")
 # Names we write inside a step dir; a step dir holding anything else is never deleted.
 _OWN_FILE_RE = re.compile(r"^(MANIFEST\.json|rank_\d{5,}\.(safetensors|json))(\.tmp-[0-9a-f]+)?$")
 _CHUNK_BYTES = 4 << 20
+# torch dtype -> safetensors dtype name; flatten_state only emits these.
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in getattr(safetensors.torch, "_TYPES", {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool}).items()}
 
 
 def step_dir_name(step: int) -> str:
@@ -96,21 +104,18 @@ class StorageTier:
                   meta: dict | None = None) -> dict:
         """Durably write `rank`'s part of `step`; return its {file, bytes, crc32}.
 
-        Raises CheckpointError when the state cannot be encoded or written (a full disk,
-        for one); the previous checkpoints are untouched in that case.
+        The tensor file is streamed from the state's tensors (no serialized copy), so they
+        must not change until this returns. Raises CheckpointError when the state cannot be
+        encoded or written (a full disk, for one); the previous checkpoints are untouched then.
         """
         self._check_rank_args(step, rank, world_size)
         tensors, spec = flatten_state(state)
         meta = dict(meta or {})
+        _to_json(meta, f"meta of rank {rank} step {step}")  # fail before writing anything
         header = {"format": FORMAT, "step": str(step), "rank": str(rank),
                   "spec": _to_json(spec, "state spec").decode()}
-        data = safetensors.torch.save(tensors, metadata=header)
+        data = _SafetensorsStream(tensors, header)
         tensor_name, record_name = rank_file_names(rank)
-        info = {"file": tensor_name, "bytes": len(data), "crc32": zlib.crc32(data)}
-        record = {"format": FORMAT, "version": VERSION, "step": step, "rank": rank,
-                  "world_size": world_size, **info, "created_unix": time.time(),
-                  "meta": meta, "spec": spec}
-        record_bytes = _to_json(record, f"meta of rank {rank} step {step}")
         step_dir = self._step_dir(step)
         try:
             self._files.make_dir(step_dir)
@@ -119,7 +124,12 @@ class StorageTier:
                 logger.info("re-saving step %d: uncommitting %s", step, step_dir / MANIFEST)
                 self._files.remove(step_dir / MANIFEST)
             self._files.write_atomic(step_dir / tensor_name, data)
-            self._files.write_atomic(step_dir / record_name, record_bytes)  # rank done
+            info = {"file": tensor_name, "bytes": data.nbytes, "crc32": data.crc32}
+            record = {"format": FORMAT, "version": VERSION, "step": step, "rank": rank,
+                      "world_size": world_size, **info, "created_unix": time.time(),
+                      "meta": meta, "spec": spec}
+            self._files.write_atomic(step_dir / record_name,  # rank done
+                                     _to_json(record, f"meta of rank {rank} step {step}"))
         except OSError as exc:
             raise self._write_failed(exc, step, f"rank {rank}") from exc
         return info
@@ -263,6 +273,29 @@ class StorageTier:
                 logger.warning("skipping checkpoint step %d for rank %d: %s", step, rank, exc)
         return None
 
+    def loadable_steps(self, rank: int, at_or_below: int | None = None) -> list[int]:
+        """Committed steps (<= at_or_below), newest first, whose file for `rank` is in place:
+        the manifest and the rank record agree on it and it has the size they list.
+
+        Cheap: no tensor data is read, so a file whose bytes rotted in place is listed here
+        and fails its crc32 in :meth:`load_rank`. Each skipped step gets one warning.
+        """
+        steps = []
+        for step in sorted(self._step_dirs(), reverse=True):
+            if (at_or_below is not None and step > at_or_below) \
+                    or self._files.size(self._step_dir(step) / MANIFEST) is None:
+                continue  # above the bound, or never committed: not a candidate, not a fault
+            try:
+                path, entry, _ = self._check_metadata(step, rank)
+                found = self._files.size(path)
+                if found != entry["bytes"]:
+                    raise CheckpointCorrupt(f"{path}: {'missing' if found is None else f'{found} bytes'}, "
+                                            f"the manifest lists {entry['bytes']} bytes")
+                steps.append(step)
+            except CheckpointCorrupt as exc:
+                logger.warning("skipping checkpoint step %d for rank %d: %s", step, rank, exc)
+        return steps
+
     # ---- helpers -------------------------------------------------------------------
 
     def _step_dir(self, step: int) -> _AnyPath:
@@ -368,6 +401,47 @@ class StorageTier:
             f"saving step {step} ({what}) to {self.root} failed: {exc.strerror or exc} "
             f"(errno {exc.errno}, file {exc.filename or '?'}); the step is not committed and "
             "earlier checkpoints are kept. Free space there or lower the `keep` setting.")
+
+
+class _SafetensorsStream:
+    """A safetensors file as the buffers to write in turn: its header, then each tensor's
+    bytes in _CHUNK_BYTES pieces read straight from the tensor; `crc32` of all of it is
+    complete once they were all taken (each piece is checksummed while still in cache).
+
+    The same bytes safetensors.torch.save makes, but for the order of the tensors (here by
+    element size, then name, so each starts aligned) and of the header's keys.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+        order = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+        index: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for name, t in order:
+            if t.dtype not in _SAFETENSORS_DTYPES:
+                raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors "
+                                      "cannot store")
+            nbytes = t.numel() * t.element_size()
+            index[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                           "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        head = json.dumps(index, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # the tensor bytes start 8-byte aligned
+        self.header = struct.pack("<Q", len(head)) + head
+        self.tensors = [t for _, t in order]
+        self.nbytes, self.crc32 = len(self.header) + offset, 0
+
+    def __iter__(self) -> Iterator[memoryview | bytes]:
+        self.crc32 = zlib.crc32(self.header)
+        yield self.header
+        for t in self.tensors:  # CPU and contiguous: flatten_state made them so
+            nbytes = t.numel() * t.element_size()
+            if not nbytes:
+                continue
+            view = memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
+            for a in range(0, nbytes, _CHUNK_BYTES):
+                piece = view[a:a + _CHUNK_BYTES]
+                self.crc32 = zlib.crc32(piece, self.crc32)
+                yield piece
 
 
 def describe(root: str | os.PathLike) -> list[dict]:

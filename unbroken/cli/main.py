@@ -69,6 +69,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
          help="storage checkpoint every K steps, written by the agent in the background "
               "(default with --save: max(10, --ckpt-every-steps); 0: none)")
     flag("keep-checkpoints", type=_positive_int, default=3, help="committed checkpoints kept")
+    flag("shm-dir", default="/dev/shm", metavar="DIR",
+         help="tmpfs directory of the shared-memory snapshots (default /dev/shm); checked to fit before step 0")
     flag("inject", default="", metavar="PLAN", help="faults to inject, e.g. kill:rank=2:step=30")
     flag("recover-strategy", default="retry,recover-in-place,recover,exit",
          help="allowed recovery strategies, cheapest first, a comma list (default retry,recover-in-place,recover,exit)")
@@ -76,6 +78,16 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("no-replica-restore", action="store_true",
          help="never restore a lost rank from replicas; recover from the newest checkpoint instead")
     flag("recovery-timeout-s", type=_float, default=60.0, help="deadline of one in-flight recovery attempt")
+    flag("sdc-check-every-steps", type=_positive_int, default=0,
+         help="compare checksums of the state across replicas every K steps; an odd copy is repaired "
+              "from the majority (silent data corruption; default 0: off)")
+    flag("no-finite-check", action="store_true",
+         help="do not treat a NaN/Inf loss or gradient as a fault (default: redo the step, rung retry)")
+    flag("straggler-factor", type=_float, default=0.0,
+         help="report a rank degraded (sub-health) when its median compute time over its last 10 steps "
+              "is more than F times the job's median (default 0: off)")
+    flag("sub-health-policy", choices=["ignore", "grace-exit"], default="ignore",
+         help="a rank reported degraded: ignore it, or dump the state and restart cleanly (default ignore)")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
     flag("pg-timeout-s", type=_float, default=60.0, help="process-group timeout of the workers")
@@ -133,6 +145,10 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         standby=args.standby,
         no_replica_restore=args.no_replica_restore,
         pg_timeout_s=args.pg_timeout_s,
+        sdc_check_every_steps=args.sdc_check_every_steps,
+        finite_check=not args.no_finite_check,
+        sub_health_policy=args.sub_health_policy,
+        straggler_factor=args.straggler_factor,
         checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
     )
@@ -148,8 +164,11 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     if args.save:
         every = 1 if every is None else every
         persist = max(10, every) if persist is None else persist
+    if every and not Path(args.shm_dir).is_dir():
+        raise ConfigError(f"--shm-dir {args.shm_dir!r} is not a directory; give an existing tmpfs directory "
+                          "(default /dev/shm), or --ckpt-every-steps 0 to turn the shared-memory snapshots off")
     return CheckpointConfig(save_dir=args.save, load_dir=args.load, every_steps=every or 0,
-                            persist_every_steps=persist or 0, keep=args.keep_checkpoints)
+                            persist_every_steps=persist or 0, keep=args.keep_checkpoints, shm_dir=args.shm_dir)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ class Failure:
 
     rank: int
     attempt: int
-    kind: str  # "crash" | "hang" | "exit"
+    kind: str  # "crash" | "hang" | "exit" | "fatal" (EXIT_FATAL) | ...: see describe()
     exit_code: int | None = None
     signal: int | None = None
     step: int | None = None
@@ -33,14 +33,21 @@ class Failure:
     def describe(self) -> str:
         how = {"hang": "hung (no step progress) and was killed",
                "crash": "was killed by a signal" if self.signal else "crashed",
+               "fatal": "exited with a fatal error (EXIT_FATAL: not restarted)",
                "node-lost": "was lost with its node's agent",
                "memory-fault": "reported state damaged in memory",
+               "non-finite": "reported a non-finite loss or gradients",
+               "sdc": "held state that differs from its replicas (silent data corruption)",
                "dump-failed": "was lost, and the dump of its state failed",
                "dumped": "was lost; the survivors dumped the job's state",
-               "recovery-timeout": "was not recovered in time"}.get(self.kind, "exited")
-        detail = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
+               "recovery-timeout": "was not recovered in time",
+               "sub-health": "was reported degraded (sub-health)",
+               "sub-health-dumped": "was reported degraded; the job's state was dumped for a clean restart",
+               }.get(self.kind, "exited")
+        detail = f" (signal {self.signal})" if self.signal else (
+            f" (exit code {self.exit_code})" if self.exit_code is not None else "")
         step = "before its first step" if self.step is None else f"at step {self.step}"
-        return f"rank {self.rank} {how} ({detail}) {step}, attempt {self.attempt}"
+        return f"rank {self.rank} {how}{detail} {step}, attempt {self.attempt}"
 
 
 # -- events ------------------------------------------------------------------------------
@@ -129,12 +136,24 @@ class WorkerResumed:
 
 
 @dataclass(frozen=True)
+class WorkerDegraded:
+    """A live rank reports sub-health (``--sub-health-policy`` says what follows)."""
+
+    rank: int
+    attempt: int
+    reason: str
+    step: int | None = None
+
+
+@dataclass(frozen=True)
 class WorkerDamaged:
-    """A live rank reports state damaged in memory (a device-memory fault): rung `retry`."""
+    """A live rank reports damaged state (kind: memory-fault, non-finite, sdc): rung `retry`."""
 
     rank: int
     attempt: int
     what: str
+    kind: str = "memory-fault"
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -155,7 +174,8 @@ class RecoveryTimeout:
 
 
 Event = (AgentJoined | WorkerExited | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
-         | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped)
+         | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped
+         | WorkerDegraded)
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -289,6 +309,7 @@ class JobState:
     placement: tuple[int, ...] = ()  # the agent hosting each rank; () means rank // (world / nnodes)
     replicas_allowed: bool = True  # False: --no-replica-restore
     can_dump: bool = False  # a storage tier exists (--save)
+    sub_health_policy: str = "ignore"  # "grace-exit": a degraded rank -> dump, clean restart
     standbys: frozenset[int] = frozenset()
 
     @property

@@ -14,6 +14,7 @@ States of a job (:class:`JobPhase`)::
     RECOVERING --every rank resumed--> RUNNING
     RECOVERING --another fault--> RECOVERING (next generation) | STOPPING (rung 'exit')
     RUNNING/STOPPING/RECOVERING --no rung left (restart budget spent)--> FAILED
+    RUNNING/RECOVERING --a rank exited with EXIT_FATAL--> FAILED (no rung is tried)
 
 Steps commit here too: a step is committed when every rank reported that its gradient
 reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistency`.
@@ -26,13 +27,19 @@ import dataclasses
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
     JobPhase, Failure, AgentJoined, WorkerExited, WorkerHung, AgentStopped, AgentLost,
     StandbyJoined, SessionReady, StepSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
-    WorkerDamaged, StepDumped, RecoveryTimeout, StartAttempt, StopAttempt, KillWorker, Decide,
+    WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, StartAttempt, StopAttempt, KillWorker, Decide,
     Finish, CommitStep, AbortGeneration, RestartRanks, Regroup, Recovered, DumpOrder, CommitDump,
     Recovery, JobState, Event, Action)
+from unbroken.errors import EXIT_FATAL
 from unbroken.optim.replica_map import ReplicaMap
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
 from unbroken.recovery.ladder import GIVE_UP, choose_rung
 
+
+
+# Faults that leave every process usable: only state is damaged (rung `retry`, the seeds' UCE
+# and TRE). Any other pending fault rules `retry` out.
+RETRY_KINDS = frozenset({"memory-fault", "non-finite", "sdc"})
 
 
 def _replace(state: JobState, **changes) -> JobState:
@@ -67,11 +74,18 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if isinstance(event, StepSynced):
         return _on_step_synced(state, event)
     if isinstance(event, WorkerDamaged):
+        rec = state.recovery
+        if rec is not None and rec.rung == "retry" and not rec.regrouped and event.kind in RETRY_KINDS:
+            # Found by a second rank before the regroup: it receives its state from replicas too.
+            return _replace(state, recovery=dataclasses.replace(rec, replaced=rec.replaced | {event.rank})), []
         if state.phase is not JobPhase.RUNNING:
             return state, [KillWorker(event.rank, f"state damaged during a recovery: {event.what}")]
-        return _recover(state, Failure(rank=event.rank, attempt=event.attempt, kind="memory-fault"))
+        kind = event.kind if event.kind in RETRY_KINDS else "memory-fault"
+        return _recover(state, Failure(rank=event.rank, attempt=event.attempt, kind=kind, step=event.step))
     if isinstance(event, StepDumped):
         return _on_step_dumped(state, event)
+    if isinstance(event, WorkerDegraded):
+        return _on_worker_degraded(state, event)
     if isinstance(event, (WorkerPaused, ReplacementJoined, WorkerResumed, RecoveryTimeout)):
         return _on_recovery_event(state, event)
     raise TypeError(f"unknown event {event!r}")
@@ -96,9 +110,22 @@ def _on_worker_exited(state: JobState, event: WorkerExited) -> tuple[JobState, l
                 Finish(0, f"all {state.world_size} ranks finished")]
         return _replace(state, finished_ranks=finished), []
     kind = "hang" if event.rank in state.hung_ranks else ("crash" if event.signal else "exit")
+    if event.exit_code == EXIT_FATAL and not event.signal:
+        kind = "fatal"
     failure = Failure(rank=event.rank, attempt=event.attempt, kind=kind, exit_code=event.exit_code,
                       signal=event.signal, step=event.step, last_lines=event.last_lines)
+    if kind == "fatal":
+        return _fail_fatal(state, failure)
     return _recover(state, failure)
+
+
+def _fail_fatal(state: JobState, failure: Failure) -> tuple[JobState, list[Action]]:
+    """A rank exited with EXIT_FATAL ("do not restart me"): no rung can help a deterministic
+    error, so the job fails now, whatever restarts are left or recovery is in flight."""
+    last = " | ".join(line.strip() for line in failure.last_lines[-3:] if line.strip()) or "no output"
+    why = f"rank {failure.rank} exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted): {last}"
+    state = _replace(state, failures=state.failures + (failure,), recovery=None)
+    return _fail(state, failure, why)
 
 
 def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str]:
@@ -131,13 +158,13 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     in_flight, why = in_flight_feasible(state, dead)
     in_flight = in_flight and tries <= state.max_recovery_tries
     own_agents = {state.agent_of(r) for r in failed}
-    feasible = {"retry": in_flight and failure.kind == "memory-fault" and recovery is None,
+    feasible = {"retry": in_flight and failure.kind in RETRY_KINDS and recovery is None,
                 "recover-in-place": in_flight and own_agents <= state.agents,
                 "recover": in_flight and bool(state.standbys),
                 "dump": in_flight and state.can_dump and (recovery is None or recovery.rung != "dump"),
                 "exit": state.restarts_used < state.max_restarts and state.hosts() <= state.agents}
     rung = choose_rung(state.allowed, feasible)
-    if failure.kind == "memory-fault" and rung != "retry":
+    if failure.kind in RETRY_KINDS and rung != "retry":
         # Not repairable in place: the damaged process goes, and its exit takes the ladder on.
         return state, [Decide(rung, failure, f"{failure.describe()}; no retry ({why})"),
                        KillWorker(failure.rank, f"state damaged in memory, not repairable in place ({why})")]
@@ -218,7 +245,8 @@ def _on_step_dumped(state: JobState, event: StepDumped) -> tuple[JobState, list[
     rec = state.recovery
     if rec is None or rec.rung != "dump" or event.step != rec.dump_step:
         return state, []
-    failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="crash")
+    failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="crash") if rec.replaced \
+        else state.failures[-1]  # a sub-health dump: the degraded rank's report
     if event.error:  # no consistent copy: nothing is committed, the job restarts from the newest one
         state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries, rung="dump"))
         state, actions = _recover(state, dataclasses.replace(failure, kind="dump-failed"))
@@ -227,8 +255,38 @@ def _on_step_dumped(state: JobState, event: StepDumped) -> tuple[JobState, list[
     if rec.dumped != state.ranks:
         return _replace(state, recovery=rec), []
     state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries))
-    state, actions = _recover(state, dataclasses.replace(failure, kind="dumped", step=rec.dump_step))
+    kind = "dumped" if rec.replaced else "sub-health-dumped"
+    state, actions = _recover(state, dataclasses.replace(failure, kind=kind, step=rec.dump_step))
     return state, [CommitDump(rec.dump_step), *actions]
+
+
+def _subject(state: JobState, rec: Recovery) -> int:
+    """The rank a recovery is about: the lowest replaced one, or the degraded one (a sub-health dump)."""
+    return min(rec.replaced) if rec.replaced else state.failures[-1].rank
+
+
+def _on_worker_degraded(state: JobState, event: WorkerDegraded) -> tuple[JobState, list[Action]]:
+    """Sub-health under ``--sub-health-policy grace-exit``: no process is lost, so every rank
+    dumps its own state at the decided step (rung `dump` with nobody replaced), then the job
+    restarts cleanly from it. Without a storage tier, a clean restart from the memory tier."""
+    if state.sub_health_policy != "grace-exit" or state.phase is not JobPhase.RUNNING or state.recovery:
+        return state, []
+    failure = Failure(rank=event.rank, attempt=event.attempt, kind="sub-health", step=event.step)
+    state = _replace(state, first_failure=state.first_failure or failure, failures=state.failures + (failure,))
+    if state.restarts_used >= state.max_restarts:
+        return state, [Decide(GIVE_UP, failure, f"{failure.describe()}: {event.reason}; no restart left, "
+                                                  "training goes on (--max-restarts)")]
+    if state.can_dump and state.ready == state.ranks:
+        gen = state.gen + 1
+        reason = (f"{failure.describe()}: {event.reason}; every rank dumps its state, then the job restarts "
+                  "(--sub-health-policy grace-exit)")
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
+                         recovery=Recovery("dump", gen, frozenset(), state.max_recovery_tries))
+        return state, [Decide("dump", failure, reason), AbortGeneration(gen, reason)]
+    reason = (f"{failure.describe()}: {event.reason}; clean restart {state.restarts_used + 1} of "
+              f"{state.max_restarts} (no storage tier to dump to: --save)")
+    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [
+        Decide("exit", failure, reason), StopAttempt(state.attempt, f"exit: {failure.describe()}")]
 
 
 def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Action]]:
@@ -263,7 +321,7 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
     if isinstance(event, RecoveryTimeout):
         if event.gen != rec.gen:
             return state, []
-        failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="recovery-timeout")
+        failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
         state = _replace(state, recovery=Recovery(rec.rung, rec.gen, rec.replaced, state.max_recovery_tries))
         return _recover(state, failure)
     if isinstance(event, WorkerPaused) and event.rank not in rec.replaced:
@@ -286,7 +344,7 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         try:
             decision = decide(state.committed_step, survivors)
         except (InconsistentReports, ValueError) as exc:  # a bug, never a normal fault: restart the job
-            failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="recovery-timeout")
+            failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
             state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries))
             actions = [Decide("recover-in-place", failure, f"inconsistent survivor reports: {exc}")]
             state, more = _recover(state, failure)

@@ -25,12 +25,13 @@ from typing import Any
 import torch.distributed as dist
 
 from unbroken.config import LaunchConfig
-from unbroken.controller import machine as sm
+from unbroken.controller import health, machine as sm
 from unbroken.controller.eventlog import EventLog
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.errors import CheckpointError, ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
 from unbroken.protocol.wire import Connection, Server
+from unbroken.recovery.restore_point import RankOffer, decide_restore
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class WorkerView:
     phase: str = "starting"
     steps_in_attempt: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
+    compute_t: float = 0.0  # when the step in flight began (its 'compute' report)
+    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))
     state: str = "starting"  # starting | running | finished | failed | stopped
     conn: Connection | None = None
 
@@ -69,11 +72,13 @@ class Controller:
         self._state = sm.JobState(world_size=cfg.world_size, nnodes=cfg.nnodes,
                                   max_restarts=cfg.max_restarts, allowed=cfg.recover_strategy,
                                   replicas_allowed=not cfg.no_replica_restore,
-                                  can_dump=bool(cfg.checkpoint.save_dir))
+                                  can_dump=bool(cfg.checkpoint.save_dir),
+                                  sub_health_policy=cfg.sub_health_policy)
         self._agents: dict[int, Connection] = {}
         self._workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
         self._step_times: deque[float] = deque(maxlen=200)
         self._fired: set[str] = set()
+        self._stragglers: set[int] = set()  # ranks the straggler rule reported (once per job)
         self._store: dist.TCPStore | None = None
         self._stores: list[dist.TCPStore] = []
         self._outcome: Outcome | None = None
@@ -85,6 +90,9 @@ class Controller:
         self._restore_s: list[float] = []
         self._recovery_deadline: tuple[int, float] | None = None  # (generation, monotonic deadline)
         self._persisted: dict[int, set[int]] = {}  # step -> ranks whose files are in storage
+        # Restore at a (re)start, per (attempt, round): the offers so far, then the decided step.
+        self._restore_offers: dict[tuple[int, int], dict[int, RankOffer]] = {}
+        self._restore_steps: dict[tuple[int, int], int] = {}
         ckpt = cfg.checkpoint
         self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep) if ckpt.save_dir else None
         self._server = Server(host, port, cfg.secret.encode(), self._on_connection)
@@ -197,6 +205,7 @@ class Controller:
                 now = time.monotonic()
                 w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
                 w.step, w.phase, w.state, w.steps_in_attempt = None, "starting", "starting", 0
+                w.compute_s.clear()
                 self.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
             elif isinstance(msg, m.WorkerExited):
                 self._on_worker_exited(msg)
@@ -277,6 +286,11 @@ class Controller:
                 w.phase = msg.phase
                 if msg.phase == "finished":
                     w.state = "finishing"
+                elif msg.phase == "compute":
+                    w.compute_t = time.monotonic()
+                elif msg.phase == "sync" and w.compute_t:
+                    w.compute_s.append(time.monotonic() - w.compute_t)
+                    w.compute_t = 0.0
                 if msg.phase == "done":  # a completed step: the progress the hang monitor watches
                     now = time.monotonic()
                     if w.steps_in_attempt:
@@ -285,6 +299,8 @@ class Controller:
                     w.steps_in_attempt += 1
                     w.metrics = dict(msg.metrics)
                     self._check_recovered()
+                    if rank == 0:
+                        self._check_stragglers(attempt)
             elif isinstance(msg, m.StepSynced):
                 self._apply(sm.StepSynced(rank, attempt, msg.gen, msg.step))
             elif isinstance(msg, m.ClaimFault):
@@ -299,8 +315,11 @@ class Controller:
             elif isinstance(msg, m.Damaged):
                 if self._fault_t is None:
                     self._fault_t, self._fault_step = time.monotonic(), max((v.step or 0) for v in self._workers.values())
-                self.events.emit("memory_fault", rank=rank, what=msg.what, step=w.step)
-                self._apply(sm.WorkerDamaged(rank, attempt, msg.what))
+                name = {"non-finite": "non_finite", "sdc": "sdc_detected"}.get(msg.kind, "memory_fault")
+                self.events.emit(name, rank=rank, what=msg.what, kind=msg.kind, step=w.step)
+                self._apply(sm.WorkerDamaged(rank, attempt, msg.what, msg.kind, w.step))
+            elif isinstance(msg, m.Degraded):
+                self._degraded(rank, attempt, msg.reason)
             elif isinstance(msg, m.SessionReady):
                 self._apply(sm.SessionReady(rank, attempt, msg.num_replicas))
             elif isinstance(msg, m.Paused):
@@ -314,6 +333,8 @@ class Controller:
                 self.events.emit("worker_resumed", rank=rank, gen=msg.gen, step=msg.step,
                                  restore_s=round(msg.restore_s, 4))
                 self._apply(sm.WorkerResumed(rank, attempt, msg.gen))
+            elif isinstance(msg, m.RestoreOffer):
+                self._on_restore_offer(rank, attempt, conn, msg)
             elif isinstance(msg, m.WorkerEvent):
                 self.events.emit(msg.name, rank=rank, attempt=attempt, **msg.fields)
             elif isinstance(msg, m.Heartbeat):
@@ -334,6 +355,23 @@ class Controller:
                              recover_s=round(time.monotonic() - self._fault_t, 4),
                              restored_step=restored_step, tier=tier)
             self._fault_t, self._resume_step = None, None
+
+    def _check_stragglers(self, attempt: int) -> None:
+        """The straggler rule (``--straggler-factor``): a slow rank is reported degraded, once."""
+        timings = {w.rank: w.compute_s for w in self._workers.values()}
+        for rank, median_s, job_s in health.stragglers(timings, self.cfg.straggler_factor):
+            if rank in self._stragglers:
+                continue
+            self._stragglers.add(rank)
+            self._degraded(rank, attempt, health.describe(median_s, job_s))
+
+    def _degraded(self, rank: int, attempt: int, reason: str) -> None:
+        """A rank reported (or found) degraded: log it; the state machine applies the policy."""
+        step = self._workers[rank].step
+        if self._fault_t is None and self.cfg.sub_health_policy == "grace-exit":
+            self._fault_t, self._fault_step = time.monotonic(), max((v.step or 0) for v in self._workers.values())
+        self.events.emit("sub_health", rank=rank, reason=reason, step=step, policy=self.cfg.sub_health_policy)
+        self._apply(sm.WorkerDegraded(rank, attempt, reason, step))
 
     # -- hang monitor ----------------------------------------------------------------------
     def _median_step_s(self) -> float | None:
@@ -492,3 +530,31 @@ class Controller:
             conn.send(msg)
         except (OSError, ProtocolError) as exc:
             log.warning("controller: could not send %s to node %d: %s", type(msg).__name__, node, exc)
+
+    def _on_restore_offer(self, rank: int, attempt: int, conn: Connection, msg: m.RestoreOffer) -> None:
+        """A rank offers the steps it can load; once every rank offered for this round, decide
+        the newest step committed for all (older than any decided in an earlier round: some
+        rank could not load that one), log it, and tell every rank."""
+        if msg.rank != rank or msg.attempt != attempt:
+            log.warning("controller: restore offer of rank %d attempt %d on the connection of rank %d "
+                        "attempt %d ignored", msg.rank, msg.attempt, rank, attempt)
+            return
+        key = (attempt, msg.round)
+        for old in [k for k in (*self._restore_offers, *self._restore_steps) if k[0] < attempt]:
+            self._restore_offers.pop(old, None)  # a previous attempt's restore is over
+            self._restore_steps.pop(old, None)
+        if key in self._restore_steps:  # decided already (a repeated offer): answer again
+            conn.send(m.RestoreAt(attempt=attempt, round=msg.round, step=self._restore_steps[key]))
+            return
+        offers = self._restore_offers.setdefault(key, {})
+        offers[rank] = RankOffer.of(msg.memory_steps, msg.storage_steps)
+        if len(offers) < self.cfg.world_size:
+            return
+        del self._restore_offers[key]
+        below = min((step for (a, r), step in self._restore_steps.items() if a == attempt and r < msg.round),
+                    default=None)
+        point = decide_restore(offers, self.cfg.world_size, below=below)
+        self._restore_steps[key] = point.step
+        self.events.emit("restore_decided", attempt=attempt, round=msg.round, step=point.step, tier=point.tier,
+                         tiers=list(point.tiers), below=below, reason=point.reason)
+        self._to_workers(m.RestoreAt(attempt=attempt, round=msg.round, step=point.step))

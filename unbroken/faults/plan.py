@@ -12,10 +12,10 @@ is pure text <-> values and imports no torch):
     raise      raise `InjectedFault` inside the training step
     exit       `sys.exit(code)`; key `code=N` (0..255, default 1)
     corrupt    damage a tensor in memory; key `what=params|optimizer|grads` (default params)
-    nan        a NaN appears in the loss/gradients
-    subhealth  the device reports degraded health
-
-`corrupt`, `nan` and `subhealth` are parsed and validated now and injected by later work.
+    flip       flip one bit of a tensor silently (no error: silent data corruption, found by
+               the cross-replica check); key `what=params|optimizer|grads` (default params)
+    nan        the loss of the step turns NaN (the tracked model's outputs), so do its gradients
+    subhealth  the rank reports itself degraded (as a device health monitor would)
 
 Keys of every kind: `rank` (int >= 0, required), `step` (int >= 0, required) and `at`, the
 phase of the step in which the fault fires: `compute` (default), `sync`, `update`,
@@ -71,20 +71,20 @@ class FaultKind(enum.Enum):
     CORRUPT = "corrupt"
     NAN = "nan"
     SUBHEALTH = "subhealth"
+    FLIP = "flip"
 
     @property
     def extra_keys(self) -> tuple[str, ...]:
         """Keys this kind accepts besides rank, step and at."""
         if self is FaultKind.EXIT:
             return ("code",)
-        if self is FaultKind.CORRUPT:
+        if self in (FaultKind.CORRUPT, FaultKind.FLIP):
             return ("what",)
         return ()
 
 
 _ALLOWED_KINDS = ", ".join(kind.value for kind in FaultKind)
 _COMMON_KEYS = ("rank", "step", "at")
-_EXTRA_KEY_OWNER = {"code": FaultKind.EXIT, "what": FaultKind.CORRUPT}
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Fault:
 
     @property
     def corrupt_target(self) -> str:
-        """What a `corrupt` fault damages: one of CORRUPT_TARGETS."""
+        """What a `corrupt` or `flip` fault damages: one of CORRUPT_TARGETS."""
         return dict(self.params).get("what", CORRUPT_TARGETS[0])
 
     def __str__(self) -> str:
@@ -220,10 +220,10 @@ def _parse_kind(text: str) -> FaultKind:
 def _check_key(kind: FaultKind, key: str) -> None:
     if key in _COMMON_KEYS or key in kind.extra_keys:
         return
-    owner = _EXTRA_KEY_OWNER.get(key)
-    if owner is not None:
+    owners = [k.value for k in FaultKind if key in k.extra_keys]
+    if owners:
         raise ConfigError(
-            f"key '{key}' is only allowed on {owner.value} faults, not on {kind.value} "
+            f"key '{key}' is only allowed on {' and '.join(owners)} faults, not on {kind.value} "
             f"(allowed keys: {_allowed_keys(kind)})"
         )
     raise ConfigError(f"unknown key {key!r} (allowed keys: {_allowed_keys(kind)})")

@@ -496,11 +496,13 @@ class Persisted(Message):
 
 @message("damaged")
 class Damaged(Message):
-    """A worker's state was damaged in memory (its process is fine): rung `retry` repairs it."""
+    """A worker's state was damaged (its process is fine): rung `retry` repairs it. ``kind``:
+    "memory-fault", "non-finite" (loss/gradients) or "sdc" (differs from its replicas)."""
 
     rank: int
     attempt: int
     what: str
+    kind: str = "memory-fault"
 
 
 @message("dump")
@@ -520,3 +522,57 @@ class Dumped(Message):
     step: int
     ranks: list[int]
     error: str = ""
+
+
+# restore at a job (re)start: the controller decides the step every rank loads
+
+
+def _at_least(msg: Message, minimum: int, *names: str) -> None:
+    """ProtocolError unless each named int field (or each item of a list[int] field) is >=
+    ``minimum``. Values of the wrong type are left to the type check of encode/decode."""
+    for name in names:
+        value = getattr(msg, name)
+        items = enumerate(value) if type(value) is list else [(None, value)]
+        for i, item in items:
+            if type(item) is int and item < minimum:
+                where = "" if i is None else f" at [{i}]"
+                raise ProtocolError(f"message {msg.TYPE!r}: field {name!r} must be >= {minimum}, got {item}{where}")
+
+
+@message("restore_offer")
+class RestoreOffer(Message):
+    """The steps ``rank`` can load in round ``round`` of the restore: committed in its own
+    node's shared memory, and with its part committed in storage (newest first)."""
+
+    rank: int
+    attempt: int
+    round: int
+    memory_steps: list[int]
+    storage_steps: list[int]
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "rank", "attempt", "round", "memory_steps", "storage_steps")
+
+
+@message("restore_at")
+class RestoreAt(Message):
+    """The controller's decision for round ``round``: every rank loads ``step`` (-1: no step
+    is committed for every rank, the job starts fresh)."""
+
+    attempt: int
+    round: int
+    step: int
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "attempt", "round")
+        _at_least(self, -1, "step")
+
+
+@message("degraded")
+class Degraded(Message):
+    """A rank reports itself degraded (sub-health): a health monitor, a user hook, an injected
+    fault. Under ``--sub-health-policy grace-exit`` the job dumps its state and restarts."""
+
+    rank: int
+    attempt: int
+    reason: str

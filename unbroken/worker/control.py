@@ -46,6 +46,8 @@ class ControlClient:
         self.abort_reason = ""
         self._commit = threading.Condition()
         self.committed_step = -1
+        self._restore_at: dict[int, int] = {}  # restore round -> decided step, set by the reader thread
+        self._restore_cv = threading.Condition()
         self._conn.send(m.WorkerRegister(rank=rank, pid=pid, attempt=attempt, gen=gen, replacement=replacement))
         self._reader = threading.Thread(target=self._read_loop, name=f"unbroken-ctl-r{rank}", daemon=True)
         self._beater = threading.Thread(target=self._beat_loop, name=f"unbroken-hb-r{rank}", daemon=True)
@@ -66,6 +68,11 @@ class ControlClient:
                 with self._commit:
                     self.committed_step = max(self.committed_step, msg.step)
                     self._commit.notify_all()
+            elif isinstance(msg, m.RestoreAt):
+                if msg.attempt == self.attempt:
+                    with self._restore_cv:
+                        self._restore_at[msg.round] = msg.step
+                        self._restore_cv.notify_all()
             else:
                 self._replies.put(msg)
         self._closed.set()
@@ -110,8 +117,11 @@ class ControlClient:
     def dumped(self, step: int, ranks: list[int], error: str) -> None:
         self._send(m.Dumped(rank=self.rank, attempt=self.attempt, step=step, ranks=ranks, error=error))
 
-    def damaged(self, what: str) -> None:
-        self._send(m.Damaged(rank=self.rank, attempt=self.attempt, what=what))
+    def degraded(self, reason: str) -> None:
+        self._send(m.Degraded(rank=self.rank, attempt=self.attempt, reason=reason))
+
+    def damaged(self, what: str, kind: str = "memory-fault") -> None:
+        self._send(m.Damaged(rank=self.rank, attempt=self.attempt, what=what, kind=kind))
 
     def paused(self, gen: int, step: int, phase: str) -> None:
         self._send(m.Paused(rank=self.rank, attempt=self.attempt, gen=gen, step=step, phase=phase))
@@ -155,3 +165,19 @@ class ControlClient:
     def close(self) -> None:
         self._closed.set()
         self._conn.close()
+
+    def restore_at(self, round_: int, memory_steps: list[int], storage_steps: list[int], timeout_s: float,
+                   poll_s: float = 0.05) -> int | None:
+        """Offer the steps this rank can load for restore round ``round_``; wait for the step the
+        controller decides (-1: start fresh). None when no decision came within ``timeout_s``
+        or the controller is gone."""
+        if not self._send(m.RestoreOffer(rank=self.rank, attempt=self.attempt, round=round_,
+                                         memory_steps=memory_steps, storage_steps=storage_steps)):
+            return None
+        deadline = time.monotonic() + timeout_s
+        with self._restore_cv:
+            while round_ not in self._restore_at:
+                if self._closed.is_set() or time.monotonic() >= deadline:
+                    return None
+                self._restore_cv.wait(poll_s)
+            return self._restore_at[round_]

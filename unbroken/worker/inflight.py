@@ -56,9 +56,9 @@ def survive(job: Job) -> int:
     job._drop_step_in_flight()
     control = job._control
     reported = control.abort_gen
-    if job._damaged:  # rung `retry`: this process stays; its state comes from replicas
-        control.damaged(job._damaged)
-        job._damaged, job._needs_state = "", True
+    if job._damaged is not None:  # rung `retry`: this process stays; its state comes from replicas
+        control.damaged(str(job._damaged), job._damaged.kind)
+        job._damaged, job._needs_state = None, True
         return _transfer_until_done(job, started, _await_order(job, reported))
     control.paused(reported, job.step_index, job._pause_phase)
     return _transfer_until_done(job, started, _await_order(job, reported))
@@ -100,22 +100,38 @@ def _await_order(job: Job, reported: int) -> Regroup:  # a Dump order is carried
 
 def _dump(job: Job, order: Dump) -> None:
     """Rung `dump`: write this rank's state, and that of the lost ranks it holds replicas of,
-    to storage at the decided step. No collective: every survivor writes on its own."""
+    to storage at the decided step. No collective when ranks were lost: every survivor writes
+    on its own. When nobody was lost (a sub-health dump), every rank first joins the order's
+    generation to complete a parameter gather the abort cut."""
     ranks = [job.rank] + [lost for lost, writer in order.assign if writer == job.rank]
     error = ""
     try:
         if job._storage is None or job.cfg.checkpoint.save_dir is None:
             raise CheckpointError("no storage tier (--save DIR) to dump to")
+        if not order.assign:
+            _complete_cut_gathers(job, order.gen)
         if job._gather_cut():
             raise CheckpointError("a parameter gather was cut: this rank holds no consistent copy")
         job._injector.at(order.step, "checkpoint")  # a fault planned for the dump fires here
         state = job._state()
         for rank in ranks:  # a replica's state is the lost rank's state, bit for bit
             job._storage.save_rank(order.step, rank, job.world_size, state, {"step": order.step, "dump": True})
-    except (CheckpointError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure is reported; the ladder goes on to `exit`
+        if not isinstance(exc, (CheckpointError, OSError)) and not job._is_recoverable(exc):
+            raise
         error = str(exc) or type(exc).__name__
         log.warning("rank %d: dump of step %d failed: %s", job.rank, order.step, error)
     job._control.dumped(order.step, ranks, error)
+
+
+def _complete_cut_gathers(job: Job, gen: int) -> None:
+    """Every rank, on generation ``gen``'s group: sharded optimizers complete the step whose
+    parameter gather an abort cut (a collective, so every rank runs it)."""
+    job._adopt_group(gen, new_group(job, gen))
+    for obj in job._tracked.values():
+        if hasattr(obj, "recover"):
+            obj.set_process_group(job.process_group)
+            obj.recover(())
 
 
 def _transfer_until_done(job: Job, started: float, order: Regroup) -> int:

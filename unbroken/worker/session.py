@@ -18,19 +18,21 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from unbroken.checkpoint.memory import SnapshotReader, SnapshotWriter
+from unbroken.checkpoint.shm_files import check_shm_capacity, estimate_snapshot_bytes
 from unbroken.checkpoint.storage import StorageTier
-from unbroken.config import WorkerConfig, worker_config_from_env
-from unbroken.errors import CheckpointError, CollectiveAborted, ConfigError, DeviceMemoryError, NoCheckpoint
-from unbroken.faults.inject import FaultInjector, damage_tracked, file_claim
+from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_env
+from unbroken.errors import (EXIT_FATAL, CheckpointError, CollectiveAborted, ConfigError, FatalError,
+                             NoCheckpoint, StateDamaged)
+from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.optim.comm import wait_all
-from unbroken.worker import inflight, rng
+from unbroken.worker import inflight, integrity, restore, rng
 from unbroken.worker.control import ControlClient
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class Job:
         self._announced_ready = False
         self._needs_state = cfg.replacement  # a replacement receives its state from replicas
         self._pause_phase = "compute"
-        self._damaged = ""  # a device-memory fault damaged this rank's state: repair from replicas
+        self._damaged: StateDamaged | None = None  # this rank's state is damaged: repair from replicas
         self._owns_default_group = False
         self._control = self._build_control()
         self._injector = self._build_injector()
@@ -107,7 +109,7 @@ class Job:
             claim = lambda fault: control.claim_fault(fault.fault_id)  # noqa: E731
         else:
             claim = file_claim(self.cfg.run_dir)
-        return FaultInjector(faults, self.rank, claim, damage=lambda what: damage_tracked(self._tracked, what))
+        return FaultInjector(faults, self.rank, claim, tracked=lambda: self._tracked, degraded=self.report_degraded)
 
     def _build_storage(self) -> StorageTier | None:
         ckpt = self.cfg.checkpoint
@@ -140,6 +142,10 @@ class Job:
 
         Optimizers that report phases (``on_phase`` attribute) are wired to this session.
         """
+        with self._fatal_exits():
+            self._track(objects)
+
+    def _track(self, objects: dict[str, Any]) -> None:
         for name, obj in objects.items():
             if obj is None:
                 continue
@@ -160,12 +166,19 @@ class Job:
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from where the job resumes up to ``total`` (exclusive).
 
-        After an in-flight recovery the same index may come again: the step is redone.
+        After an in-flight recovery the same index may come again: the step is redone. Before
+        the first step, the memory tier is checked to fit in its shm dir (ShmCapacityError).
         """
+        with self._fatal_exits():
+            yield from self._steps(total)
+
+    def _steps(self, total: int) -> Iterator[int]:
         if total < 0:
             raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
         self._step = inflight.join(self, self._order) if self._needs_state else self._restore()
         self._restored = True
+        if self._memory_tier:
+            self._check_shm_capacity()
         while self._step < total:
             if self._should_abort() or self._recovery_needed or self._gather_cut():
                 self._recovery_needed = False
@@ -188,8 +201,9 @@ class Job:
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
             try:
+                self._check_replicas()
                 self._maybe_checkpoint()
-            except Exception as exc:  # a peer lost during the checkpoint: not committed, recover
+            except Exception as exc:  # a peer lost during the check or checkpoint, or an odd copy: recover
                 if not self._abort_step(index, exc):
                     raise
                 continue
@@ -203,23 +217,48 @@ class Job:
 
         Under `unbroken run`, a collective aborted inside the step (a peer was lost) does
         not propagate: the step is dropped and :meth:`steps` recovers in flight and
-        yields the step to redo.
+        yields the step to redo. A FatalError ends the process with EXIT_FATAL there.
         """
         index = self._step
         try:
             yield index
         except Exception as exc:
             if not self._abort_step(index, exc):
+                self._exit_if_fatal(exc)
                 raise
             return
         self._end_step(index)
+
+    @contextlib.contextmanager
+    def _fatal_exits(self) -> Iterator[None]:
+        """Under `unbroken run`, a FatalError leaving the block ends this worker with EXIT_FATAL."""
+        try:
+            yield
+        except FatalError as exc:
+            self._exit_if_fatal(exc)
+            raise
+
+    def _exit_if_fatal(self, exc: Exception) -> None:
+        """Under `unbroken run`, for a FatalError: close the session, then exit with EXIT_FATAL,
+        so the controller fails the job instead of restarting a worker that would fail again.
+        Closing first matters: a gloo group still alive at interpreter exit can abort the
+        process, and the exit code with it. Elsewhere (plain python, torchrun) return."""
+        if not isinstance(exc, FatalError) or self.cfg.mode != "managed":
+            return
+        if self._control is not None:  # the reason, in the job's event log
+            self._control.event("fatal_error", {"error": f"{type(exc).__name__}: {exc}"})
+        try:
+            self.close()
+        except Exception as close_exc:  # noqa: BLE001  (exiting anyway: keep the first error)
+            log.warning("rank %d: closing the session before a fatal exit failed: %s", self.rank, close_exc)
+        _exit_fatal(exc, f"rank {self.rank}")
 
     def _abort_step(self, index: int, exc: Exception) -> bool:
         """A fault inside step ``index``: drop the step and recover in flight (True), or not (False)."""
         if not self._is_recoverable(exc):
             return False
-        if isinstance(exc, DeviceMemoryError):
-            self._damaged = str(exc)  # rung `retry`: this rank's state comes from replicas
+        if isinstance(exc, StateDamaged):
+            self._damaged = exc  # rung `retry`: this rank's state comes from replicas
         log.warning("rank %d: step %d aborted (%s); recovering in flight", self.rank, index,
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         self._recovery_needed = True
@@ -230,7 +269,7 @@ class Job:
         memory, under a controller (which repairs both from replicas)."""
         if self._control is None:
             return False
-        if isinstance(exc, (DeviceMemoryError, CollectiveAborted)):
+        if isinstance(exc, (StateDamaged, CollectiveAborted)):
             return True
         notes = getattr(exc, "__notes__", ())
         return isinstance(exc, RuntimeError) and any(n.startswith("unbroken: during the") for n in notes)
@@ -242,6 +281,8 @@ class Job:
         self._phase = name
         if self._control is not None:  # the controller's view of where each rank is
             self._control.progress(self._step, name, {})
+        if name == "sync" and self._control is not None and self.cfg.finite_check:
+            integrity.check_finite(self._tracked, self.rank, self._step)  # before the reduction spreads it
         if name == "update":  # the reduction is done: the step commits before anything changes
             self._commit()
         self._injector.at(self._step if step is None else step, name)
@@ -272,6 +313,29 @@ class Job:
             wait_all([work], self._should_abort if self._control else None, self._graveyard,
                      f"all-reduce of step {self._step}")
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """``dist.all_gather`` of ``tensor`` on the current generation, abandoned promptly on an abort order."""
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        if self.world_size == 1:
+            out[0].copy_(tensor)
+            return out
+        work = dist.all_gather(out, tensor, group=self._group, async_op=True)
+        wait_all([work], self._should_abort if self._control else None, self._graveyard,
+                 f"all-gather of step {self._step}")
+        return out
+
+    def _check_replicas(self) -> None:
+        """Every ``--sdc-check-every-steps`` steps: compare the replicated state across ranks."""
+        every = self.cfg.sdc_check_every_steps
+        if self._control is None or not every or self._step % every:
+            return
+        odd = integrity.check_replicas(self._tracked, rank=self.rank, world_size=self.world_size,
+                                       step=self._step - 1, device=self.device,
+                                       gather=self.all_gather)
+        if odd:
+            log.warning("rank %d: cross-replica check after step %d: ranks %s hold odd copies; they are "
+                        "repaired from the majority", self.rank, self._step, odd)
 
     def _gather_cut(self) -> bool:
         """A tracked optimizer's parameter gather was cut by a fault (its step committed)."""
@@ -310,6 +374,16 @@ class Job:
         self._announced_ready = True
         replicas = [getattr(o, "num_replicas", 0) for o in self._tracked.values() if hasattr(o, "recover")]
         self._control.session_ready(min(replicas) if replicas else 0)
+
+    def report_degraded(self, reason: str) -> None:
+        """Report this rank degraded (sub-health: e.g. a device health monitor's warning).
+
+        Under ``--sub-health-policy grace-exit`` the job dumps its state at once and restarts
+        cleanly from it; under ``ignore`` (the default) the report is only logged.
+        """
+        log.warning("rank %d: reported degraded at step %d: %s", self.rank, self._step, reason)
+        if self._control is not None:
+            self._control.degraded(reason)
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (loss, ...) to this step's progress report."""
@@ -369,6 +443,17 @@ class Job:
                 self._snapshot(self._step)
         elif ckpt.storage_every_steps and self._step % ckpt.storage_every_steps == 0:
             self._save(self._step)
+
+    def _check_shm_capacity(self) -> None:
+        """Before the first step: ShmCapacityError unless the memory-tier slots of every rank on
+        this node fit in the shm dir, with the optimizers' state as after their first step."""
+        ckpt = self.cfg.checkpoint
+        optimizers = [o for o in self._tracked.values() if isinstance(o, torch.optim.Optimizer)]
+        snapshot_bytes = estimate_snapshot_bytes(self._state(), optimizers)
+        needed = check_shm_capacity(ckpt.shm_dir, self.cfg.job_id, rank=self.rank, snapshot_bytes=snapshot_bytes,
+                                    local_world_size=self.cfg.local_world_size)
+        log.info("rank %d: memory tier fits in %s: about %d bytes per snapshot, %d bytes for the node's "
+                 "%d rank(s)", self.rank, ckpt.shm_dir, snapshot_bytes, needed, self.cfg.local_world_size)
 
     def _snapshot(self, step: int) -> None:
         """Copy the state into this rank's shared-memory slot (the step is blocked only for the copy)."""
@@ -445,42 +530,20 @@ class Job:
         """Agree with every rank on the newest step all can load, load it; return the step.
 
         Sources, fastest first: this node's shared-memory snapshots (a job-level restart of
-        the same job), then the storage tier. Every rank must load the same step.
+        the same job), then the storage tier. Every rank must load the same step: under
+        `unbroken run` the controller decides it, elsewhere an all-reduce (see restore.py).
         """
         if self._restored:
             return self._step
         self._restored = True
-        memory = SnapshotReader(self.cfg.checkpoint.shm_dir, self.cfg.job_id, self.rank) \
-            if self._control is not None and self.cfg.job_id else None
-        if memory is None and self._storage is None:
-            return 0
-        started = time.monotonic()
-        bound: int | None = None
-        while True:
-            agreed = self._all_min(self._newest_available(memory, bound))
-            if agreed < 0:
-                return 0
-            loaded = self._load_step(memory, agreed)
-            if self._all_min(1 if loaded else 0):
-                break
-            bound = agreed if loaded else agreed - 1  # someone could not load it: go older
-        state, tier = loaded
-        self._load_state(state)
-        seconds = time.monotonic() - started
-        log.info("rank %d: restored step %d from %s in %.3f s", self.rank, agreed, tier, seconds)
-        self._event("restored", step=agreed, tier=tier, seconds=seconds)
-        return agreed
-
-    def _newest_available(self, memory: SnapshotReader | None, bound: int | None) -> int:
-        steps = [s for s, _ in memory.committed()] if memory is not None else []
-        stored = self._storage.newest_loadable_step(self.rank, at_or_below=bound) if self._storage else None
-        candidates = [s for s in steps if bound is None or s <= bound] + ([stored] if stored is not None else [])
-        return max(candidates, default=-1)
+        return restore.restore(self)
 
     def _load_step(self, memory: SnapshotReader | None, step: int) -> tuple[dict, str] | None:
         if memory is not None:
             try:
-                return memory.load(step)[0], "memory"
+                # Straight into the tensors of the freshly built model and optimizer: no new
+                # allocation (page faults). If it fails, another step is loaded over them.
+                return memory.load(step, into=self._state())[0], "memory"
             except (NoCheckpoint, CheckpointError) as exc:
                 if not isinstance(exc, NoCheckpoint):
                     log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", self.rank, step, exc)
@@ -499,8 +562,25 @@ def init(**overrides: Any) -> Job:
     (world size 1). Keyword arguments override the environment: ``save_dir``,
     ``load_dir``, ``every_steps``, ``keep``, ``run_dir``, ``inject``, ``pg_timeout_s``;
     ``device`` and ``backend`` choose the device and the process-group backend.
+
+    Under `unbroken run`, a FatalError here (e.g. a ConfigError) and in ``job.track()``,
+    ``job.steps()`` or a ``with job.step():`` block is logged at ERROR and ends the process
+    with :data:`unbroken.EXIT_FATAL`: the job fails at once instead of restarting. Elsewhere
+    it propagates as raised.
     """
     device = overrides.pop("device", None)
     backend = overrides.pop("backend", None)
-    cfg: WorkerConfig = worker_config_from_env(**overrides)
-    return Job(cfg, device=device, backend=backend)
+    try:
+        cfg: WorkerConfig = worker_config_from_env(**overrides)
+        return Job(cfg, device=device, backend=backend)
+    except FatalError as exc:
+        if managed_from_env():
+            _exit_fatal(exc, "worker")
+        raise
+
+
+def _exit_fatal(exc: FatalError, who: str) -> NoReturn:
+    """Log `exc` and end this worker with EXIT_FATAL (SystemExit: `finally` blocks still run)."""
+    log.error("%s: fatal error, exit code EXIT_FATAL=%d (not restarted): %s: %s", who, EXIT_FATAL,
+              type(exc).__name__, exc)
+    raise SystemExit(EXIT_FATAL) from exc

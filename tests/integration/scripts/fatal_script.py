@@ -1,0 +1,26 @@
+"""A 2-rank training script that rank 1 ends in a way no restart can fix.
+
+MODE (argv[1]): ``track``: a ConfigError from job.track (the library exits with EXIT_FATAL);
+``exit``: the script itself calls sys.exit(unbroken.EXIT_FATAL).
+"""
+
+import sys
+
+import torch
+
+import unbroken
+
+mode = sys.argv[1]
+job = unbroken.init()
+model = torch.nn.Linear(4, 4)
+if job.rank == 1 and mode == "track":
+    job.track(model=model, data=object())  # an object without state_dict: ConfigError
+if job.rank == 1 and mode == "exit":
+    print("rank 1: the dataset is missing; giving up", flush=True)
+    job.close()
+    sys.exit(unbroken.EXIT_FATAL)
+job.track(model=model)
+for step in job.steps(3):
+    with job.step():
+        job.all_reduce(torch.ones(1))
+job.close()

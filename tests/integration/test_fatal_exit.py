@@ -1,0 +1,33 @@
+"""EXIT_FATAL under the launcher: a worker that says "do not restart me" fails the job at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.integration.helpers import events
+from unbroken.errors import EXIT_FATAL
+
+SCRIPT = Path(__file__).parent / "scripts" / "fatal_script.py"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode, says", [
+    ("track", "job.track(data=...): a object has no state_dict"),  # the library's ConfigError
+    ("exit", "the dataset is missing; giving up"),  # the script's own sys.exit(EXIT_FATAL)
+])
+def test_a_fatal_exit_fails_the_job_without_a_restart(tmp_path, mode, says):
+    run_dir = tmp_path / "run"
+    result = run_cli(["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), "--max-restarts", "5",
+                      str(SCRIPT), mode], timeout_s=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert says in output
+    assert [(e["rank"], e["exit_code"]) for e in events(run_dir, "worker_exited")][:1] == [(1, EXIT_FATAL)]
+    assert [e["attempt"] for e in events(run_dir, "attempt_started")] == [0]  # no restart
+    assert [(e["rung"], e["kind"]) for e in events(run_dir, "decision")] == [("give-up", "fatal")]
+    (finished,) = events(run_dir, "job_finished")
+    assert finished["reason"].startswith(f"rank 1 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted)")
+    assert says in finished["reason"]

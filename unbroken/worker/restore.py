@@ -1,0 +1,92 @@
+"""Restore at a job (re)start: every rank agrees on one step, then loads it.
+
+Runs in the training thread of each rank, inside :meth:`unbroken.worker.session.Job.steps`,
+once per process (a replacement process of an in-flight recovery does not come here: it
+receives its state from replicas, see :mod:`unbroken.worker.inflight`).
+
+Sources of a rank, fastest first: its own node's shared-memory snapshots (the memory
+tier, under `unbroken run`), then the storage tier. A step is restorable only when every
+rank's part of it is committed in some tier (DESIGN.md section 8). Who decides:
+
+* under `unbroken run` the controller: each rank offers the steps it can load
+  (:class:`~unbroken.protocol.messages.RestoreOffer`), the controller picks the newest
+  step every rank offered (:func:`unbroken.recovery.restore_point.decide_restore`), logs
+  it (``restore_decided``) and answers every rank (``RestoreAt``);
+* under plain torchrun or python (no controller) the ranks themselves: an all-reduce MIN
+  of each rank's newest loadable step.
+
+Then every rank loads the step (memory first, else storage) and an all-reduce MIN of
+"loaded" confirms it everywhere. If some rank could not load it (a file that rotted in
+place), the ranks agree again, in the next round, on an older step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from unbroken.checkpoint.memory import SnapshotReader
+from unbroken.errors import FatalError, JobFailed
+
+if TYPE_CHECKING:
+    from unbroken.worker.session import Job
+
+log = logging.getLogger(__name__)
+
+
+def restore(job: Job) -> int:
+    """Agree on the step to resume from, load it into the tracked state; return the step
+    (0 when there is nothing to restore)."""
+    memory = SnapshotReader(job.cfg.checkpoint.shm_dir, job.cfg.job_id, job.rank) \
+        if job._control is not None and job.cfg.job_id else None
+    if memory is None and job._storage is None:
+        return 0
+    started = time.monotonic()
+    bound: int | None = None  # the newest step this rank may still offer
+    round_ = 0
+    while True:
+        agreed = _agree(job, memory, round_, bound)
+        if agreed < 0:
+            if round_ and memory is not None:  # a failed load may have written into the tensors: no fresh start
+                raise FatalError(f"rank {job.rank}: no checkpoint step could be loaded by every rank (the "
+                                 "newest ones failed their checksums) and the tracked state may hold part of "
+                                 "one; not starting from scratch. See `unbroken ckpt verify` and events.jsonl")
+            return 0
+        loaded = job._load_step(memory, agreed)
+        if job._all_min(1 if loaded else 0):
+            break
+        bound = agreed if loaded else agreed - 1  # someone could not load it: go older
+        round_ += 1
+    state, tier = loaded
+    job._load_state(state)
+    seconds = time.monotonic() - started
+    log.info("rank %d: restored step %d from %s in %.3f s", job.rank, agreed, tier, seconds)
+    job._event("restored", step=agreed, tier=tier, seconds=seconds)
+    return agreed
+
+
+def _agree(job: Job, memory: SnapshotReader | None, round_: int, bound: int | None) -> int:
+    """The step every rank loads in round ``round_`` (-1: none, start fresh)."""
+    if job._control is None:
+        return job._all_min(_newest_available(job, memory, bound))
+    memory_steps = sorted({s for s, _ in memory.committed() if bound is None or s <= bound}, reverse=True) \
+        if memory is not None else []
+    # Listed by metadata only (cheap); a file that rotted in place fails its checksum at
+    # load, and the next round goes older.
+    storage_steps = job._storage.loadable_steps(job.rank, at_or_below=bound) if job._storage is not None else []
+    timeout_s = job.cfg.recovery_timeout_s
+    step = job._control.restore_at(round_, memory_steps, storage_steps, timeout_s)
+    if step is None:
+        raise JobFailed(f"rank {job.rank}: no restore decision from the controller within {timeout_s:.0f} s "
+                        f"(attempt {job.attempt}, round {round_}; offered memory steps {memory_steps}, storage "
+                        f"steps {storage_steps}); the controller is gone or another rank never offered. "
+                        "The setting is --recovery-timeout-s; the controller's events.jsonl says more")
+    return step
+
+
+def _newest_available(job: Job, memory: SnapshotReader | None, bound: int | None) -> int:
+    steps = [s for s, _ in memory.committed()] if memory is not None else []
+    stored = job._storage.newest_loadable_step(job.rank, at_or_below=bound) if job._storage else None
+    candidates = [s for s in steps if bound is None or s <= bound] + ([stored] if stored is not None else [])
+    return max(candidates, default=-1)

@@ -414,7 +414,9 @@ def test_owner_files_modes_and_sweep(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_writer_skips_a_slot_pinned_by_a_reader(job):
+def test_a_slot_pinned_by_a_reader_is_left_alone(job):
+    """The agent reads the older snapshot: the writer rewrites the newest slot instead (the
+    pinned one stays intact); only when both slots are pinned is a snapshot skipped."""
     writer = SnapshotWriter(SHM, job, 0)
     reader = SnapshotReader(SHM, job, 0)
     try:
@@ -424,14 +426,21 @@ def test_writer_skips_a_slot_pinned_by_a_reader(job):
         slot, fd, header = reader._pin(1, set())  # the agent is still reading step 1's slot
         try:
             assert (slot, header.step) == (0, 1)
-            writer.write(3, {"x": torch.full((100,), 3.0)})  # would reuse slot 0: skipped
-            assert writer.flush() and writer.skipped_writes == 1 and writer.committed_step == 2
-            assert reader.committed() == [(2, 1), (1, 0)]
+            writer.write(3, {"x": torch.full((100,), 3.0)})  # slot 0 is pinned: slot 1 (step 2) is rewritten
+            assert writer.flush() and writer.skipped_writes == 0 and writer.committed_step == 3
+            assert reader.committed() == [(3, 1), (1, 0)]
+            _, fd2, _ = reader._pin(3, set())  # now both slots are pinned
+            try:
+                writer.write(4, {"x": torch.full((100,), 4.0)})
+                assert writer.flush() and writer.skipped_writes == 1 and writer.committed_step == 3
+            finally:
+                os.close(fd2)
         finally:
             os.close(fd)
-        writer.write(3, {"x": torch.full((100,), 3.0)})
+        assert torch.equal(reader.load(1)[0]["x"], torch.full((100,), 1.0))  # the pinned one intact
+        writer.write(4, {"x": torch.full((100,), 4.0)})
         writer.flush()
-        assert reader.committed() == [(3, 0), (2, 1)] and writer.skipped_writes == 1
+        assert reader.committed() == [(4, 0), (3, 1)] and writer.skipped_writes == 1
     finally:
         writer.close()
 
@@ -525,3 +534,19 @@ def test_load_into_a_corrupt_snapshot_raises(job):
         SnapshotReader(SHM, job, 0).load(1, into=into)
     with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
         SnapshotReader(SHM, job, 0).load()
+
+
+@pytest.mark.timeout(60)
+def test_only_the_newest_due_snapshot_is_held_for_a_slow_persister(job):
+    """The persister has taken nothing yet: the writer keeps the newest snapshot due to persist
+    (a multiple of hold_every) and goes on in the other slot; an older due one is let go."""
+    writer = SnapshotWriter(SHM, job, 0, hold_every=2)
+    reader = SnapshotReader(SHM, job, 0)
+    try:
+        for step in range(2, 8):
+            writer.write(step, {"x": torch.full((10,), float(step))})
+            writer.flush()
+        assert writer.skipped_writes == 0
+        assert [s for s, _ in reader.committed()] == [7, 6]  # 6 is held, 7 rotates beside it
+    finally:
+        writer.close()

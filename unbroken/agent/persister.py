@@ -1,7 +1,9 @@
 """The persister: an agent thread that copies committed shared-memory snapshots to storage.
 
-It runs in the agent (never in a worker), at low priority, so a persisting node slows
-training by as little as possible. Every ``poll_s`` it looks at its ranks' committed
+It runs in the agent (never in a worker), niced and paced (it works :data:`DUTY` of the
+wall time while it writes, and sleeps the rest), so a persisting node slows training by as
+little as possible; it copies a snapshot out of its slot first and releases the slot at
+once, so the memory tier never waits for the storage write. Every ``poll_s`` it looks at its ranks' committed
 snapshots; when every one of them holds the same step that is due (a multiple of
 ``--persist-every-steps``) and newer than the
 last one persisted, it writes each rank's files of that step (temporary name, fsync,
@@ -30,22 +32,45 @@ from unbroken.errors import CheckpointError, NoCheckpoint
 log = logging.getLogger(__name__)
 
 NICE = 10  # the persister thread's niceness: the training processes come first
+DUTY = 0.25  # the share of wall time the persister works while it persists (it sleeps the rest)
+
+
+class DutyCycle:
+    """Paces background work to a share of the wall time: called between slices of work, it
+    sleeps so that work / (work + sleep) stays at ``duty``. ``stop`` cuts the sleeps short (the
+    final pass at shutdown runs at full speed)."""
+
+    def __init__(self, duty: float, stop: threading.Event) -> None:
+        if not 0 < duty <= 1:
+            raise ValueError(f"duty must be in (0, 1], got {duty}")
+        self._duty, self._stop, self._t = duty, stop, time.monotonic()
+
+    def restart(self) -> None:
+        self._t = time.monotonic()
+
+    def __call__(self) -> None:
+        worked = time.monotonic() - self._t
+        if self._duty < 1 and worked > 0:
+            self._stop.wait(worked * (1 - self._duty) / self._duty)
+        self._t = time.monotonic()
 
 
 class Persister:
     def __init__(self, ckpt: CheckpointConfig, job_id: str, world_size: int, ranks: Callable[[], list[int]],
-                 report: Callable[[int, list[int], float, str], None], poll_s: float = 0.2) -> None:
+                 report: Callable[[int, list[int], float, str], None], poll_s: float = 0.2,
+                 duty: float = DUTY) -> None:
         self._ckpt = ckpt
         self._job_id = job_id
         self._world_size = world_size
         self._ranks = ranks  # the ranks this agent hosts now
         self._report = report
         self._poll_s = poll_s
-        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep)
+        self._stop = threading.Event()
+        self._pace = DutyCycle(duty, self._stop)
+        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, pace=self._pace)
         self._last = -1
         self._buffer: Any = None  # the tensors of the last snapshot read, reused for the next
         self._ranks_at_stop: list[int] = []
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="unbroken-persister", daemon=True)
 
     def start(self) -> None:
@@ -90,14 +115,15 @@ class Persister:
         started = time.monotonic()
         self._last = step
         try:
-            for rank in ranks:  # held by the writers until marked persisted: no race with them
+            for rank in ranks:  # held by the writers until released: no race with them
                 # Into the tensors of the last load (ranks of a node mostly hold the same shapes):
                 # no fresh allocation, no page faults competing with training, every time.
+                self._pace.restart()
                 state, meta = SnapshotReader(self._ckpt.shm_dir, self._job_id, rank).load(step, into=self._buffer)
-                self._storage.save_rank(step, rank, self._world_size, state, meta)
                 self._buffer = state
-            for rank in ranks:
+                # Copied out: the writer may use the slot again while the (paced) write goes on.
                 shm_files.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
+                self._storage.save_rank(step, rank, self._world_size, state, meta)
         except (CheckpointError, NoCheckpoint, OSError) as exc:
             for rank in ranks:  # release the held snapshots; the next due step is tried instead
                 shm_files.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)

@@ -158,11 +158,13 @@ class SnapshotWriter:
             logger.warning("rank %d: skipped the shared-memory snapshot of step %d: both slots hold "
                            "snapshots the agent has not persisted yet", self.rank, step)
             return time.perf_counter() - start
-        fd = _open_slot(self.paths[slot])  # its flock is held until the commit is done
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = self._lock(slot)  # held until the commit is done
+        if fd is None and self._newest not in (None, slot) and not self._held(self._newest):
+            # The agent still reads the older snapshot: rewrite the newest instead (the one
+            # being read stays committed and intact meanwhile).
+            slot = self._newest
+            fd = self._lock(slot)
+        if fd is None:
             self.skipped_writes += 1
             logger.warning("rank %d: skipped the shared-memory snapshot of step %d: a reader "
                            "(the agent) still reads the older snapshot in %s", self.rank, step,
@@ -192,6 +194,16 @@ class SnapshotWriter:
             raise
         return time.perf_counter() - start
 
+    def _lock(self, slot: int) -> int | None:
+        """An fd of ``slot`` holding its exclusive flock, or None while a reader pins it."""
+        fd = _open_slot(self.paths[slot])
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
     def _target_slot(self) -> int | None:
         """The slot to write: not the newest committed one, unless the other is held for the
         persister (then the newest is overwritten; the held one stays committed meanwhile)."""
@@ -204,11 +216,18 @@ class SnapshotWriter:
         return None if held[self._newest] else self._newest
 
     def _held(self, slot: int) -> bool:
+        """Kept for the persister: the newest committed snapshot due to persist and not yet taken.
+        Only the newest is kept (the persister skips stale ones), so a persister slower than
+        --persist-every-steps holds one slot at most and the memory tier goes on in the other."""
         if not self.hold_every:
             return False
-        h = _read_header(self.paths[slot])
-        return (h is not None and h.state == SlotState.COMMITTED and h.step % self.hold_every == 0
-                and h.step > read_persisted(self._persisted_path))
+        taken = read_persisted(self._persisted_path)
+        due = []
+        for path in self.paths:
+            h = _read_header(path)
+            ok = h is not None and h.state == SlotState.COMMITTED and h.step % self.hold_every == 0 and h.step > taken
+            due.append(h.step if ok else -1)
+        return due[slot] >= 0 and due[slot] == max(due)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for the pending commit; False if it still runs after `timeout_s`.

@@ -26,7 +26,7 @@ import re
 import struct
 import time
 import zlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import safetensors.torch
 import torch
@@ -93,10 +93,11 @@ class StorageTier:
     its own files and one process commits a step. Holds no state beyond its settings.
     """
 
-    def __init__(self, root: str | os.PathLike, keep: int = 3) -> None:
+    def __init__(self, root: str | os.PathLike, keep: int = 3, pace: Callable[[], None] | None = None) -> None:
         _check_int("keep (number of committed checkpoints to retain)", keep, 1)
         self.root, self._files = open_root(root)
         self.keep = keep
+        self._pace = pace  # called between the pieces of a tensor file: a background writer's throttle
 
     # ---- writing -------------------------------------------------------------------
 
@@ -114,7 +115,7 @@ class StorageTier:
         _to_json(meta, f"meta of rank {rank} step {step}")  # fail before writing anything
         header = {"format": FORMAT, "step": str(step), "rank": str(rank),
                   "spec": _to_json(spec, "state spec").decode()}
-        data = _SafetensorsStream(tensors, header)
+        data = _SafetensorsStream(tensors, header, self._pace)
         tensor_name, record_name = rank_file_names(rank)
         step_dir = self._step_dir(step)
         try:
@@ -412,7 +413,9 @@ class _SafetensorsStream:
     element size, then name, so each starts aligned) and of the header's keys.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                 pace: Callable[[], None] | None = None) -> None:
+        self._pace = pace
         order = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
         index: dict[str, Any] = {"__metadata__": metadata}
         offset = 0
@@ -442,6 +445,8 @@ class _SafetensorsStream:
                 piece = view[a:a + _CHUNK_BYTES]
                 self.crc32 = zlib.crc32(piece, self.crc32)
                 yield piece
+                if self._pace is not None:
+                    self._pace()
 
 
 def describe(root: str | os.PathLike) -> list[dict]:

@@ -56,7 +56,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from unbroken.agent.persister import Persister
-from unbroken.checkpoint.memory import SnapshotReader, SnapshotWriter
+from unbroken.checkpoint.memory import SnapshotWriter
+from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.shm_files import remove_job
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import CheckpointConfig

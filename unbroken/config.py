@@ -133,6 +133,7 @@ class LaunchConfig:
     sdc_check_every_steps: int = 0  # cross-replica checksum of the state every K steps (0: off)
     finite_check: bool = True  # a non-finite loss/gradient is a fault for rung `retry`
     sub_health_policy: str = "ignore"
+    crash_loop_limit: int = 3  # the same failure this many times in a row ends the job (0: never)
     straggler_factor: float = 0.0  # a rank computing this many times slower than the job's median is degraded
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hang: HangConfig = field(default_factory=HangConfig)
@@ -160,6 +161,7 @@ class LaunchConfig:
         _require(bool(self.recover_strategy), "--recover-strategy must name at least one strategy")
         _require(self.sdc_check_every_steps >= 0,
                  f"--sdc-check-every-steps must be >= 0 (0: off), got {self.sdc_check_every_steps}")
+        _require(self.crash_loop_limit >= 0, f"--crash-loop-limit must be >= 0 (0: off), got {self.crash_loop_limit}")
         _require(self.straggler_factor == 0 or self.straggler_factor > 1,
                  f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
         _require(self.sub_health_policy in SUB_HEALTH_POLICIES,

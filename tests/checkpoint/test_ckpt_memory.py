@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from unbroken.checkpoint import memory
-from unbroken.checkpoint.memory import HEADER_BYTES, SnapshotReader, SnapshotWriter
+from unbroken.checkpoint.memory import HEADER_BYTES, SnapshotWriter
+from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.shm_files import claim_job, remove_job, slot_path, sweep_stale
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError, NoCheckpoint
 
@@ -264,7 +265,7 @@ def test_flipped_byte_is_detected_and_load_falls_back(job, caplog):
     assert reader.committed() == [(2, 1), (1, 0)]
     with pytest.raises(CheckpointCorrupt, match=f"{path}.*checksum mismatch"):
         reader.load(2)
-    with caplog.at_level(logging.WARNING, logger="unbroken.checkpoint.memory"):
+    with caplog.at_level(logging.WARNING, logger="unbroken.checkpoint.memory_reader"):
         state, _ = reader.load()
     assert state["step"] == 1 and torch.equal(state["x"], torch.full((1000,), 1.0))
     assert any("skipping the shared-memory snapshot of step 2" in r.message for r in caplog.records)

@@ -70,3 +70,25 @@ def test_sub_health_without_storage_is_a_clean_restart():
     state, actions = run(state, sm.WorkerDegraded(2, 0, "slow", step=5))
     assert kinds(actions) == ["Decide", "StopAttempt"] and actions[0].rung == "exit"
     assert "no storage tier" in actions[0].reason
+
+
+def test_the_same_failure_three_times_in_a_row_is_a_crash_loop():
+    state = start(max_restarts=100, allowed=("exit",))
+    boom = ("Traceback (most recent call last):", "ValueError: batch 7 is empty")
+    for attempt in range(2):
+        state, actions = run(state, sm.WorkerExited(1, attempt, 1, None, step=7, last_lines=boom))
+        assert kinds(actions) == ["Decide", "StopAttempt"] and actions[0].rung == "exit"
+        state, _ = run(state, sm.AgentStopped(0, attempt))
+    state, actions = run(state, sm.WorkerExited(1, 2, 1, None, step=7, last_lines=boom))
+    assert state.phase is sm.JobPhase.FAILED
+    (finish,) = [a for a in actions if isinstance(a, sm.Finish)]
+    assert "crash loop" in finish.reason and "batch 7 is empty" in finish.reason
+
+
+def test_different_failures_are_no_crash_loop():
+    state = start(max_restarts=100, allowed=("exit",))
+    for attempt, step in enumerate((7, 8, 9)):
+        state, actions = run(state, sm.WorkerExited(1, attempt, 1, None, step=step, last_lines=("ValueError",)))
+        assert actions[0].rung == "exit"
+        state, _ = run(state, sm.AgentStopped(0, attempt))
+    assert state.phase is sm.JobPhase.RUNNING

@@ -31,3 +31,17 @@ def test_a_fatal_exit_fails_the_job_without_a_restart(tmp_path, mode, says):
     (finished,) = events(run_dir, "job_finished")
     assert finished["reason"].startswith(f"rank 1 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted)")
     assert says in finished["reason"]
+
+
+@pytest.mark.timeout(150)
+def test_the_same_exception_three_times_in_a_row_stops_the_job(tmp_path):
+    """A bug in the script is not a fault of the machine: after the same failure three times
+    (in flight, then restarts), the job fails instead of looping up to --max-restarts."""
+    run_dir = tmp_path / "run"
+    result = run_cli(["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), str(SCRIPT), "bug"], timeout_s=140)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    failed = [e for e in events(run_dir, "worker_exited") if e["rank"] == 1 and e["exit_code"] not in (0, None)]
+    assert len(failed) == 3
+    (finished,) = events(run_dir, "job_finished")
+    assert "crash loop" in finished["reason"] and "batch 2 is empty" in finished["reason"]

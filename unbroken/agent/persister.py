@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable
 
 from unbroken.checkpoint import shm_files
-from unbroken.checkpoint.memory import SnapshotReader
+from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import CheckpointConfig
 from unbroken.errors import CheckpointError, NoCheckpoint

@@ -1,4 +1,4 @@
-"""Memory tier of the checkpoint engine: per-rank snapshots in shared-memory slot files.
+"""Memory tier of the checkpoint engine: the slot format and its writer (SnapshotWriter).
 
 Files, in a tmpfs directory (`shm_dir`, /dev/shm by default), outlive a worker's SIGKILL:
     unbroken-{job_id}-r{rank:05d}-s{0,1}   the two slots of one rank, written by its worker
@@ -16,11 +16,14 @@ writer always writes the slot not holding the newest committed snapshot, so a cr
 point leaves that one intact. A reader pins the slot it reads (flock LOCK_SH); the writer
 takes LOCK_EX from WRITING to COMMITTED and skips a snapshot whose slot is pinned rather than
 wait. The agent owns the files' lifetime; the writer never deletes them.
+
+This module is the one home of the format (constants, SlotState, the header, the ranges the
+checksum table covers); the reading side, SnapshotReader and its verified load, is in
+unbroken.checkpoint.memory_reader.
 """
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import fcntl
 import json
@@ -33,17 +36,15 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import xxhash
 
-from unbroken.checkpoint.codec import flatten_state, unflatten_state
+from unbroken.checkpoint.codec import flatten_state
 from unbroken.checkpoint.shm_files import _check_dir, _open_slot, persisted_path, read_persisted, slot_path
-from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError, NoCheckpoint
+from unbroken.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,6 @@ MAGIC, VERSION, META_FORMAT = b"UNBRKSHM", 2, "unbroken-shm-snapshot"
 HEADER_BYTES = 4096  # tensor data starts on the second page
 ALIGN_BYTES = 64
 CHUNK_BYTES = 16 << 20  # checksum granularity: chunks verify (and copy) in parallel on load
-PIECE_BYTES = 512 << 10  # a load reads this much, then hashes it while it is still in cache
 GROWTH, GROW_ROUND_BYTES = 1.25, 2 << 20  # a slot too small grows to needed * 1.25, once
 MIN_HEADROOM_BYTES = 256 << 20  # left free in shm_dir: max(this, 10% of the free bytes)
 # magic, version, state, then _Header's fields after state, then header_crc (over all of it
@@ -93,6 +93,23 @@ class _Header(NamedTuple):
         header = _Header(state, *fields)
         ok = state in SlotState._value2member_map_ and header.pack() == raw[:_HEADER.size]
         return header if ok else None
+
+
+def _read_header(path: Path) -> _Header | None:
+    """The valid header of the slot file at `path`, or None (missing, foreign, torn)."""
+    try:
+        with open(path, "rb") as f:
+            return _Header.unpack(f.read(_HEADER.size))
+    except OSError:
+        return None
+
+
+def _hashed_ranges(h: _Header) -> list[tuple[int, int]]:
+    """The byte ranges of a slot its checksum table covers, in table order: CHUNK_BYTES
+    chunks of the tensor bytes [data_off, meta_off), then the meta."""
+    data = [(a, min(a + h.chunk_bytes, h.meta_off))
+            for a in range(h.data_off, h.meta_off, h.chunk_bytes)]
+    return data + [(h.meta_off, h.meta_off + h.meta_len)]
 
 
 class SnapshotWriter:
@@ -321,119 +338,6 @@ class SnapshotWriter:
                 f" {self.dir} (`mount -o remount,size=... {self.dir}`, docker --shm-size).")
 
 
-class SnapshotReader:
-    """Reads one rank's committed snapshots; runs in the agent or in a restarted worker.
-
-    Holds nothing between calls: each read pins the newest committed slot (flock LOCK_SH;
-    the writer never rewrites a pinned slot), reads its tensors with pread (no mapping, no
-    page faults on the slot) straight into their destinations, hashing each piece right after
-    it lands, and unpins. Safe while the writer runs: the writer only locks a slot it
-    rewrites, and such a slot is never the newest committed one.
-    """
-
-    def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> None:
-        self.dir, self.job_id, self.rank = _check_dir(shm_dir), job_id, rank
-        self.paths = [slot_path(self.dir, job_id, rank, s) for s in (0, 1)]
-
-    def slots(self) -> list[dict]:
-        """Per slot: slot, path, bytes, state (SlotState name, MISSING or INVALID), step, seq."""
-        out = []
-        for slot, path in enumerate(self.paths):
-            size, h = (path.stat().st_size if path.exists() else None), _read_header(path)
-            state = SlotState(h.state).name if h else "MISSING" if size is None else "INVALID"
-            out.append({"slot": slot, "path": path, "bytes": size, "state": state,
-                        "step": h.step if h else None, "seq": h.seq if h else None})
-        return out
-
-    def committed(self) -> list[tuple[int, int]]:
-        """(step, slot) of the committed slots, newest first (by write order: the step order,
-        except after a rollback, where the snapshots written since count as newer)."""
-        return [(h.step, slot) for slot, h in self._committed_headers()]
-
-    def read_flat(self, step: int | None = None, into: dict[str, torch.Tensor] | None = None
-                  ) -> tuple[dict[str, torch.Tensor], dict, dict]:
-        """(tensors, spec, user meta) of the newest committed snapshot, or of `step`.
-
-        Tensors are new, except where `into` ({tensor name: tensor}, names as in the
-        snapshot) holds a CPU contiguous tensor of the stored dtype and shape: that one is
-        filled in place and returned. Every byte returned is verified against its checksum
-        first. Without `step`, a snapshot failing its checksum is skipped with a warning and
-        the older one returned; with `step`, CheckpointCorrupt names the file. NoCheckpoint
-        when no (such) snapshot is committed. On any error, and after a skipped snapshot,
-        tensors of `into` may hold partly overwritten bytes.
-        """
-        return self._read(step, lambda spec: into or {})
-
-    def load(self, step: int | None = None, into: Any = None) -> tuple[Any, dict]:
-        """(state tree, user meta) of the newest committed snapshot, or of `step`.
-
-        `into`: a tree shaped like the one written (e.g. the state of a freshly built model
-        and optimizer). Each snapshot tensor whose leaf at the same place in `into` is a CPU
-        contiguous tensor of the same dtype and shape is read straight into that leaf, with no
-        allocation, and the returned tree holds that very tensor (a view of it for dtypes
-        stored as raw bytes); the others (no such leaf, another shape or dtype) come back as
-        new tensors, and `into`'s other leaves are ignored. On CheckpointCorrupt (and whenever
-        a newer snapshot was skipped) tensors of `into` may be partly overwritten: load
-        another step into them, or trust only the returned tree. Otherwise as read_flat.
-        """
-        tensors, spec, meta = self._read(step, lambda spec: _into_targets(spec, into))
-        return unflatten_state(tensors, spec), meta
-
-    def _read(self, step: int | None, targets: Callable[[dict], dict[str, torch.Tensor]]
-              ) -> tuple[dict[str, torch.Tensor], dict, dict]:
-        skip: set[int] = set()
-        errors: list[CheckpointCorrupt] = []
-        while (pin := self._pin(step, skip)) is not None:
-            slot, fd, header = pin
-            try:
-                return _read_slot(self.paths[slot], fd, header, targets)
-            except CheckpointCorrupt as exc:
-                if step is not None:
-                    raise
-                logger.warning("skipping the shared-memory snapshot of step %d of rank %d: %s",
-                               header.step, self.rank, exc)
-                errors.append(exc)
-                skip.add(slot)
-            finally:
-                os.close(fd)  # unpins
-        if errors:
-            raise errors[0]
-        raise NoCheckpoint(
-            f"no committed shared-memory snapshot{'' if step is None else f' of step {step}'} for "
-            f"rank {self.rank} of job {self.job_id!r} in {self.dir} (committed: "
-            f"{[s for s, _ in self.committed()]})")
-
-    def _committed_headers(self) -> list[tuple[int, _Header]]:
-        found = [(slot, h) for slot, p in enumerate(self.paths)
-                 if (h := _read_header(p)) is not None and h.state == SlotState.COMMITTED]
-        return sorted(found, key=lambda item: item[1].seq, reverse=True)
-
-    def _pin(self, step: int | None, skip: set[int]) -> tuple[int, int, _Header] | None:
-        """Pin the newest committed slot (of `step`) not in `skip`: (slot, fd holding the pin,
-        header). Pinning comes before reading the header, so the header read stays true."""
-        pins = []
-        for slot, path in enumerate(self.paths):
-            if slot in skip:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                h = _Header.unpack(os.pread(fd, _HEADER.size, 0))
-            except BlockingIOError:  # the writer is rewriting it: not committed
-                h = None
-            if h and h.state == SlotState.COMMITTED and step in (None, h.step):
-                pins.append((h.seq, slot, fd, h))
-            else:
-                os.close(fd)
-        pins.sort(key=lambda p: p[0], reverse=True)
-        for _, _, fd, _ in pins[1:]:
-            os.close(fd)
-        return pins[0][1:] if pins else None
-
-
 # ---- helpers -----------------------------------------------------------------------
 
 
@@ -499,181 +403,6 @@ def _flatten_sources(state: Any) -> tuple[dict[str, tuple[torch.Tensor, torch.Te
     tensors, spec = flatten_state(swap(state))
     return {name: (t, origin.get(t.data_ptr(), t) if t.numel() else t)
             for name, t in tensors.items()}, spec
-
-
-def _hashed_ranges(h: _Header) -> list[tuple[int, int]]:
-    """The byte ranges of a slot its checksum table covers, in table order: CHUNK_BYTES
-    chunks of the tensor bytes [data_off, meta_off), then the meta."""
-    data = [(a, min(a + h.chunk_bytes, h.meta_off))
-            for a in range(h.data_off, h.meta_off, h.chunk_bytes)]
-    return data + [(h.meta_off, h.meta_off + h.meta_len)]
-
-
-def _read_slot(path: Path, fd: int, h: _Header, targets: Callable[[dict], dict]
-               ) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """Verify and read a pinned slot: (tensors, spec, meta). The table and the meta are
-    checked first; the tensor bytes are checked as they are read into their destinations
-    (`targets(spec)`, else new tensors), and nothing is returned unless all of them match."""
-    end = h.table_off + _HASH.size * h.n_chunks
-    size = os.fstat(fd).st_size
-    if size < end or not HEADER_BYTES <= h.data_off <= h.meta_off <= h.table_off \
-            or h.chunk_bytes <= 0 or h.n_chunks != len(_hashed_ranges(h)):
-        raise CheckpointCorrupt(f"{path}: truncated or malformed: {size} bytes, its header "
-                                f"(step {h.step}) says {end}")
-    table = os.pread(fd, end - h.table_off, h.table_off)
-    if zlib.crc32(table) != h.table_crc:
-        raise CheckpointCorrupt(f"{path}: the checksum table of step {h.step} fails its crc32")
-    expected = struct.unpack(f"<{h.n_chunks}Q", table)
-    raw = os.pread(fd, h.meta_len, h.meta_off)
-    if xxhash.xxh3_64_intdigest(raw) != expected[-1]:
-        raise CheckpointCorrupt(f"{path}: checksum mismatch in the meta of the snapshot of "
-                                f"step {h.step} ({h.meta_len} bytes from byte {h.meta_off})")
-    meta = _parse_meta(path, raw, h)
-    tensors, regions = _plan_reads(path, meta["tensors"], targets(meta["spec"]), h)
-    bad = _read_verified(path, fd, h, regions, expected[:-1])
-    if bad:
-        raise CheckpointCorrupt(f"{path}: checksum mismatch in the snapshot of step {h.step}: "
-                                f"chunk(s) {bad} of {h.n_chunks - 1} ({h.chunk_bytes} bytes each "
-                                f"from byte {h.data_off})")
-    return tensors, meta["spec"], meta["meta"]
-
-
-def _plan_reads(path: Path, index: dict, targets: dict[str, torch.Tensor], h: _Header
-                ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, memoryview | None]]]:
-    """(tensors to return, regions): regions cover [data_off, meta_off) in order, each
-    (offset, bytes, writable view of its destination, or None for alignment padding).
-
-    A target is used when it is a plain CPU contiguous tensor of the stored dtype and shape
-    that overlaps no other target (two snapshot tensors must not land in one memory)."""
-    entries = sorted(index.items(), key=lambda item: item[1]["offset"])
-    used = {name: t for name, e in entries if e["nbytes"]
-            and _fits(t := targets.get(name), getattr(torch, e["dtype"]), e["shape"])}
-    end = 0
-    for name, t in sorted(used.items(), key=lambda item: item[1].data_ptr()):
-        if t.data_ptr() < end:  # overlaps the one before it in memory: use a new tensor
-            del used[name]
-        else:
-            end = t.data_ptr() + index[name]["nbytes"]
-    tensors: dict[str, torch.Tensor] = {}
-    regions: list[tuple[int, int, memoryview | None]] = []
-    cursor = h.data_off
-    for name, e in entries:
-        if e["offset"] < cursor:
-            raise CheckpointCorrupt(f"{path}: tensor {name!r} overlaps the one before it")
-        if e["offset"] > cursor:
-            regions.append((cursor, e["offset"] - cursor, None))
-        dst = used.get(name)
-        if dst is None:
-            dst = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
-        if e["nbytes"]:
-            # A writable view of the tensor's memory for os.preadv, without numpy.
-            raw = (ctypes.c_ubyte * e["nbytes"]).from_address(dst.data_ptr())
-            regions.append((e["offset"], e["nbytes"], memoryview(raw).cast("B")))
-        tensors[name], cursor = dst, e["offset"] + e["nbytes"]
-    if h.meta_off > cursor:
-        regions.append((cursor, h.meta_off - cursor, None))
-    return tensors, regions
-
-
-def _fits(t: Any, dtype: torch.dtype, shape: list[int]) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" \
-        and t.layout == torch.strided and t.dtype == dtype and list(t.shape) == shape \
-        and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-
-
-def _read_verified(path: Path, fd: int, h: _Header, regions: list, expected: tuple[int, ...]
-                   ) -> list[int]:
-    """Read `regions` into their destinations and hash them, each CHUNK_BYTES chunk in one
-    worker thread and PIECE_BYTES at a time (hashed while still in cache; pread and xxhash
-    release the GIL); the indices of the chunks whose hash is not `expected`."""
-    chunks: list[list[tuple[int, int, memoryview | None]]] = [[] for _ in expected]
-    for offset, nbytes, view in regions:  # cut the regions at the chunk bounds
-        pos, stop = offset, offset + nbytes
-        while pos < stop:
-            k = (pos - h.data_off) // h.chunk_bytes
-            cut = min(stop, h.data_off + (k + 1) * h.chunk_bytes)
-            chunks[k].append((pos, cut - pos, None if view is None else view[pos - offset:cut - offset]))
-            pos = cut
-    failed = threading.Event()  # one bad chunk is enough: the others stop early
-
-    def verify(k: int) -> bool:
-        hasher = xxhash.xxh3_64()
-        for offset, nbytes, view in chunks[k]:
-            for a in range(0, nbytes, PIECE_BYTES):
-                if failed.is_set():
-                    return True
-                n = min(PIECE_BYTES, nbytes - a)
-                piece = os.pread(fd, n, offset + a) if view is None else view[a:a + n]
-                if (len(piece) if view is None else os.preadv(fd, [piece], offset + a)) != n:
-                    raise CheckpointCorrupt(f"{path}: truncated at byte {offset + a} while "
-                                            f"reading the snapshot of step {h.step}")
-                hasher.update(piece)
-        if hasher.intdigest() != expected[k]:
-            failed.set()
-            return False
-        return True
-
-    workers = min(4, os.cpu_count() or 1, len(chunks))
-    if workers <= 1:
-        ok = [verify(k) for k in range(len(chunks))]
-    else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="unbroken-shm-read") as pool:
-            ok = list(pool.map(verify, range(len(chunks))))
-    return [k for k, good in enumerate(ok) if not good]
-
-
-def _into_targets(spec: dict, into: Any) -> dict[str, Any]:
-    """{snapshot tensor name: the tensor at the same place in `into`}, walking the spec of
-    flatten_state and `into` together (a dtype stored as raw bytes: a uint8 view of it)."""
-    out: dict[str, Any] = {}
-
-    def walk(node: Any, leaf: Any) -> None:
-        tag = node.get("t") if isinstance(node, dict) else None
-        if tag == "tensor" and isinstance(leaf, torch.Tensor) and node.get("k") not in out:
-            if "dtype" not in node:
-                out[node["k"]] = leaf
-            elif str(leaf.dtype).removeprefix("torch.") == node["dtype"] \
-                    and list(leaf.shape) == node["shape"] and leaf.is_contiguous():
-                out[node["k"]] = leaf.detach().reshape(-1).view(torch.uint8)
-        elif tag == "dict" and isinstance(leaf, Mapping):
-            for key, child in node["items"]:
-                if key in leaf:
-                    walk(child, leaf[key])
-        elif tag in ("list", "tuple") and isinstance(leaf, (list, tuple)):
-            for child, sub in zip(node["items"], leaf):
-                walk(child, sub)
-
-    if into is not None:
-        walk(spec.get("root"), into)
-    return out
-
-
-def _parse_meta(path: Path, raw: bytes, h: _Header) -> dict:
-    """The meta JSON of a slot whose checksum matched; CheckpointCorrupt if it is not ours."""
-    try:
-        meta = json.loads(raw)
-        if (meta["format"], meta["version"], meta["step"], meta["seq"]) != \
-                (META_FORMAT, VERSION, h.step, h.seq) or type(meta["spec"]) is not dict \
-                or type(meta["meta"]) is not dict:
-            raise ValueError("format, version, step or seq disagree with the header")
-        for name, e in meta["tensors"].items():
-            dtype = getattr(torch, e["dtype"], None)
-            if not isinstance(dtype, torch.dtype) or not (
-                    h.data_off <= e["offset"] <= e["offset"] + e["nbytes"] <= h.meta_off
-                    and min(e["shape"], default=0) >= 0
-                    and e["nbytes"] == math.prod(e["shape"]) * dtype.itemsize):
-                raise ValueError(f"bad index entry for tensor {name!r}: {e}")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointCorrupt(f"{path}: malformed snapshot meta ({exc})") from exc
-    return meta
-
-
-def _read_header(path: Path) -> _Header | None:
-    try:
-        with open(path, "rb") as f:
-            return _Header.unpack(f.read(_HEADER.size))
-    except OSError:
-        return None
 
 
 def _round_up(n: int, multiple: int) -> int:

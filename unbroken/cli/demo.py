@@ -1,7 +1,8 @@
-"""`unbroken demo`: the example GPT on 4 ranks survives a crash, a memory fault and a hang.
+"""`unbroken demo`: the example GPT on 4 ranks survives a crash, a memory fault, a NaN loss and a hang.
 
 Two runs of the same job under the launcher: a fault-free reference, then one with a
-SIGKILL, a corruption of optimizer state (repaired by `retry`) and a hang injected. A live table shows each rank's step, loss and state; the
+SIGKILL, a corruption of optimizer state and a NaN loss (both repaired by `retry`) and a
+hang injected. A live table shows each rank's step, loss and state; the
 summary lists every fault, how it was recovered and how long it took, and whether the
 final weights equal the reference bit for bit.
 """
@@ -77,13 +78,16 @@ def _weights_equal(a: Path, b: Path) -> bool:
                                           and wa[k].shape == wb[k].shape for k in wa)
 
 
+_DAMAGE = {"memory_fault": "memory fault", "non_finite": "NaN/Inf gradients", "sdc_detected": "silent corruption"}
+
+
 def summarize(run_dir: Path) -> list[dict[str, Any]]:
     """One row per injected fault, from the faulty run's event log: how it was seen and recovered."""
     events = read_events(run_dir)
     rows: list[dict[str, Any]] = []
     for fault in (e for e in events if e["event"] == "fault_injected"):
         after = [e for e in events if e["t"] >= fault["t"]]
-        detection = next((e for e in after if e["event"] in ("hang_detected", "memory_fault") or
+        detection = next((e for e in after if e["event"] in ("hang_detected", *_DAMAGE) or
                           (e["event"] == "worker_exited" and e.get("exit_code") != 0)), None)
         decision = next((e for e in after if e["event"] == "decision"), None)
         in_flight = next((e for e in after if e["event"] == "recovered_in_flight"), None)
@@ -103,7 +107,7 @@ def _recovery_table(rows: list[dict[str, Any]]) -> Table:
     for row in rows:
         d, rec, fl = row["detection"], row["recovered"], row["in_flight"]
         how = "-" if d is None else "hang (no progress)" if d["event"] == "hang_detected" else \
-            "memory fault" if d["event"] == "memory_fault" else (
+            _DAMAGE[d["event"]] if d["event"] in _DAMAGE else (
                 f"exit, signal {d.get('signal')}" if d.get("signal") else f"exit {d.get('exit_code')}")
         parts = "-" if fl is None else "/".join(f"{fl[k]:.2f}" for k in ("detect_s", "replace_s", "regroup_s",
                                                                           "restore_s") if fl.get(k) is not None)
@@ -117,7 +121,8 @@ def _recovery_table(rows: list[dict[str, Any]]) -> Table:
 def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, live: bool = True) -> int:
     console = Console(width=None if sys.stdout.isatty() else 170)  # logs: no truncated columns
     root = Path(run_dir or f"runs/demo-{secrets.token_hex(3)}").absolute()
-    kill_step, corrupt_step, hang_step = max(1, steps // 4), max(2, steps // 2), max(3, (3 * steps) // 4)
+    kill_step, corrupt_step, hang_step = max(1, steps // 4), max(2, steps // 2), max(4, (3 * steps) // 4)
+    nan_step = max(3, (5 * steps) // 8)
     common = dict(script=str(EXAMPLE), nproc_per_node=nproc, max_restarts=3, omp_num_threads=1)
     args = ("--steps", str(steps), "--step-sleep-s", "0.02")
     console.rule("[bold]unbroken demo")
@@ -130,6 +135,7 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
         return 1
     plan = (f"kill:rank={min(2, nproc - 1)}:step={kill_step},"
             f"corrupt:rank={min(3, nproc - 1)}:step={corrupt_step}:what=optimizer,"
+            f"nan:rank=0:step={nan_step},"
             f"hang:rank={min(1, nproc - 1)}:step={hang_step}")
     console.print(f"faulty run: injecting [bold]{plan}[/bold]")
     faulty = resolve(LaunchConfig(**common, script_args=args + ("--out", str(root / "faulty.safetensors")),
@@ -145,7 +151,7 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
                   + (f", final loss (rank 0): {losses[0]:.4f}" if losses and losses[0] is not None else ""))
     console.print(f"final weights equal to the fault-free run, bit for bit: "
                   f"{'[green]yes' if equal else '[red]NO'}")
-    ok = result.exit_code == 0 and equal and len(recovered) == len(rows) == 3
+    ok = result.exit_code == 0 and equal and len(recovered) == len(rows) == 4
     console.print("[bold green]demo passed" if ok else "[bold red]demo FAILED")
     return 0 if ok else 1
 

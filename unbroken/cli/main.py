@@ -83,6 +83,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
               "from the majority (silent data corruption; default 0: off)")
     flag("no-finite-check", action="store_true",
          help="do not treat a NaN/Inf loss or gradient as a fault (default: redo the step, rung retry)")
+    flag("crash-loop-limit", type=_positive_int, default=3,
+         help="fail the job when the same rank fails the same way (exit status, step, last output line) "
+              "this many times in a row (default 3; 0: restart up to --max-restarts)")
     flag("straggler-factor", type=_float, default=0.0,
          help="report a rank degraded (sub-health) when its median compute time over its last 10 steps "
               "is more than F times the job's median (default 0: off)")
@@ -149,6 +152,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         finite_check=not args.no_finite_check,
         sub_health_policy=args.sub_health_policy,
         straggler_factor=args.straggler_factor,
+        crash_loop_limit=args.crash_loop_limit,
         checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
     )

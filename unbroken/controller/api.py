@@ -310,6 +310,7 @@ class JobState:
     replicas_allowed: bool = True  # False: --no-replica-restore
     can_dump: bool = False  # a storage tier exists (--save)
     sub_health_policy: str = "ignore"  # "grace-exit": a degraded rank -> dump, clean restart
+    crash_loop_limit: int = 3  # the same failure this many times in a row fails the job (0: never)
     standbys: frozenset[int] = frozenset()
 
     @property

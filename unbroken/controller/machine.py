@@ -116,7 +116,30 @@ def _on_worker_exited(state: JobState, event: WorkerExited) -> tuple[JobState, l
                       signal=event.signal, step=event.step, last_lines=event.last_lines)
     if kind == "fatal":
         return _fail_fatal(state, failure)
+    if state.crash_loop_limit and _repeats(state.failures + (failure,)) >= state.crash_loop_limit:
+        state = _replace(state, failures=state.failures + (failure,))
+        last = failure.last_lines[-1] if failure.last_lines else "no output"
+        return _fail(state, failure, f"crash loop: {failure.describe()}, the same failure "
+                                     f"{state.crash_loop_limit} times in a row ({last!r}); restarting "
+                                     "cannot help (--crash-loop-limit)")
     return _recover(state, failure)
+
+
+def _repeats(failures: tuple[Failure, ...]) -> int:
+    """How many of the last failures are the same one: same rank, kind, exit status, step and
+    last output line (a deterministic error in the script, not a fault of the machine)."""
+    def key(f: Failure) -> tuple:
+        return f.rank, f.kind, f.exit_code, f.signal, f.step, f.last_lines[-1:]
+
+    last = failures[-1]
+    if last.kind not in ("exit", "crash"):
+        return 0
+    count = 0
+    for f in reversed(failures):
+        if key(f) != key(last):
+            break
+        count += 1
+    return count
 
 
 def _fail_fatal(state: JobState, failure: Failure) -> tuple[JobState, list[Action]]:

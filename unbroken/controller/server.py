@@ -73,7 +73,8 @@ class Controller:
                                   max_restarts=cfg.max_restarts, allowed=cfg.recover_strategy,
                                   replicas_allowed=not cfg.no_replica_restore,
                                   can_dump=bool(cfg.checkpoint.save_dir),
-                                  sub_health_policy=cfg.sub_health_policy)
+                                  sub_health_policy=cfg.sub_health_policy,
+                                  crash_loop_limit=cfg.crash_loop_limit)
         self._agents: dict[int, Connection] = {}
         self._workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
         self._step_times: deque[float] = deque(maxlen=200)

@@ -26,8 +26,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from unbroken.checkpoint.memory import SnapshotReader
-from unbroken.errors import FatalError, JobFailed
+from unbroken.checkpoint.memory_reader import SnapshotReader
+from unbroken.errors import CheckpointError, FatalError, JobFailed, NoCheckpoint
 
 if TYPE_CHECKING:
     from unbroken.worker.session import Job
@@ -53,7 +53,7 @@ def restore(job: Job) -> int:
                                  "newest ones failed their checksums) and the tracked state may hold part of "
                                  "one; not starting from scratch. See `unbroken ckpt verify` and events.jsonl")
             return 0
-        loaded = job._load_step(memory, agreed)
+        loaded = _load_step(job, memory, agreed)
         if job._all_min(1 if loaded else 0):
             break
         bound = agreed if loaded else agreed - 1  # someone could not load it: go older
@@ -90,3 +90,21 @@ def _newest_available(job: Job, memory: SnapshotReader | None, bound: int | None
     stored = job._storage.newest_loadable_step(job.rank, at_or_below=bound) if job._storage else None
     candidates = [s for s in steps if bound is None or s <= bound] + ([stored] if stored is not None else [])
     return max(candidates, default=-1)
+
+
+def _load_step(job: Job, memory: SnapshotReader | None, step: int) -> tuple[dict, str] | None:
+    """(state, tier) of ``step`` for this rank, memory first, else storage; None if neither loads it."""
+    if memory is not None:
+        try:
+            # Straight into the tensors of the freshly built model and optimizer: no new
+            # allocation (page faults). If it fails, another step is loaded over them.
+            return memory.load(step, into=job._state())[0], "memory"
+        except (NoCheckpoint, CheckpointError) as exc:
+            if not isinstance(exc, NoCheckpoint):
+                log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", job.rank, step, exc)
+    if job._storage is not None:
+        try:
+            return job._storage.load_rank(step, job.rank)[0], "storage"
+        except CheckpointError as exc:
+            log.warning("rank %d: checkpoint of step %d unusable: %s", job.rank, step, exc)
+    return None

@@ -4,7 +4,8 @@ A :class:`Job` lives in one training process (one rank) and runs in its main thr
 joins the job (process group, controller link), knows which objects are training state
 (:meth:`Job.track`), resumes the loop at the right step (:meth:`Job.steps`), marks the
 fault boundary of each step (:meth:`Job.step`), reports step and phase, fires injected
-faults, and writes and restores checkpoints.
+faults, and writes and restores checkpoints (:mod:`unbroken.worker.checkpointing`,
+:mod:`unbroken.worker.restore`).
 
 Phases of a step, in order: ``compute`` -> ``sync`` -> ``update`` -> ``done`` (the
 optimizer reports ``sync``/``update``/``done`` through :meth:`Job.phase`).
@@ -18,22 +19,22 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Iterator, NoReturn
+from typing import TYPE_CHECKING, Any, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from unbroken.checkpoint.memory import SnapshotReader, SnapshotWriter
-from unbroken.checkpoint.shm_files import check_shm_capacity, estimate_snapshot_bytes
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_env
-from unbroken.errors import (EXIT_FATAL, CheckpointError, CollectiveAborted, ConfigError, FatalError,
-                             NoCheckpoint, StateDamaged)
+from unbroken.errors import EXIT_FATAL, CheckpointError, CollectiveAborted, ConfigError, FatalError, StateDamaged
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.optim.comm import wait_all
-from unbroken.worker import inflight, integrity, restore, rng
+from unbroken.worker import checkpointing, inflight, integrity, restore, rng
 from unbroken.worker.control import ControlClient
+
+if TYPE_CHECKING:
+    from unbroken.checkpoint.memory import SnapshotWriter
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class Job:
         self._step = inflight.join(self, self._order) if self._needs_state else self._restore()
         self._restored = True
         if self._memory_tier:
-            self._check_shm_capacity()
+            checkpointing.check_capacity(self)
         while self._step < total:
             if self._should_abort() or self._recovery_needed or self._gather_cut():
                 self._recovery_needed = False
@@ -202,7 +203,7 @@ class Job:
                 self._end_step(index)
             try:
                 self._check_replicas()
-                self._maybe_checkpoint()
+                checkpointing.after_step(self)
             except Exception as exc:  # a peer lost during the check or checkpoint, or an odd copy: recover
                 if not self._abort_step(index, exc):
                     raise
@@ -394,9 +395,7 @@ class Job:
 
     def checkpoint(self) -> None:
         """Checkpoint the state now (after the last completed step), to storage too."""
-        if self._memory_tier:
-            self._snapshot(self._step)
-        self._save(self._step)
+        checkpointing.checkpoint_now(self)
 
     @property
     def step_index(self) -> int:
@@ -405,9 +404,7 @@ class Job:
 
     def close(self) -> None:
         """Leave the job: closes the controller link and the process group. Safe to call twice."""
-        if self._snapshots is not None:
-            self._snapshots.close()  # waits for the last snapshot's commit
-            self._snapshots = None
+        checkpointing.close(self)  # waits for the last snapshot's commit
         if self._control is not None:
             self._control.close()
             self._control = None
@@ -435,37 +432,6 @@ class Job:
         self._announce_ready()
         self._step = index + 1
         self._last_step_s = time.monotonic() - self._step_started
-
-    def _maybe_checkpoint(self) -> None:
-        ckpt = self.cfg.checkpoint
-        if self._memory_tier:  # a shared-memory snapshot; the agent persists some of them
-            if self._step % ckpt.every_steps == 0:
-                self._snapshot(self._step)
-        elif ckpt.storage_every_steps and self._step % ckpt.storage_every_steps == 0:
-            self._save(self._step)
-
-    def _check_shm_capacity(self) -> None:
-        """Before the first step: ShmCapacityError unless the memory-tier slots of every rank on
-        this node fit in the shm dir, with the optimizers' state as after their first step."""
-        ckpt = self.cfg.checkpoint
-        optimizers = [o for o in self._tracked.values() if isinstance(o, torch.optim.Optimizer)]
-        snapshot_bytes = estimate_snapshot_bytes(self._state(), optimizers)
-        needed = check_shm_capacity(ckpt.shm_dir, self.cfg.job_id, rank=self.rank, snapshot_bytes=snapshot_bytes,
-                                    local_world_size=self.cfg.local_world_size)
-        log.info("rank %d: memory tier fits in %s: about %d bytes per snapshot, %d bytes for the node's "
-                 "%d rank(s)", self.rank, ckpt.shm_dir, snapshot_bytes, needed, self.cfg.local_world_size)
-
-    def _snapshot(self, step: int) -> None:
-        """Copy the state into this rank's shared-memory slot (the step is blocked only for the copy)."""
-        try:
-            if self._snapshots is None:
-                ckpt = self.cfg.checkpoint
-                hold = ckpt.persist_every_steps if ckpt.save_dir else 0  # kept until the agent persisted it
-                self._snapshots = SnapshotWriter(ckpt.shm_dir, self.cfg.job_id, self.rank, hold_every=hold)
-            self._snapshots.write(step, self._state(), {"step": step})
-        except CheckpointError as exc:  # e.g. /dev/shm too small: storage checkpoints go on
-            self._memory_tier = False
-            self._save_failed(step, exc)
 
     def _report_progress(self) -> None:
         if self._control is not None:
@@ -496,36 +462,6 @@ class Job:
         self.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
-    def _save(self, step: int) -> None:
-        if self._storage is None or self.cfg.checkpoint.save_dir is None:
-            return
-        started = time.monotonic()
-        previous, self._phase = self._phase, "checkpoint"
-        ok = 1
-        try:
-            self._storage.save_rank(step, self.rank, self.world_size, self._state(), {"step": step})
-        except (CheckpointError, OSError) as exc:
-            ok = 0
-            self._save_failed(step, exc)
-        self._injector.at(step, "checkpoint")
-        # The step is committed only when every rank's part is durable.
-        if self._all_min(ok) and self.rank == 0:
-            try:
-                self._storage.commit(step, self.world_size)
-            except (CheckpointError, OSError) as exc:
-                self._save_failed(step, exc)
-                ok = 0
-        self._phase = previous
-        if ok:
-            self._event("checkpoint_saved", step=step, tier="storage", seconds=time.monotonic() - started)
-
-    def _save_failed(self, step: int, exc: Exception) -> None:
-        self._event("checkpoint_failed", step=step, reason=str(exc))
-        if not self._warned_save_failure:
-            self._warned_save_failure = True
-            log.warning("rank %d: checkpoint of step %d failed, training continues with the previous "
-                        "checkpoint: %s (reported once)", self.rank, step, exc)
-
     def _restore(self) -> int:
         """Agree with every rank on the newest step all can load, load it; return the step.
 
@@ -537,22 +473,6 @@ class Job:
             return self._step
         self._restored = True
         return restore.restore(self)
-
-    def _load_step(self, memory: SnapshotReader | None, step: int) -> tuple[dict, str] | None:
-        if memory is not None:
-            try:
-                # Straight into the tensors of the freshly built model and optimizer: no new
-                # allocation (page faults). If it fails, another step is loaded over them.
-                return memory.load(step, into=self._state())[0], "memory"
-            except (NoCheckpoint, CheckpointError) as exc:
-                if not isinstance(exc, NoCheckpoint):
-                    log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", self.rank, step, exc)
-        if self._storage is not None:
-            try:
-                return self._storage.load_rank(step, self.rank)[0], "storage"
-            except CheckpointError as exc:
-                log.warning("rank %d: checkpoint of step %d unusable: %s", self.rank, step, exc)
-        return None
 
 
 def init(**overrides: Any) -> Job:

@@ -1,7 +1,8 @@
 """A 2-rank training script that rank 1 ends in a way no restart can fix.
 
 MODE (argv[1]): ``track``: a ConfigError from job.track (the library exits with EXIT_FATAL);
-``exit``: the script itself calls sys.exit(unbroken.EXIT_FATAL).
+``exit``: the script itself calls sys.exit(unbroken.EXIT_FATAL); ``bug``: a plain exception
+at step 2, every time (a bug in the script: no restart fixes it, the crash-loop rule stops it).
 """
 
 import sys
@@ -22,5 +23,7 @@ if job.rank == 1 and mode == "exit":
 job.track(model=model)
 for step in job.steps(3):
     with job.step():
+        if job.rank == 1 and mode == "bug" and step == 2:
+            raise ValueError("batch 2 is empty")
         job.all_reduce(torch.ones(1))
 job.close()

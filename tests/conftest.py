@@ -12,7 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
@@ -105,3 +107,18 @@ def run_cli(args: list[str], *, timeout_s: float = 120, env: dict | None = None,
         raise AssertionError(f"unbroken {' '.join(args)} timed out after {timeout_s} s\n"
                              f"stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@contextmanager
+def mounted_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. "8m") mounted at ``path`` (created); skips the test where it
+    cannot be mounted (needs root). Unmounted (lazily) at the end, even on failure."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)

@@ -4,13 +4,13 @@ against the free bytes of the shm dir (a real small tmpfs where we may mount one
 from __future__ import annotations
 
 import os
-import subprocess
 from collections import namedtuple
 
 import pytest
 import torch
 from torch import nn
 
+from tests.conftest import mounted_tmpfs
 from unbroken.checkpoint import memory, shm_files
 from unbroken.checkpoint.memory import SnapshotWriter
 from unbroken.checkpoint.shm_files import check_shm_capacity, estimate_snapshot_bytes, shm_slots_bytes
@@ -148,16 +148,8 @@ def test_a_restarted_job_may_reuse_the_bytes_its_slots_already_hold(tmp_path, mo
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """An 8 MiB tmpfs (needs root and mount); skipped where it cannot be mounted."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "shm", "8m") as path:
         yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
 
 
 def test_a_small_tmpfs_fails_the_check_with_what_to_do(small_tmpfs):

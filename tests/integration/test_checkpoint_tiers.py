@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import EXAMPLE, run_cli
+from tests.conftest import EXAMPLE, mounted_tmpfs, run_cli
 from tests.integration.helpers import TRAIN_ARGS, events, train
 
 
@@ -62,16 +62,8 @@ def test_ctrl_c_stops_the_workers_and_releases_shared_memory(tmp_path):
 @pytest.fixture
 def shm_300m(tmp_path):
     """A 300 MiB tmpfs as the shm dir (needs root and mount); skipped where it cannot be mounted."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300m", "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "shm", "300m") as path:
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 @pytest.mark.timeout(120)

@@ -176,11 +176,6 @@ class SnapshotWriter:
                            "snapshots the agent has not persisted yet", self.rank, step)
             return time.perf_counter() - start
         fd = self._lock(slot)  # held until the commit is done
-        if fd is None and self._newest not in (None, slot) and not self._held(self._newest):
-            # The agent still reads the older snapshot: rewrite the newest instead (the one
-            # being read stays committed and intact meanwhile).
-            slot = self._newest
-            fd = self._lock(slot)
         if fd is None:
             self.skipped_writes += 1
             logger.warning("rank %d: skipped the shared-memory snapshot of step %d: a reader "

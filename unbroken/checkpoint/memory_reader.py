@@ -19,6 +19,7 @@ import math
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,8 @@ from unbroken.errors import CheckpointCorrupt, NoCheckpoint
 logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 512 << 10  # a load reads this much, then hashes it while it is still in cache
+_PIN_TRIES, _PIN_RETRY_S = 1000, 0.001  # a slot the writer takes meanwhile: look again, ~1 s at most
+_EMPTY_SCANS = 3  # scans that find nothing committed before "nothing is"
 
 
 class SnapshotReader:
@@ -128,28 +131,37 @@ class SnapshotReader:
 
     def _pin(self, step: int | None, skip: set[int]) -> tuple[int, int, _Header] | None:
         """Pin the newest committed slot (of `step`) not in `skip`: (slot, fd holding the pin,
-        header). Pinning comes before reading the header, so the header read stays true."""
-        pins = []
-        for slot, path in enumerate(self.paths):
-            if slot in skip:
+        header), or None. Only the chosen slot is pinned (a pin on the older slot makes the
+        writer rewrite the newest one meanwhile); its header is read again once pinned, so the
+        header returned stays true while the pin is held."""
+        empty_scans = 0
+        for _ in range(_PIN_TRIES):
+            found = [(h.seq, slot) for slot, path in enumerate(self.paths) if slot not in skip
+                     and (h := _read_header(path)) is not None and h.state == SlotState.COMMITTED
+                     and step in (None, h.step)]
+            if not found:
+                # The two headers are read one after the other: a scan can straddle the
+                # moment one slot commits and the writer takes the other. Look again.
+                empty_scans += 1
+                if empty_scans == _EMPTY_SCANS:
+                    return None
+                time.sleep(_PIN_RETRY_S)
                 continue
+            seq, slot = max(found)
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(self.paths[slot], os.O_RDONLY)
             except FileNotFoundError:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 h = _Header.unpack(os.pread(fd, _HEADER.size, 0))
-            except BlockingIOError:  # the writer is rewriting it: not committed
+            except BlockingIOError:  # the writer took the slot since: look again
                 h = None
-            if h and h.state == SlotState.COMMITTED and step in (None, h.step):
-                pins.append((h.seq, slot, fd, h))
-            else:
-                os.close(fd)
-        pins.sort(key=lambda p: p[0], reverse=True)
-        for _, _, fd, _ in pins[1:]:
+            if h is not None and h.state == SlotState.COMMITTED and h.seq == seq:
+                return slot, fd, h
             os.close(fd)
-        return pins[0][1:] if pins else None
+            time.sleep(_PIN_RETRY_S)
+        return None
 
 
 # ---- helpers -----------------------------------------------------------------------

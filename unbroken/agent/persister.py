@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from unbroken.checkpoint import shm_files
@@ -67,6 +69,7 @@ class Persister:
         self._poll_s = poll_s
         self._stop = threading.Event()
         self._pace = DutyCycle(duty, self._stop)
+        self._copier = _Copier()
         self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, pace=self._pace)
         self._last = -1
         self._buffer: Any = None  # the tensors of the last snapshot read, reused for the next
@@ -74,6 +77,7 @@ class Persister:
         self._thread = threading.Thread(target=self._loop, name="unbroken-persister", daemon=True)
 
     def start(self) -> None:
+        self._copier.start()  # from the agent's thread: at its priority, not the persister's
         self._thread.start()
 
     def stop(self) -> None:
@@ -85,6 +89,7 @@ class Persister:
         step = self._due_step(ranks)
         if step is not None:
             self._persist(step, ranks)
+        self._copier.stop()
 
     def _loop(self) -> None:
         try:
@@ -119,7 +124,8 @@ class Persister:
                 # Into the tensors of the last load (ranks of a node mostly hold the same shapes):
                 # no fresh allocation, no page faults competing with training, every time.
                 self._pace.restart()
-                state, meta = SnapshotReader(self._ckpt.shm_dir, self._job_id, rank).load(step, into=self._buffer)
+                reader = SnapshotReader(self._ckpt.shm_dir, self._job_id, rank)
+                state, meta = self._copier.load(reader, step, self._buffer)
                 self._buffer = state
                 # Copied out: the writer may use the slot again while the (paced) write goes on.
                 shm_files.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
@@ -131,3 +137,35 @@ class Persister:
             self._report(step, ranks, time.monotonic() - started, str(exc) or type(exc).__name__)
             return
         self._report(step, ranks, time.monotonic() - started, "")
+
+
+class _Copier:
+    """A thread at the agent's own priority that copies snapshots out of their slots for the
+    niced persister thread: a slot stays pinned (and its writer skips it) only for a fast copy,
+    even while training keeps every core busy; the slow part, the write, stays niced and paced."""
+
+    def __init__(self) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="unbroken-persist-copy", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._requests.put(None)
+
+    def load(self, reader: SnapshotReader, step: int, into: Any) -> tuple[Any, dict]:
+        """``reader.load(step, into=into)``, run in the copier thread (here if it is not running)."""
+        if not self._thread.is_alive():
+            return reader.load(step, into=into)
+        done: Future = Future()
+        self._requests.put((done, reader, step, into))
+        return done.result()
+
+    def _serve(self) -> None:
+        while (request := self._requests.get()) is not None:
+            done, reader, step, into = request
+            try:
+                done.set_result(reader.load(step, into=into))
+            except BaseException as exc:  # noqa: BLE001 - handed to the persister thread
+                done.set_exception(exc)

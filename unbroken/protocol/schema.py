@@ -1,0 +1,289 @@
+"""The schema of control-plane messages: frozen dataclasses registered under a wire `type` string.
+
+A message class is declared once and is then both the Python noun the controller, agents
+and workers pass around and its wire schema::
+
+    @message("progress")
+    class Progress(Message):
+        rank: int
+        step: int
+
+`encode(msg)` turns a message into a plain dict (msgpack-able, with a "type" key) and
+`decode(obj)` turns such a dict back into the message, checking it strictly: a known
+type, every required field, no unknown field, each value of its annotated type. Anything
+else is a `ProtocolError` that names the message type, the field, what was expected and
+what came. Nothing here is ever pickled.
+
+Supported field annotations: int, float (an int is accepted and converted), str, bool,
+bytes, Any (any msgpack-able value), `X | None`, `list[X]` and `dict[str, X]` of those.
+bool is never accepted where int or float is expected. A field with a default is optional
+on the wire, which is how a field is added without breaking older peers.
+
+Adding a message: declare a dataclass with `@message("snake_case_name")` (in
+:mod:`unbroken.protocol.messages`, where the protocol's messages are, or in any module
+imported by both ends); unsupported annotations fail at import time with TypeError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, TypeVar, Union
+
+from unbroken.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Frame types of the connection handshake (see wire.py); no message may take these names.
+_RESERVED_TYPES = frozenset({"challenge", "hello", "welcome", "reject"})
+_MAX_NESTING = 32  # deeper values in an Any field are refused, not recursed into
+
+
+class Message:
+    """Base class of every control message; `TYPE` is its wire name, set by `@message`."""
+
+    TYPE: ClassVar[str] = ""
+
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    annotation: Any
+    expected: str  # the annotation as written in error messages, e.g. "list[str]"
+    required: bool
+
+
+@dataclass(frozen=True)
+class _Spec:
+    cls: type[Message]
+    fields: tuple[_Field, ...]
+
+
+# type name -> spec. Written only by `@message` while message classes are being defined
+# (import time) and read-only afterwards; it describes the protocol, not any job, so two
+# jobs in one process share it safely.
+_REGISTRY: dict[str, _Spec] = {}
+
+
+class _Mismatch(Exception):
+    """A value does not match its annotation; `got` says what came instead."""
+
+    def __init__(self, got: str) -> None:
+        super().__init__(got)
+        self.got = got
+        self.where = ""  # position inside the field, e.g. "[2]" or "['loss'][0]"
+
+    def describe(self) -> str:
+        return f"{self.got} at {self.where}" if self.where else self.got
+
+
+# ---------------------------------------------------------------- registration
+
+
+def message(type_name: str) -> Callable[[type[M]], type[M]]:
+    """Class decorator: make `cls` a frozen dataclass and register it as `type_name`."""
+
+    def register(cls: type[M]) -> type[M]:
+        if not (isinstance(cls, type) and issubclass(cls, Message)):
+            raise TypeError(f"@message({type_name!r}) must decorate a subclass of Message")
+        if not type_name or not type_name.replace("_", "a").isalnum() or not type_name.islower():
+            raise TypeError(f"message type {type_name!r} must be a non-empty snake_case name")
+        if type_name in _RESERVED_TYPES:
+            raise TypeError(f"message type {type_name!r} is reserved for the handshake")
+        if type_name in _REGISTRY:
+            other = _REGISTRY[type_name].cls
+            raise TypeError(f"message type {type_name!r} is already taken by {other.__qualname__}")
+        if "__dataclass_params__" not in cls.__dict__:
+            cls = dataclass(frozen=True)(cls)
+        elif not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            raise TypeError(f"message {cls.__qualname__} must be a frozen dataclass")
+        cls.TYPE = type_name
+        _REGISTRY[type_name] = _Spec(cls, _fields_of(cls))
+        return cls
+
+    return register
+
+
+def _fields_of(cls: type) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name == "type":
+            raise TypeError(f"message {cls.__qualname__}: a field may not be named 'type'")
+        annotation = hints[f.name]
+        try:
+            expected = _describe(annotation)
+        except TypeError as exc:
+            raise TypeError(f"message {cls.__qualname__}: field {f.name!r}: {exc}") from None
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        out.append(_Field(f.name, annotation, expected, required))
+    return tuple(out)
+
+
+def _describe(annotation: Any) -> str:
+    """The annotation as text; TypeError if it is not one we can check on the wire."""
+    if annotation in (int, float, str, bool, bytes):
+        return annotation.__name__
+    if annotation is Any:
+        return "Any"
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and len(args) == 2:
+            return f"{_describe(inner[0])} | None"
+    elif origin is list and len(args) == 1:
+        return f"list[{_describe(args[0])}]"
+    elif origin is dict and len(args) == 2 and args[0] is str:
+        return f"dict[str, {_describe(args[1])}]"
+    raise TypeError(
+        f"unsupported annotation {annotation!r} (use int, float, str, bool, bytes, Any, "
+        "X | None, list[X] or dict[str, X])"
+    )
+
+
+# ---------------------------------------------------------------- checking values
+
+
+def _type_name(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _convert(value: Any, annotation: Any, depth: int = 0) -> Any:
+    """`value` checked against `annotation` (ints widened to float); raises _Mismatch."""
+    if annotation is int:
+        if type(value) is not int:  # excludes bool, a subclass of int
+            raise _Mismatch(_type_name(value))
+        _check_int_range(value)
+        return value
+    if annotation is float:
+        if type(value) not in (int, float):
+            raise _Mismatch(_type_name(value))
+        return float(value)
+    if annotation in (str, bool, bytes):
+        if type(value) is not annotation:
+            raise _Mismatch(_type_name(value))
+        return value
+    if annotation is Any:
+        _check_msgpackable(value, depth)
+        return value
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            return None
+        inner = next(a for a in args if a is not type(None))
+        return _convert(value, inner, depth)
+    if origin is list:
+        if type(value) is not list:
+            raise _Mismatch(_type_name(value))
+        return [_convert_item(item, args[0], depth, f"[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if type(value) is not dict:
+            raise _Mismatch(_type_name(value))
+        out = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _Mismatch(f"key {key!r} of type {_type_name(key)}")
+            out[key] = _convert_item(item, args[1], depth, f"[{key!r}]")
+        return out
+    raise AssertionError(f"annotation {annotation!r} passed registration but is not handled")
+
+
+def _convert_item(item: Any, annotation: Any, depth: int, where: str) -> Any:
+    if depth >= _MAX_NESTING:
+        raise _Mismatch(f"values nested more than {_MAX_NESTING} deep")
+    try:
+        return _convert(item, annotation, depth + 1)
+    except _Mismatch as exc:
+        exc.where = where + exc.where  # unwinding goes inside-out: prepend the outer step
+        raise
+
+
+def _check_int_range(value: int) -> None:
+    if not -(2**63) <= value < 2**64:  # what msgpack can carry
+        raise _Mismatch(f"int {value} outside the 64-bit range")
+
+
+def _check_msgpackable(value: Any, depth: int) -> None:
+    if value is None or type(value) in (bool, float, str, bytes):
+        return
+    if type(value) is int:
+        _check_int_range(value)
+        return
+    if type(value) is list:
+        for i, item in enumerate(value):
+            _convert_item(item, Any, depth, f"[{i}]")
+        return
+    if type(value) is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _Mismatch(f"key {key!r} of type {_type_name(key)}")
+            _convert_item(item, Any, depth, f"[{key!r}]")
+        return
+    raise _Mismatch(f"{_type_name(value)} (not msgpack-able)")
+
+
+# ---------------------------------------------------------------- encode / decode
+
+
+def encode(msg: Message) -> dict[str, Any]:
+    """`msg` as a plain msgpack-able dict with its "type"; ProtocolError if a field is bad."""
+    spec = _REGISTRY.get(getattr(msg, "TYPE", ""))
+    if spec is None or type(msg) is not spec.cls:
+        raise ProtocolError(
+            f"cannot encode {msg!r}: {type(msg).__qualname__} is not a registered message"
+        )
+    out: dict[str, Any] = {"type": msg.TYPE}
+    for f in spec.fields:
+        out[f.name] = _checked(msg.TYPE, f, getattr(msg, f.name))
+    return out
+
+
+def decode(obj: Any) -> Message:
+    """The message `obj` (a decoded frame) describes; ProtocolError if it does not fit."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message must be a map, got {_type_name(obj)}")
+    type_name = obj.get("type")
+    if type_name is None:
+        keys = ", ".join(sorted(map(str, obj))) or "none"
+        raise ProtocolError(f"message has no 'type' field (keys: {keys})")
+    spec = _REGISTRY.get(type_name) if isinstance(type_name, str) else None
+    if spec is None:
+        raise ProtocolError(
+            f"unknown message type {type_name!r} (protocol version {PROTOCOL_VERSION} knows: "
+            f"{', '.join(sorted(_REGISTRY))})"
+        )
+    names = {f.name for f in spec.fields}
+    unknown = sorted(str(k) for k in obj if k != "type" and k not in names)
+    if unknown:
+        raise ProtocolError(
+            f"message {type_name!r}: unknown field {unknown[0]!r} "
+            f"(fields: {', '.join(f.name for f in spec.fields)})"
+        )
+    kwargs = {}
+    for f in spec.fields:
+        if f.name in obj:
+            kwargs[f.name] = _checked(type_name, f, obj[f.name])
+        elif f.required:
+            raise ProtocolError(
+                f"message {type_name!r}: missing required field {f.name!r} ({f.expected})"
+            )
+    return spec.cls(**kwargs)
+
+
+def _checked(type_name: str, f: _Field, value: Any) -> Any:
+    try:
+        return _convert(value, f.annotation)
+    except _Mismatch as exc:
+        raise ProtocolError(
+            f"message {type_name!r}: field {f.name!r} must be {f.expected}, got {exc.describe()}"
+        ) from None
+
+
+def message_types() -> dict[str, type[Message]]:
+    """A fresh copy of the registered message classes by type name."""
+    return {name: spec.cls for name, spec in _REGISTRY.items()}

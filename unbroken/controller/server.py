@@ -245,12 +245,10 @@ class Controller:
         if msg.attempt != self._state.attempt:
             return
         w.state = "finished" if msg.exit_code == 0 else "failed"
-        detected_t = time.monotonic()
+        if msg.exit_code != 0:
+            self._fault_began(time.monotonic())
         self.events.emit("worker_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
                          exit_code=msg.exit_code, signal=msg.signal, step=w.step)
-        if msg.exit_code != 0 and self._fault_t is None:
-            self._fault_t = detected_t
-            self._fault_step = max((v.step or 0) for v in self._workers.values())
         self._apply(sm.WorkerExited(msg.rank, msg.attempt, msg.exit_code, msg.signal, w.step,
                                     tuple(msg.last_lines)))
 
@@ -314,8 +312,7 @@ class Controller:
                 self.events.emit("worker_dumped", rank=rank, step=msg.step, ranks=msg.ranks, error=msg.error)
                 self._apply(sm.StepDumped(rank, attempt, msg.step, tuple(msg.ranks), msg.error))
             elif isinstance(msg, m.Damaged):
-                if self._fault_t is None:
-                    self._fault_t, self._fault_step = time.monotonic(), max((v.step or 0) for v in self._workers.values())
+                self._fault_began(time.monotonic())
                 name = {"non-finite": "non_finite", "sdc": "sdc_detected"}.get(msg.kind, "memory_fault")
                 self.events.emit(name, rank=rank, what=msg.what, kind=msg.kind, step=w.step)
                 self._apply(sm.WorkerDamaged(rank, attempt, msg.what, msg.kind, w.step))
@@ -366,11 +363,17 @@ class Controller:
             self._stragglers.add(rank)
             self._degraded(rank, attempt, health.describe(median_s, job_s))
 
+    def _fault_began(self, t: float) -> None:
+        """Note when (monotonic ``t``) and at which step the failure being recovered began,
+        unless one is already being timed (the first fault of a cascade counts)."""
+        if self._fault_t is None:
+            self._fault_t, self._fault_step = t, max((v.step or 0) for v in self._workers.values())
+
     def _degraded(self, rank: int, attempt: int, reason: str) -> None:
         """A rank reported (or found) degraded: log it; the state machine applies the policy."""
         step = self._workers[rank].step
-        if self._fault_t is None and self.cfg.sub_health_policy == "grace-exit":
-            self._fault_t, self._fault_step = time.monotonic(), max((v.step or 0) for v in self._workers.values())
+        if self.cfg.sub_health_policy == "grace-exit":
+            self._fault_began(time.monotonic())
         self.events.emit("sub_health", rank=rank, reason=reason, step=step, policy=self.cfg.sub_health_policy)
         self._apply(sm.WorkerDegraded(rank, attempt, reason, step))
 
@@ -408,8 +411,7 @@ class Controller:
         # suspect the others first, the longest silent first.
         w = min(hung, key=lambda v: (v.phase == "sync", v.last_progress_t))
         silent = now - w.last_progress_t
-        if self._fault_t is None:  # the hang began when its progress stopped, not when we noticed
-            self._fault_t, self._fault_step = w.last_progress_t, max((v.step or 0) for v in self._workers.values())
+        self._fault_began(w.last_progress_t)  # the hang began when its progress stopped, not when we noticed
         self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(silent, 3),
                          timeout_s=round(self.hang_timeout_s(w), 3), median_step_s=self._median_step_s(),
                          attempt=w.attempt)

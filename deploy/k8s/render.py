@@ -117,6 +117,8 @@ def _lookup(values: dict[str, Any], key: str) -> tuple[Any]:
 
 def _choice(values: dict[str, Any], key: str, allowed: dict[str, Any]) -> Any:
     (raw,) = _lookup(values, key)
+    if raw is False and "off" in allowed:  # YAML 1.1 reads a bare `off` as false
+        raw = values[key] = "off"
     if raw not in allowed:
         raise RenderError(f"{key}: unknown value {raw!r} (allowed: {', '.join(allowed)})")
     return allowed[raw]

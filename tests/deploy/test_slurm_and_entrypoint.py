@@ -83,7 +83,7 @@ def test_scripts_parse_with_bash_n():
 def test_sbatch_script_runs_a_one_node_job_through_a_fake_srun(tmp_path):
     run_dir, save_dir = tmp_path / "run", tmp_path / "ckpt"
     env = _fake_slurm(tmp_path) | {
-        "UNBROKEN_BIN": UNBROKEN, "UNBROKEN_NPROC_PER_NODE": "2", "UNBROKEN_MASTER_PORT": str(free_port()),
+        "UNBROKEN_BIN": UNBROKEN, "UNBROKEN_NPROC_PER_NODE": "1", "UNBROKEN_MASTER_PORT": str(free_port()),
         "UNBROKEN_RUN_DIR": str(run_dir), "UNBROKEN_SAVE_DIR": str(save_dir),
         "UNBROKEN_RUN_FLAGS": "--persist-every-steps 2"}
     env.pop("UNBROKEN_JOB_SECRET", None)
@@ -93,11 +93,11 @@ def test_sbatch_script_runs_a_one_node_job_through_a_fake_srun(tmp_path):
     assert result.returncode == 0, output[-3000:]
     (srun_line,) = [line for line in (tmp_path / "slurm.log").read_text().splitlines() if not line.startswith("scontrol")]
     assert srun_line.startswith("--nodes=1 --ntasks=1 --ntasks-per-node=1 bash -c")
-    assert f"--nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1" in srun_line
+    assert "--nnodes 1 --nproc-per-node 1 --master-addr 127.0.0.1" in srun_line
     (finished,) = events(run_dir, "job_finished")
     assert finished["exit_code"] == 0
     config = json.loads((run_dir / "config.node0.json").read_text())
-    assert (config["nnodes"], config["node_rank"], config["nproc_per_node"]) == (1, 0, 2)
+    assert (config["nnodes"], config["node_rank"], config["nproc_per_node"]) == (1, 0, 1)
     assert config["job_id"] == "slurm-4242" and config["secret"] == "<redacted>"  # made up by the script
     assert "[rank 0] step 3" in output
     assert (save_dir / "step_00000004" / "MANIFEST.json").is_file()  # --persist-every-steps 2 reached
@@ -125,7 +125,7 @@ def test_entrypoint_stops_a_job_cleanly_on_sigterm(tmp_path):
     """SIGTERM (pod deletion, scancel) -> `unbroken run` stops its workers and exits 130; the
     autouse fixture checks that no process and no /dev/shm file is left."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(["bash", str(ENTRYPOINT), UNBROKEN, "run", "--nproc-per-node", "2", "--run-dir",
+    proc = subprocess.Popen(["bash", str(ENTRYPOINT), UNBROKEN, "run", "--nproc-per-node", "1", "--run-dir",
                              str(run_dir), "--save", str(tmp_path / "ckpt"), str(EXAMPLE), "--steps", "1000",
                              "--optimizer", "plain", "--log-every", "1", "--step-sleep-s", "0.05"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -42,6 +42,7 @@ FAULT_SCHEDULING = {"grace": 60, "force": 5, "off": 60}
 _QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
           "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_FREE_FORM = {"resources", "nodeSelector"}  # Kubernetes' own structures, passed on as they are
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -60,13 +61,13 @@ def load_values(files: list[str], sets: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise RenderError(f"--set {item!r}: give KEY=VALUE, e.g. --set nodes=4")
-        node = values
+        tree: dict[str, Any] = {}
+        node = tree
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise RenderError(f"--set {item!r}: {part!r} is not a mapping of keys")
         node[leaf] = yaml.safe_load(raw) if raw else ""
+        _merge(values, tree, where=f"--set {item}")
     return values
 
 
@@ -82,10 +83,15 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _merge(into: dict[str, Any], new: dict[str, Any], *, where: str) -> None:
+def _merge(into: dict[str, Any], new: dict[str, Any], *, where: str, prefix: str = "", strict: bool = True) -> None:
+    """Values of `new` over `into`; a key the defaults do not have is a typo (RenderError),
+    except inside Kubernetes' own structures (resources, nodeSelector)."""
     for key, value in new.items():
+        if strict and key not in into:
+            raise RenderError(f"{where}: unknown key {prefix + key!r} (known here: {', '.join(into)})")
         if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value, where=where)
+            _merge(into[key], value, where=where, prefix=f"{prefix}{key}.",
+                   strict=strict and key not in _FREE_FORM)
         else:
             into[key] = value
 
@@ -100,23 +106,23 @@ def parse_quantity(key: str, value: Any) -> int:
 
 
 def _int(values: dict[str, Any], key: str, *, low: int, high: int = 2**31 - 1) -> int:
-    node, *_ = _lookup(values, key)
+    node = _lookup(values, key)
     if isinstance(node, bool) or not isinstance(node, int) or not low <= node <= high:
         raise RenderError(f"{key}: {node!r} must be a whole number in [{low}, {high}]")
     return node
 
 
-def _lookup(values: dict[str, Any], key: str) -> tuple[Any]:
+def _lookup(values: dict[str, Any], key: str) -> Any:
     node: Any = values
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
             raise RenderError(f"{key}: missing (see deploy/k8s/values.yaml for every key)")
         node = node[part]
-    return (node,)
+    return node
 
 
 def _choice(values: dict[str, Any], key: str, allowed: dict[str, Any]) -> Any:
-    (raw,) = _lookup(values, key)
+    raw = _lookup(values, key)
     if raw is False and "off" in allowed:  # YAML 1.1 reads a bare `off` as false
         raw = values[key] = "off"
     if raw not in allowed:
@@ -127,13 +133,13 @@ def _choice(values: dict[str, Any], key: str, allowed: dict[str, Any]) -> Any:
 def check_values(values: dict[str, Any]) -> None:
     """Check the values the manifests are built from (the command line is checked afterwards)."""
     for key in ("name", "namespace"):
-        (raw,) = _lookup(values, key)
+        raw = _lookup(values, key)
         limit = 40 if key == "name" else 63  # name: room for "-controller" and JobSet's suffixes
         if not isinstance(raw, str) or len(raw) > limit or not _DNS_LABEL.match(raw):
             raise RenderError(f"{key}: {raw!r} must be a DNS label: lower-case letters, digits and '-', "
                               f"at most {limit} characters")
     for key in ("image", "script", "secretName", "workingDir"):
-        (raw,) = _lookup(values, key)
+        raw = _lookup(values, key)
         if not isinstance(raw, str) or not raw:
             raise RenderError(f"{key}: {raw!r} must be a non-empty string")
     _int(values, "nodes", low=1)
@@ -156,8 +162,9 @@ def check_values(values: dict[str, Any]) -> None:
     for key in ("resources", "nodeSelector", "storage", "memoryTier"):
         if not isinstance(values.get(key), dict):
             raise RenderError(f"{key}: {values.get(key)!r} must be a mapping")
-    parse_quantity("memoryTier.stateBytesPerRank", _lookup(values, "memoryTier.stateBytesPerRank")[0])
-    parse_quantity("memoryTier.extraBytes", _lookup(values, "memoryTier.extraBytes")[0])
+    for key in ("memoryTier.stateBytesPerRank", "memoryTier.extraBytes"):
+        parse_quantity(key, _lookup(values, key))
+    _int(values, "memoryTier.everySteps", low=0)
     _check_memory_limit(values)
 
 

@@ -262,6 +262,8 @@ def test_standby_pods_join_with_standby_and_do_not_decide_success():
     (["resources.limits.memory=8Gi"], "counts against the container's memory limit"),
     (["memoryTier.stateBytesPerRank=lots"], "is not a byte quantity"),
     (["name=Bad_Name"], "must be a DNS label"),
+    (["node=3"], "unknown key 'node'"),  # a typo is an error, not a silently ignored value
+    (["storage.claim=ckpt"], "unknown key 'storage.claim'"),
 ])
 def test_bad_values_exit_2_naming_the_key(sets, says, capsys):
     assert render.main([a for s in sets for a in ("--set", s)]) == 2

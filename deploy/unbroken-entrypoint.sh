@@ -6,8 +6,9 @@
 #
 # What it adds to the command it runs, and why:
 # - With UNBROKEN_WAIT_FOR_HOST set, it first waits until that name resolves (at most
-#   UNBROKEN_WAIT_FOR_HOST_S seconds, default 300): a headless Service's DNS record appears a
-#   moment after the pod starts, and node 0's controller must bind to it.
+#   UNBROKEN_WAIT_FOR_HOST_S seconds, default 300), on node 0 (UNBROKEN_NODE_RANK=0) to this
+#   pod's own address: a headless Service's DNS record appears a moment after the pod starts,
+#   and node 0's controller binds to it.
 # - SIGTERM (pod deletion or eviction, `scancel`, the time limit) is passed on as SIGINT:
 #   `unbroken run` then stops its workers (SIGTERM, SIGKILL after its stop grace), removes its
 #   shared memory and exits 130. Without this, SIGTERM would end the agent at once.
@@ -24,16 +25,23 @@ if [ "$#" -eq 0 ]; then
   exit 2
 fi
 
+# Wait until $1 resolves (to $2, when given), at most UNBROKEN_WAIT_FOR_HOST_S seconds.
 wait_for_host() {
-  local host="$1" limit_s="${UNBROKEN_WAIT_FOR_HOST_S:-300}" waited_s=0
+  local host="$1" want="${2:-}" limit_s="${UNBROKEN_WAIT_FOR_HOST_S:-300}" waited_s=0 addr
   case "$limit_s" in ''|*[!0-9]*)
     echo "unbroken-entrypoint: UNBROKEN_WAIT_FOR_HOST_S=$limit_s must be a whole number of seconds" >&2
     exit 2 ;;
   esac
-  until getent hosts "$host" >/dev/null 2>&1; do
+  while :; do
+    addr=""
+    read -r addr _ < <(getent hosts "$host" 2>/dev/null) || true
+    if [ -n "$addr" ] && { [ -z "$want" ] || [ "$addr" = "$want" ]; }; then
+      return 0
+    fi
     if [ "$waited_s" -ge "$limit_s" ]; then
-      echo "unbroken-entrypoint: $host did not resolve within ${limit_s} s (UNBROKEN_WAIT_FOR_HOST_S);" \
-           "check the controller's headless Service and that node 0's pod is running" >&2
+      echo "unbroken-entrypoint: $host did not resolve${want:+ to the address of this pod ($want)} within" \
+           "${limit_s} s (UNBROKEN_WAIT_FOR_HOST_S); check the controller's headless Service and that" \
+           "node 0's pod is running" >&2
       exit 1
     fi
     sleep 1
@@ -42,7 +50,13 @@ wait_for_host() {
 }
 
 if [ -n "${UNBROKEN_WAIT_FOR_HOST:-}" ]; then
-  wait_for_host "$UNBROKEN_WAIT_FOR_HOST"
+  # Node 0's controller binds to that name: wait until it names this pod, not a pod of an
+  # earlier attempt whose record is still around.
+  own=""
+  if [ "${UNBROKEN_NODE_RANK:-}" = 0 ]; then
+    read -r own _ < <(getent hosts "$(hostname)" 2>/dev/null) || true
+  fi
+  wait_for_host "$UNBROKEN_WAIT_FOR_HOST" "$own"
 fi
 
 # stderr goes to our stderr as it comes (the pod's log) and to a file read at the end.

@@ -383,6 +383,8 @@ def _exit_fatal() -> int:
 
 def failure_policy(values: dict[str, Any]) -> dict[str, Any]:
     """Our exit codes -> JobSet actions (first matching rule wins; none matching: RestartJobSet).
+    A restart deletes every old pod before it makes new ones (BlockingRecreate): an old node 0
+    must not be found under the controller's name by the new agents.
 
     EXIT_FATAL (97) or a usage error (2) -> FailJobSet; an evicted or preempted pod -> new pods,
     not counted against maxRestarts; any other failure (1: the in-pod restarts were spent, a
@@ -396,7 +398,7 @@ def failure_policy(values: dict[str, Any]) -> dict[str, Any]:
                "onJobFailureReasons": ["PodFailurePolicy"],
                "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"]}
     restartable = {"name": "restartable", "action": "RestartJobSet", "onJobFailureReasons": ["BackoffLimitExceeded"]}
-    return {"maxRestarts": values["jobsetMaxRestarts"], "restartStrategy": "Recreate",
+    return {"maxRestarts": values["jobsetMaxRestarts"], "restartStrategy": "BlockingRecreate",
             "rules": [fatal, evicted, restartable]}
 
 

@@ -148,3 +148,34 @@ def test_entrypoint_stops_a_job_cleanly_on_sigterm(tmp_path):
     assert "interrupted" in rest
     assert stopped_s < 30, f"stopping took {stopped_s:.1f} s, more than the pods' grace period allows"
     assert "[rank 0] step 999:" not in rest
+
+
+# getent as the entrypoint uses it: `getent hosts NAME`. The controller's name answers with an
+# earlier pod's address for the first FAKE_STALE_ANSWERS calls, then with this pod's.
+FAKE_GETENT = """#!/usr/bin/env bash
+[ "$1" = hosts ] || exit 2
+count=$(( $(cat "$FAKE_GETENT_COUNT" 2>/dev/null || echo 0) + 1 ))
+echo "$count" > "$FAKE_GETENT_COUNT"
+if [ "$2" = "$(hostname)" ]; then echo "192.0.2.20 $2"; exit 0; fi
+[ "$2" = job-controller ] || exit 2
+if [ "$count" -le "$FAKE_STALE_ANSWERS" ]; then echo "192.0.2.10 $2"; else echo "192.0.2.20 $2"; fi
+"""
+
+
+@pytest.mark.parametrize("node_rank, stale_answers, expect_rc", [
+    ("1", 100, 0),  # another node only needs the name to resolve
+    ("0", 100, 1),  # node 0 waits for its own address: a record of an earlier pod is not enough
+    ("0", 2, 0),    # ... and goes on once the record names it
+])
+def test_entrypoint_waits_for_the_controller_name(tmp_path, node_rank, stale_answers, expect_rc):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "getent").write_text(FAKE_GETENT)
+    (bin_dir / "getent").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_GETENT_COUNT": str(tmp_path / "count"),
+           "FAKE_STALE_ANSWERS": str(stale_answers), "UNBROKEN_WAIT_FOR_HOST": "job-controller",
+           "UNBROKEN_WAIT_FOR_HOST_S": "3", "UNBROKEN_NODE_RANK": node_rank}
+    result = _run(["bash", str(ENTRYPOINT), "true"], env, timeout_s=30)
+    assert result.returncode == expect_rc, result.stderr
+    if expect_rc:
+        assert "did not resolve to the address of this pod (192.0.2.20) within 3 s" in result.stderr

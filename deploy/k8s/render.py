@@ -21,7 +21,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -48,6 +48,10 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 class RenderError(ValueError):
     """A value that cannot be rendered; the message names the key, the value and what is allowed."""
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- values
@@ -162,6 +166,9 @@ def check_values(values: dict[str, Any]) -> None:
     for key in ("resources", "nodeSelector", "storage", "memoryTier"):
         if not isinstance(values.get(key), dict):
             raise RenderError(f"{key}: {values.get(key)!r} must be a mapping")
+    mount = _lookup(values, "storage.mountPath")
+    if not isinstance(mount, str) or not mount.startswith("/") or mount.rstrip("/") in ("", "/dev/shm"):
+        raise RenderError(f"storage.mountPath: {mount!r} must be an absolute path other than / and /dev/shm")
     for key in ("memoryTier.stateBytesPerRank", "memoryTier.extraBytes"):
         parse_quantity(key, _lookup(values, key))
     _int(values, "memoryTier.everySteps", low=0)
@@ -248,9 +255,9 @@ class _RaisingParser(argparse.ArgumentParser):
         raise RenderError(message)
 
 
-def check_command(args: list[str], *, warn=print) -> None:
+def check_command(args: list[str], *, warn: Callable[[str], None] = _warn) -> None:
     """Parse ``args`` (``unbroken run ...``) with unbroken's own flags and config checks, as
-    node 0 would see them; RenderError on a usage error. Nothing here is kept or printed."""
+    node 0 would see them; RenderError on a usage error. Only `warn` is told anything."""
     from unbroken.cli.main import _add_run_flags, launch_config
     from unbroken.config import ENV_SECRET
     from unbroken.errors import ConfigError
@@ -415,7 +422,7 @@ def jobset(values: dict[str, Any]) -> dict[str, Any]:
                      "replicatedJobs": jobs}}
 
 
-def render(values: dict[str, Any], *, warn=print) -> list[dict[str, Any]]:
+def render(values: dict[str, Any], *, warn: Callable[[str], None] = _warn) -> list[dict[str, Any]]:
     """Every manifest of the job, checked; RenderError on a bad value."""
     check_values(values)
     if values["storage"]["persistEverySteps"] and not shared_storage(values):
@@ -453,10 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one value (repeatable)")
     parser.add_argument("--out", default="-", metavar="FILE", help="where to write (default: stdout)")
     args = parser.parse_args(argv)
-    warn = lambda message: print(message, file=sys.stderr)  # noqa: E731
     try:
         values = load_values(args.values, args.set)
-        text = to_yaml(render(values, warn=warn), values)
+        text = to_yaml(render(values), values)
     except RenderError as exc:
         print(f"render.py: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

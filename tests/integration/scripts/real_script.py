@@ -150,6 +150,7 @@ def main() -> None:
     torch.set_num_threads(1)
     job = unbroken.init()
     torch.manual_seed(args.seed)  # identical initial weights on every rank
+    random.seed(args.seed)
     model = Net(args.dropout).to(job.device)
     if args.per_rank_seed:
         torch.manual_seed(args.seed * 1000 + job.rank)  # dropout differs by rank from here on

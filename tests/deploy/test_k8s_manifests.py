@@ -31,6 +31,9 @@ RENDER = REPO / "deploy" / "k8s" / "render.py"
 SCHEMA = json.loads((Path(__file__).parent / "jobset_v1alpha2_spec_schema.json").read_text())["spec"]
 # JobSet's FailurePolicyRule.name rule and the Job failure reasons its CEL rule allows.
 RULE_NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+# Kubernetes' label syntax: [prefix/]name, name <= 63 of [A-Za-z0-9_.-] starting and ending alphanumeric.
+LABEL_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded",
                        "PodFailurePolicy"}
 
@@ -87,6 +90,22 @@ def _check_schema(data: object, schema: dict, where: str) -> None:
             _check_schema(item, schema["items"], f"{where}[{i}]")
 
 
+def _check_labels(node: object) -> None:
+    """Every `labels` map anywhere in a manifest has valid keys and values; port names are
+    IANA_SVC_NAMEs (<= 15 characters)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("labels", "selector") and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+                for name, text in value.items():
+                    assert LABEL_NAME.match(name) and LABEL_VALUE.match(text), f"bad label {name}={text!r}"
+            if key == "ports":
+                assert all(len(p["name"]) <= 15 and p["name"].islower() for p in value), value
+            _check_labels(value)
+    elif isinstance(node, list):
+        for item in node:
+            _check_labels(item)
+
+
 def _check_jobset(jobset: dict) -> None:
     assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
     _check_model(jobset["metadata"], "V1ObjectMeta")
@@ -112,6 +131,7 @@ def test_rendered_manifests_pass_the_kubernetes_models_and_the_jobset_schema(set
     _check_model(manifests["ConfigMap"], "V1ConfigMap")
     _check_model(manifests["Service"], "V1Service")
     _check_jobset(manifests["JobSet"])
+    _check_labels(list(manifests.values()))
 
 
 def _pod(manifests: dict, job: str = "node") -> dict:

@@ -202,8 +202,10 @@ class Job:
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
             try:
+                ckpt_started = time.monotonic()
                 self._check_replicas()
                 checkpointing.after_step(self)
+                self._metrics["ckpt_s"] = time.monotonic() - ckpt_started  # the step's checkpoint stall
             except Exception as exc:  # a peer lost during the check or checkpoint, or an odd copy: recover
                 if not self._abort_step(index, exc):
                     raise

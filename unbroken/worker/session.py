@@ -196,7 +196,11 @@ class Job:
                 if not self._abort_step(index, exc):
                     raise
                 continue
-            yield index
+            try:
+                yield index
+            except GeneratorExit:  # the script left the loop early (`break`): no more step progress
+                self._report_finished()
+                raise
             if self._recovery_needed:
                 continue
             if self._step == index:  # the loop body did not use `with job.step():`
@@ -211,6 +215,9 @@ class Job:
                     raise
                 continue
             self._report_progress()
+        self._report_finished()
+
+    def _report_finished(self) -> None:
         if self._control is not None:  # past the loop: no step progress to expect any more
             self._control.progress(self._step, "finished", {})
 

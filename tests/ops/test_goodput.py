@@ -83,3 +83,19 @@ def test_timeline_lanes_show_the_killed_rank_down_and_the_others_paused():
     assert any(state == "paused" for state, _, _ in tl.rank_states[0])
     assert [m.label for m in tl.markers if m.kind == "fault"] == ["kill r2"]
     assert [m.label for m in tl.markers if m.kind == "decision"] == ["recover-in-place"]
+
+
+def test_report_and_status_name_a_missing_run_dir(tmp_path, capsys):
+    from unbroken.cli.main import main
+
+    assert main(["report", str(tmp_path)]) == 2
+    assert "events.jsonl not found" in capsys.readouterr().err
+    assert main(["status"]) == 2
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="the [plot] extra (matplotlib) is not installed")
+    from unbroken.ops.plot import write_png
+
+    out = write_png(_log(), tmp_path / "t.png")
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

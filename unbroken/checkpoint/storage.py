@@ -5,7 +5,8 @@
 
     root/step_00000030/rank_00000.safetensors  tensors (header metadata carries the spec too)
     root/step_00000030/rank_00000.json         rank record: step, rank, spec, bytes, crc32, meta
-    root/step_00000030/MANIFEST.json           written LAST: the only commit point
+    root/step_00000030/MANIFEST.json           written LAST: the only commit point; the crc32 of
+                                               every rank's two files, and of itself
     root/latest                                "step_00000030", replaced atomically
 
 Every file is written to a temporary name in its final directory, fsynced, renamed, and
@@ -13,7 +14,9 @@ the directory fsynced, so a crash or a full disk leaves either the old file or t
 Object stores have no atomic rename or fsync: there a file is a temporary object moved to
 its final name, which is still all-or-nothing per object. A step is committed iff its
 MANIFEST.json (written last) parses and is ours; nothing is ever loaded before its size and
-crc32 match the manifest.
+crc32 match the manifest. Every file of a step is covered by a crc32 (unbroken.checkpoint.
+step_checks): a changed rank record or manifest is as corrupt as a changed tensor file.
+Version 1 steps (no record or manifest checksum) are still read.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ import torch
 
 from unbroken.checkpoint.codec import flatten_state, unflatten_state
 from unbroken.checkpoint.files import _AnyPath, open_root
+from unbroken.checkpoint.step_checks import (MANIFEST_CRC_FIELD, check_manifest_crc, manifest_crc,
+                                             safetensors_names, spec_tensor_names)
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "unbroken-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest holds the crc32 of each rank record and of itself
+_READABLE_VERSIONS = (1, 2)
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -161,10 +167,12 @@ class StorageTier:
                     f"{'missing' if found is None else f'{found} bytes'}, its record says "
                     f"{record['bytes']} bytes")
             ranks.append({"rank": rank, "file": tensor_name, "bytes": record["bytes"],
-                          "crc32": record["crc32"]})
+                          "crc32": record["crc32"], "record_crc32": record["_crc32"]})
         manifest = {"format": FORMAT, "version": VERSION, "step": step,
                     "world_size": world_size, "ranks": ranks, "created_unix": time.time(),
                     "meta": dict(meta or {})}
+        _to_json(manifest, f"commit meta of step {step}")  # fail before the checksum
+        manifest[MANIFEST_CRC_FIELD] = manifest_crc(manifest)
         manifest_bytes = _to_json(manifest, f"commit meta of step {step}", indent=1)
         try:
             self._files.write_atomic(step_dir / MANIFEST, manifest_bytes)  # commit point
@@ -222,9 +230,14 @@ class StorageTier:
     def verify_rank(self, step: int, rank: int) -> None:
         """Raise CheckpointCorrupt, naming the file and the problem, unless `rank` of `step`
         is committed and its file's size and crc32 match the manifest."""
-        path, entry, _ = self._check_metadata(step, rank)
+        path, entry, record = self._check_metadata(step, rank)
         self._check_bytes(path, entry, found_bytes=self._files.size(path),
                           crc=lambda: self._files.crc32(path))
+        with self._files.open_read(path) as f:
+            missing = sorted(record["_names"] - safetensors_names(f, path))
+        if missing:
+            raise CheckpointCorrupt(f"{self._step_dir(step) / rank_file_names(rank)[1]}: names "
+                                    f"tensor(s) {missing[:5]} that {path.name} does not hold")
 
     def load_rank(self, step: int, rank: int) -> tuple[Any, dict]:
         """Verify, then return (state tree, meta saved with it). Nothing is returned half-way."""
@@ -321,9 +334,11 @@ class StorageTier:
             return False
 
     def _read_json(self, path: _AnyPath, kind: str) -> dict:
-        """Parse one of our JSON files; CheckpointCorrupt naming the path if it is not ours."""
+        """Parse one of our JSON files; CheckpointCorrupt naming the path if it is not ours.
+        The crc32 of its bytes is added as `_crc32`."""
         try:
-            obj = json.loads(self._files.read_bytes(path))
+            raw = self._files.read_bytes(path)
+            obj = json.loads(raw)
         except FileNotFoundError as exc:
             raise CheckpointCorrupt(f"{path}: missing ({kind})") from exc
         except (OSError, ValueError) as exc:
@@ -332,22 +347,26 @@ class StorageTier:
             found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
             raise CheckpointCorrupt(f"{path}: not an unbroken checkpoint (format {found!r}, "
                                     f"expected {FORMAT!r})")
-        if obj.get("version") != VERSION:
+        if obj.get("version") not in _READABLE_VERSIONS:
             raise CheckpointCorrupt(f"{path}: unsupported {kind} version {obj.get('version')!r} "
-                                    f"(this unbroken reads version {VERSION})")
+                                    f"(this unbroken reads versions {_READABLE_VERSIONS})")
+        obj["_crc32"] = zlib.crc32(raw)
         return obj
 
     def _read_manifest(self, step: int) -> dict:
         path = self._step_dir(step) / MANIFEST
         manifest = self._read_json(path, "manifest, so the step is not committed")
+        del manifest["_crc32"]
         _require(manifest, path, "manifest", step=int, world_size=int, ranks=list)
+        if manifest["version"] >= 2:
+            check_manifest_crc(manifest, path)
         if manifest["step"] != step or len(manifest["ranks"]) != manifest["world_size"]:
             raise CheckpointCorrupt(f"{path}: malformed manifest (step {manifest['step']}, "
                                     f"{len(manifest['ranks'])} ranks for world_size "
                                     f"{manifest['world_size']}; expected step {step})")
         for rank, entry in enumerate(manifest["ranks"]):
             _require(entry, path, f"manifest entry {rank}", rank=int, file=str, bytes=int,
-                     crc32=int)
+                     crc32=int, **({"record_crc32": int} if manifest["version"] >= 2 else {}))
             if entry["rank"] != rank or entry["file"] != rank_file_names(rank)[0]:
                 raise CheckpointCorrupt(f"{path}: malformed manifest entry {rank}: {entry}")
         return manifest
@@ -360,6 +379,7 @@ class StorageTier:
         if (record["step"], record["rank"]) != (step, rank):
             raise CheckpointCorrupt(f"{path}: describes rank {record['rank']} of step "
                                     f"{record['step']}, expected rank {rank} of step {step}")
+        record["_names"] = spec_tensor_names(record["spec"], path)
         return record
 
     def _check_metadata(self, step: int, rank: int) -> tuple[_AnyPath, dict, dict]:
@@ -370,6 +390,11 @@ class StorageTier:
                                     f"world_size {manifest['world_size']}, no rank {rank}")
         entry = manifest["ranks"][rank]
         record = self._read_record(step, rank)
+        if "record_crc32" in entry and record["_crc32"] != entry["record_crc32"]:
+            raise CheckpointCorrupt(
+                f"{self._step_dir(step) / rank_file_names(rank)[1]}: crc32 mismatch: expected "
+                f"{entry['record_crc32']:#010x}, got {record['_crc32']:#010x} (the rank record was "
+                "changed after the commit)")
         path = self._step_dir(step) / entry["file"]
         if (record["file"], record["bytes"], record["crc32"]) != \
                 (entry["file"], entry["bytes"], entry["crc32"]):

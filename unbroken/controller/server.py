@@ -96,7 +96,9 @@ class Controller:
         self._restore_steps: dict[tuple[int, int], int] = {}
         ckpt = cfg.checkpoint
         self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep) if ckpt.save_dir else None
-        self._server = Server(host, port, cfg.secret.encode(), self._on_connection)
+        self._server = Server(host, port, cfg.secret.encode(), self._on_connection,
+                              on_failed_handshakes=lambda count, last: self.events.emit(
+                                  "handshakes_failed", count=count, last=last))
         self._monitor = threading.Thread(target=self._monitor_loop, name="unbroken-hang-monitor", daemon=True)
 
     @property

@@ -60,7 +60,7 @@ class DutyCycle:
 class Persister:
     def __init__(self, ckpt: CheckpointConfig, job_id: str, world_size: int, ranks: Callable[[], list[int]],
                  report: Callable[[int, list[int], float, str], None], poll_s: float = 0.2,
-                 duty: float = DUTY) -> None:
+                 duty: float = DUTY, run_id: str | None = None) -> None:
         self._ckpt = ckpt
         self._job_id = job_id
         self._world_size = world_size
@@ -70,7 +70,7 @@ class Persister:
         self._stop = threading.Event()
         self._pace = DutyCycle(duty, self._stop)
         self._copier = _Copier()
-        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, pace=self._pace)
+        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, pace=self._pace, run_id=run_id)
         self._last = -1
         self._buffer: Any = None  # the tensors of the last snapshot read, reused for the next
         self._ranks_at_stop: list[int] = []

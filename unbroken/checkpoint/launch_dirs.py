@@ -12,10 +12,22 @@ for the user (the CLI prints them, the launcher logs them as an event) and raise
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from pathlib import Path
 
 from unbroken.errors import ConfigError
+
+
+def run_id(secret: str, job_id: str) -> str | None:
+    """The id this run writes into its checkpoints (a launch of one job with one secret; a
+    single-node launch makes up a new secret each time), so a restart inside the run can tell
+    its own steps from older ones in the same directory. None without a secret (plain torchrun,
+    one process): every step then counts as the run's own."""
+    if not secret:
+        return None
+    return hmac.new(secret.encode(), b"unbroken-run-id\0" + job_id.encode(), hashlib.sha256).hexdigest()[:16]
 
 
 def check_launch_dirs(save_dir: str | None, load_dir: str | None) -> list[str]:

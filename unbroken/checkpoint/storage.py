@@ -22,6 +22,7 @@ Version 1 steps (no record or manifest checksum) are still read.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -99,10 +100,14 @@ class StorageTier:
     its own files and one process commits a step. Holds no state beyond its settings.
     """
 
-    def __init__(self, root: str | os.PathLike, keep: int = 3, pace: Callable[[], None] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, keep: int = 3, pace: Callable[[], None] | None = None,
+                 run_id: str | None = None) -> None:
         _check_int("keep (number of committed checkpoints to retain)", keep, 1)
         self.root, self._files = open_root(root)
         self.keep = keep
+        # Written into every record and manifest; with it set, retention deletes only steps of
+        # this run and own_steps() lists them (unbroken.checkpoint.launch_dirs.run_id).
+        self.run_id = run_id
         self._pace = pace  # called between the pieces of a tensor file: a background writer's throttle
 
     # ---- writing -------------------------------------------------------------------
@@ -134,12 +139,27 @@ class StorageTier:
             info = {"file": tensor_name, "bytes": data.nbytes, "crc32": data.crc32}
             record = {"format": FORMAT, "version": VERSION, "step": step, "rank": rank,
                       "world_size": world_size, **info, "created_unix": time.time(),
-                      "meta": meta, "spec": spec}
+                      "run_id": self.run_id, "meta": meta, "spec": spec}
             self._files.write_atomic(step_dir / record_name,  # rank done
                                      _to_json(record, f"meta of rank {rank} step {step}"))
         except OSError as exc:
+            self._remove_partial(step_dir, (tensor_name, record_name))
             raise self._write_failed(exc, step, f"rank {rank}") from exc
         return info
+
+    def _remove_partial(self, step_dir: _AnyPath, names: tuple[str, ...]) -> None:
+        """After a failed save: remove this rank's files of the step, and the step directory
+        once nothing is left in it (other ranks' files are theirs to remove)."""
+        for name in names:
+            try:
+                self._files.remove(step_dir / name)
+            except OSError:
+                pass
+        try:
+            if not self._files.list_dir(step_dir):
+                self._files.remove_dir(step_dir)
+        except OSError:
+            pass  # another rank wrote meanwhile, or it is gone already
 
     def commit(self, step: int, world_size: int, meta: dict | None = None) -> None:
         """Commit `step` once every rank saved: MANIFEST.json, then `latest`, then retention.
@@ -170,7 +190,7 @@ class StorageTier:
                           "crc32": record["crc32"], "record_crc32": record["_crc32"]})
         manifest = {"format": FORMAT, "version": VERSION, "step": step,
                     "world_size": world_size, "ranks": ranks, "created_unix": time.time(),
-                    "meta": dict(meta or {})}
+                    "run_id": self.run_id, "meta": dict(meta or {})}
         _to_json(manifest, f"commit meta of step {step}")  # fail before the checksum
         manifest[MANIFEST_CRC_FIELD] = manifest_crc(manifest)
         manifest_bytes = _to_json(manifest, f"commit meta of step {step}", indent=1)
@@ -190,12 +210,14 @@ class StorageTier:
         self._apply_retention()
 
     def _apply_retention(self) -> None:
-        """Delete committed steps beyond `keep`, and incomplete steps older than the newest."""
-        committed = self.committed_steps()
+        """Delete committed steps beyond `keep`, and incomplete steps older than the newest;
+        with a run_id, only steps this run wrote (another run's are the user's data)."""
+        committed = [s for s in self.committed_steps() if self._written_by_this_run(s)]
         if not committed:
             return
         doomed = set(committed[self.keep:])
-        doomed.update(s for s in self._step_dirs() if s < committed[0] and s not in committed)
+        doomed.update(s for s in self._step_dirs() if s < committed[0] and s not in committed
+                      and not self._is_committed(s) and self._written_by_this_run(s))
         for step in sorted(doomed):
             path = self._step_dir(step)
             foreign = [n for n in self._files.list_dir(path) if not _OWN_FILE_RE.match(n)]
@@ -208,6 +230,27 @@ class StorageTier:
                 self._files.remove_tree(path)
             except OSError as exc:
                 logger.warning("retention: could not delete %s: %s", path, exc)
+
+    def _written_by_this_run(self, step: int) -> bool:
+        """True without a run_id; else when the step's manifest, or all its rank records if it
+        has none, carry this run's id."""
+        if self.run_id is None:
+            return True
+        try:
+            return self._read_manifest(step).get("run_id") == self.run_id
+        except CheckpointCorrupt:
+            pass
+        names = [n for n in self._files.list_dir(self._step_dir(step)) if re.match(r"^rank_\d{5,}\.json$", n)]
+        try:
+            return bool(names) and all(
+                json.loads(self._files.read_bytes(self._step_dir(step) / n)).get("run_id") == self.run_id
+                for n in names)
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def own_steps(self, steps: list[int]) -> list[int]:
+        """The steps of `steps` this run committed (all of them without a run_id)."""
+        return [s for s in steps if self._written_by_this_run(s)]
 
     # ---- reading -------------------------------------------------------------------
 
@@ -423,10 +466,13 @@ class StorageTier:
             raise ConfigError(f"rank {rank} is out of range for world_size {world_size}")
 
     def _write_failed(self, exc: OSError, step: int, what: str) -> CheckpointError:
+        cause = errno.errorcode.get(exc.errno, f"errno {exc.errno}") if exc.errno else type(exc).__name__
+        hint = " (the disk is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        where = f" writing {exc.filename}" if exc.filename else ""
         return CheckpointError(
-            f"saving step {step} ({what}) to {self.root} failed: {exc.strerror or exc} "
-            f"(errno {exc.errno}, file {exc.filename or '?'}); the step is not committed and "
-            "earlier checkpoints are kept. Free space there or lower the `keep` setting.")
+            f"saving step {step} ({what}) to {self.root} failed{where}: {exc.strerror or exc} "
+            f"({cause}){hint}; what it wrote is removed, the step is not committed and earlier "
+            f"checkpoints are kept. Free space in {self.root} or save elsewhere (--save).")
 
 
 class _SafetensorsStream:

@@ -37,9 +37,9 @@ def test_save_alone_starts_fresh_says_so_and_keeps_checkpoints_it_did_not_write(
     assert "that this launch does not load" in result.stderr and "starting fresh" in result.stderr
     assert not events(run_dir, "restored")  # fresh: nothing restored
     after = _steps(ck)
-    assert set(before) <= set(after), (before, after)  # the earlier run's steps are kept
-    assert "step_00000006" in after
-    assert len(set(after) - set(before)) == 1  # --keep-checkpoints 1 applies to this run's own
+    assert after == before + ["step_00000006"], (before, after)  # kept; --keep-checkpoints 1 counts this run's
+    for step in before:  # neither deleted nor written over
+        assert (ck / step / "MANIFEST.json").read_bytes() == (earlier / step / "MANIFEST.json").read_bytes()
     clean, ref, _ = train(tmp_path, "clean", steps=6, nproc=2)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     assert_same_weights(out, ref)

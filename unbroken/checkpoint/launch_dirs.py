@@ -89,9 +89,15 @@ def _check_save(save_dir: str, *, loaded: bool) -> list[str]:
     steps = StorageTier(path).committed_steps()
     if not steps:
         return []
-    return [f"--save {save_dir}: already holds committed checkpoint steps {sorted(steps)[-3:]} that this "
+    return [f"--save {save_dir}: already holds committed checkpoint steps {_listing(steps)} that this "
             "launch does not load (a new launch resumes only with --load DIR): starting fresh; they are "
-            "kept, never deleted by this run"]
+            "kept: this run neither deletes nor writes over them (its own checkpoints of those step "
+            "numbers are skipped)"]
+
+
+def _listing(steps: list[int]) -> str:
+    ordered = sorted(steps)
+    return ", ".join(map(str, ordered)) if len(ordered) <= 4 else f"{ordered[0]}, ..., {ordered[-1]}"
 
 
 def _check_is_dir(path: Path, flag: str, text: str, *, write: bool) -> None:

@@ -129,6 +129,7 @@ class StorageTier:
         data = _SafetensorsStream(tensors, header, self._pace)
         tensor_name, record_name = rank_file_names(rank)
         step_dir = self._step_dir(step)
+        self._refuse_another_runs_step(step)
         try:
             self._files.make_dir(step_dir)
             # Rewriting a step (after resuming from an older one) uncommits it first.
@@ -146,6 +147,17 @@ class StorageTier:
             self._remove_partial(step_dir, (tensor_name, record_name))
             raise self._write_failed(exc, step, f"rank {rank}") from exc
         return info
+
+    def _refuse_another_runs_step(self, step: int) -> None:
+        """CheckpointError if `step` is committed by another run (with a run_id set): a run
+        never writes over checkpoints it did not write; its own of that step is skipped."""
+        if self.run_id is None or self._files.size(self._step_dir(step) / MANIFEST) is None:
+            return
+        if not self._written_by_this_run(step):
+            raise CheckpointError(
+                f"not saving step {step}: {self._step_dir(step)} is a committed checkpoint of another "
+                "run, kept as it is (this run never writes over or deletes checkpoints it did not "
+                "write); its next steps are saved as usual")
 
     def _remove_partial(self, step_dir: _AnyPath, names: tuple[str, ...]) -> None:
         """After a failed save: remove this rank's files of the step, and the step directory

@@ -61,6 +61,9 @@ def test_load_a_save_b_resumes_from_a_and_a_restart_inside_the_run_from_its_own(
     later = [e for e in restored if e["attempt"] == 1]
     assert len(later) == 2 and all(e["step"] >= 5 and e["dir"] != str(load) for e in later), restored
     assert _steps(load) == _steps(earlier)  # --load's directory is only read
-    clean, ref, _ = train(tmp_path, "clean", steps=8, nproc=2)
+    # The same resume without the fault (the LR schedule depends on --steps, so a fresh 8-step
+    # run is not the reference: one resumed from the same step is).
+    shutil.copytree(earlier, tmp_path / "a2")
+    clean, ref, _ = train(tmp_path, "clean", steps=8, nproc=2, flags=["--load", str(tmp_path / "a2")])
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     assert_same_weights(out, ref)

@@ -179,7 +179,8 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     dead = (recovery.replaced if recovery else frozenset()) | failed
     tries = recovery.tries + 1 if recovery else 1
     in_flight, why = in_flight_feasible(state, dead)
-    in_flight = in_flight and tries <= state.max_recovery_tries
+    if in_flight and tries > state.max_recovery_tries:
+        in_flight, why = False, f"in-flight recovery tried {state.max_recovery_tries} times"
     own_agents = {state.agent_of(r) for r in failed}
     feasible = {"retry": in_flight and failure.kind in RETRY_KINDS and recovery is None,
                 "recover-in-place": in_flight and own_agents <= state.agents,
@@ -221,14 +222,21 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     if state.recovery is not None:
         state = _replace(state, recovery=None)
     if rung == GIVE_UP:
-        return _fail(state, failure, f"restart budget spent ({state.restarts_used} of --max-restarts "
-                                     f"{state.max_restarts} used)")
+        return _fail(state, failure, _why_give_up(state, why))
     in_flight_rungs = {"retry", "recover-in-place", "recover", "dump"} & set(state.allowed)
     not_in_flight = f" ({', '.join(sorted(in_flight_rungs))}: no; {why})" if in_flight_rungs else ""
     decision = Decide(rung, failure, f"{failure.describe()}; restart {state.restarts_used + 1} "
                                      f"of {state.max_restarts}{not_in_flight}")
     stop = StopAttempt(state.attempt, f"{rung}: {failure.describe()}")
     return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [decision, stop]
+
+
+def _why_give_up(state: JobState, in_flight_why: str) -> str:
+    """Why no allowed rung can handle a fault (the reason the job fails with)."""
+    if "exit" in state.allowed:
+        return f"restart budget spent ({state.restarts_used} of --max-restarts {state.max_restarts} used)"
+    return (f"none of the allowed strategies ({', '.join(state.allowed)}; --recover-strategy) can handle this "
+            f"fault ({in_flight_why}); add 'exit' to restart the job from its newest checkpoint")
 
 
 def _fail(state: JobState, failure: Failure, why: str) -> tuple[JobState, list[Action]]:

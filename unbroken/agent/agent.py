@@ -186,7 +186,10 @@ class Agent:
         if not self._use_spare or self._spare is not None:
             return
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.omp_num_threads), PYTHONUNBUFFERED="1")
-        self._spare = subprocess.Popen([sys.executable, "-u", "-m", "unbroken.agent.spare"], env=env,
+        # -P: the working directory is not put on sys.path, so a folder named `unbroken` there
+        # cannot shadow the installed package; the spare then sets sys.path[0] to the script's
+        # folder, as `python script.py` does for a worker started without it.
+        self._spare = subprocess.Popen([sys.executable, "-u", "-P", "-m", "unbroken.agent.spare"], env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        start_new_session=True, preexec_fn=_die_with_parent)
 

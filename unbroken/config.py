@@ -44,6 +44,7 @@ ENV_SHM_DIR = "UNBROKEN_SHM_DIR"
 ENV_INJECT = "UNBROKEN_INJECT"
 ENV_PG_TIMEOUT = "UNBROKEN_PG_TIMEOUT_S"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
+ENV_STORE_PREFIX = "UNBROKEN_STORE_PREFIX"  # the attempt's secret rendezvous key prefix
 ENV_RECOVERY_TIMEOUT = "UNBROKEN_RECOVERY_TIMEOUT_S"
 ENV_SDC_EVERY = "UNBROKEN_SDC_CHECK_EVERY_STEPS"
 ENV_FINITE_CHECK = "UNBROKEN_FINITE_CHECK"
@@ -270,6 +271,7 @@ class WorkerConfig:
     inject: str = ""
     pg_timeout_s: float = 60.0
     gen: int = 0  # > 0: this process replaces a lost rank and joins generation `gen`
+    store_prefix: str = ""  # managed: every rendezvous key lives under it (controller/rendezvous.py)
     recovery_timeout_s: float = 60.0
     sdc_check_every_steps: int = 0
     finite_check: bool = True
@@ -331,6 +333,7 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         inject=env.get(ENV_INJECT, ""),
         pg_timeout_s=_env_number(env, ENV_PG_TIMEOUT, 60.0, float),
         gen=_env_number(env, ENV_GEN, 0),
+        store_prefix=env.get(ENV_STORE_PREFIX, ""),
         recovery_timeout_s=_env_number(env, ENV_RECOVERY_TIMEOUT, 60.0, float),
         sdc_check_every_steps=_env_number(env, ENV_SDC_EVERY, 0),
         finite_check=env.get(ENV_FINITE_CHECK, "1") != "0",
@@ -347,12 +350,14 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
     if cfg.mode == "managed":
         _require(bool(cfg.secret), f"{ENV_CONTROLLER} is set but {ENV_SECRET} is not")
         check_host_port(cfg.controller, f"environment variable {ENV_CONTROLLER}")
+        _require(bool(cfg.store_prefix), f"{ENV_CONTROLLER} is set but {ENV_STORE_PREFIX} is not "
+                                         "(both come from `unbroken run`)")
     return cfg
 
 
 def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
                controller: str, store_host: str, store_port: int, gen: int = 0,
-               world_size: int = 0) -> dict[str, str]:
+               world_size: int = 0, store_prefix: str = "") -> dict[str, str]:
     """The environment a worker gets from the agent: torchrun's variables plus ours.
 
     ``world_size`` is the job's, as the controller says (0: this launcher's own flags).
@@ -390,6 +395,7 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         ENV_SHM_DIR: ckpt.shm_dir,
         ENV_PG_TIMEOUT: str(cfg.pg_timeout_s),
         ENV_GEN: str(gen),
+        ENV_STORE_PREFIX: store_prefix,
         ENV_RECOVERY_TIMEOUT: str(cfg.recovery_timeout_s),
         ENV_SDC_EVERY: str(cfg.sdc_check_every_steps),
         ENV_FINITE_CHECK: "1" if cfg.finite_check else "0",

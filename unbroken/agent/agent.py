@@ -62,7 +62,7 @@ class Agent:
         self._lock = threading.Lock()
         self._procs: dict[int, WorkerProc] = {}
         self._conn: Connection | None = None
-        self._store_addr: tuple[str, int] = ("", 0)
+        self._store_addr: tuple[str, int, str] = ("", 0, "")  # host, port, key prefix
         self.standby = cfg.standby
         self._spare: subprocess.Popen | None = None
         self._use_spare = bool({"recover-in-place", "recover"} & set(cfg.recover_strategy))
@@ -137,7 +137,7 @@ class Agent:
 
     # -- workers -------------------------------------------------------------------------
     def _start(self, msg: m.StartWorkers) -> None:
-        self._store_addr = (msg.store_host, msg.store_port)
+        self._store_addr = (msg.store_host, msg.store_port, msg.store_prefix)
         own = [self.node_rank * self.cfg.nproc_per_node + i for i in range(self.cfg.nproc_per_node)]
         self._world_size = msg.world_size
         for rank in msg.ranks or own:
@@ -152,7 +152,7 @@ class Agent:
             _signal_group(old.popen, signal.SIGKILL)
             old.popen.wait()
         if msg.store_port:
-            self._store_addr = (msg.store_host, msg.store_port)
+            self._store_addr = (msg.store_host, msg.store_port, msg.store_prefix)
         self._world_size = msg.world_size or self._world_size
         self._spawn(msg.rank, msg.attempt, gen=msg.gen)
 
@@ -161,11 +161,11 @@ class Agent:
             local_rank = self._local_ranks.setdefault(rank, len(self._local_ranks))
         else:
             local_rank = rank - self.node_rank * self.cfg.nproc_per_node
-        host, port = self._store_addr
+        host, port, prefix = self._store_addr
         env = dict(os.environ)
         env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt,
                               controller=self.controller, store_host=host, store_port=port, gen=gen,
-                              world_size=self._world_size))
+                              world_size=self._world_size, store_prefix=prefix))
         argv = [self.cfg.script, *self.cfg.script_args]
         popen = self._take_spare(env, argv) if gen > 0 else None
         if popen is None:

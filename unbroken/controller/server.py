@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from unbroken.config import LaunchConfig
-from unbroken.controller import health, machine as sm
+from unbroken.controller import health, machine as sm, rendezvous
 from unbroken.controller.eventlog import EventLog
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.errors import CheckpointError, ConnectionClosed, ProtocolError
@@ -81,6 +81,7 @@ class Controller:
         self._fired: set[str] = set()
         self._stragglers: set[int] = set()  # ranks the straggler rule reported (once per job)
         self._store: dist.TCPStore | None = None
+        self._store_prefix = ""  # the current attempt's rendezvous key prefix (rendezvous.py)
         self._stores: list[dist.TCPStore] = []
         self._outcome: Outcome | None = None
         self._done = threading.Event()
@@ -455,6 +456,7 @@ class Controller:
                     self._send_to_node(action.agent, m.RestartWorker(
                         rank=rank, attempt=self._state.attempt, gen=action.gen,
                         store_host=self.host, store_port=self._store.port if self._store else 0,
+                        store_prefix=self._store_prefix,
                         world_size=self.cfg.world_size))
             elif isinstance(action, sm.Regroup):
                 self._recovery_t["regroup"] = time.monotonic()
@@ -503,16 +505,18 @@ class Controller:
                     log.warning("controller: could not send %s to rank %d: %s", type(msg).__name__, w.rank, exc)
 
     def _start_attempt(self, attempt: int) -> None:
-        # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts).
-        store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts);
+        # bound to the job's address, its keys under a prefix only the control plane hands out.
+        store = rendezvous.open_store(self.host)
         self._stores = [store]  # the previous attempt's store goes: all its workers are dead
-        self._store = store
+        self._store, self._store_prefix = store, rendezvous.new_prefix()
         for w in self._workers.values():
             w.state, w.steps_in_attempt = "starting", 0
         self.events.emit("attempt_started", attempt=attempt, store_port=store.port)
         for agent in sorted(self._state.hosts()):
             ranks = [r for r in range(self.cfg.world_size) if self._state.agent_of(r) == agent]
             self._send_to_node(agent, m.StartWorkers(attempt=attempt, store_host=self.host, store_port=store.port,
+                                                     store_prefix=self._store_prefix,
                                                      world_size=self.cfg.world_size, ranks=ranks))
 
     def _finish(self, action: sm.Finish) -> None:

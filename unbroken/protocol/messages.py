@@ -60,6 +60,7 @@ class StartWorkers(Message):
     store_port: int
     world_size: int
     ranks: list[int] = dataclasses.field(default_factory=list)  # empty: this node's own ranks
+    store_prefix: str = ""  # the attempt's secret rendezvous key prefix (controller/rendezvous.py)
 
 
 @message("stop_workers")
@@ -205,6 +206,7 @@ class RestartWorker(Message):
     store_host: str = ""
     store_port: int = 0
     world_size: int = 0  # the job's (a standby agent does not know it from its own flags)
+    store_prefix: str = ""
 
 
 # the storage tier, written by agents from the memory tier

@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
+import psutil
+
 from unbroken.agent.persister import Persister
 from unbroken.checkpoint import shm_files
 from unbroken.config import LaunchConfig, worker_env
@@ -35,6 +37,7 @@ from unbroken.protocol.wire import Connection, connect
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05
+STATUS_EVERY = 5  # watch rounds between looks at the workers' process states (stopped, zombie)
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -48,6 +51,7 @@ class WorkerProc:
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
     state: str = "running"
+    process: str = "running"  # the OS's view, last reported: running | stopped | zombie
 
 
 class Agent:
@@ -228,7 +232,11 @@ class Agent:
         proc.popen.stdout.close()
 
     def _watch_loop(self) -> None:
+        rounds = 0
         while not self._stop.wait(WATCH_INTERVAL_S):
+            rounds += 1
+            if rounds % STATUS_EVERY == 0:
+                self._report_process_states()
             with self._lock:
                 exited = [p for p in self._procs.values() if p.state == "running" and p.popen.poll() is not None]
                 for p in exited:
@@ -240,6 +248,17 @@ class Agent:
                 self._send(m.WorkerExited(rank=p.rank, pid=p.popen.pid, attempt=p.attempt,
                                           exit_code=code if code >= 0 else None,
                                           signal=-code if code < 0 else None, last_lines=list(p.tail)))
+
+    def _report_process_states(self) -> None:
+        """Tell the controller when a running worker's process is stopped or a zombie (or runs
+        again): the hang monitor blames such a rank first (controller/hangs.py)."""
+        with self._lock:
+            procs = [p for p in self._procs.values() if p.state == "running"]
+        for p in procs:
+            status = _process_state(p.popen.pid)
+            if status != p.process:
+                p.process = status
+                self._send(m.WorkerStatus(rank=p.rank, pid=p.popen.pid, attempt=p.attempt, status=status))
 
     def _kill(self, rank: int, pid: int) -> None:
         with self._lock:
@@ -288,6 +307,19 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: the agent's own clean-up still stops workers
         pass
+
+
+def _process_state(pid: int) -> str:
+    """running | stopped (SIGSTOP, a debugger) | zombie, as /proc says (psutil)."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "zombie"  # gone: the watcher reports its exit
+    except psutil.Error:
+        return "running"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "stopped"
+    return "zombie" if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "running"
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -53,12 +53,7 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if isinstance(event, AgentJoined):
         return _on_agent_joined(state, event)
     if isinstance(event, WorkerHung):
-        # One hang-kill at a time: the ranks blocked on the hung one in a collective look
-        # hung too, but fail by themselves (gloo sees the kill in milliseconds).
-        if event.attempt != state.attempt or state.phase is not JobPhase.RUNNING or state.hung_ranks:
-            return state, []
-        reason = f"rank {event.rank} made no step progress for {event.silent_s:.1f} s"
-        return _replace(state, hung_ranks=state.hung_ranks | {event.rank}), [KillWorker(event.rank, reason)]
+        return _on_worker_hung(state, event)
     if isinstance(event, WorkerExited):
         return _on_worker_exited(state, event)
     if isinstance(event, AgentStopped):
@@ -89,6 +84,24 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if isinstance(event, (WorkerPaused, ReplacementJoined, WorkerResumed, RecoveryTimeout)):
         return _on_recovery_event(state, event)
     raise TypeError(f"unknown event {event!r}")
+
+
+def _on_worker_hung(state: JobState, event: WorkerHung) -> tuple[JobState, list[Action]]:
+    """Kill a hung rank; its exit then takes the ladder. While running: one hang-kill at a
+    time (the ranks blocked on the hung one in a collective look hung too, but fail by
+    themselves: gloo sees the kill in milliseconds). During a recovery: a survivor that did
+    not answer the abort order (pause) is hung itself, once the ranks killed before are out."""
+    rec = state.recovery
+    if event.attempt != state.attempt:
+        return state, []
+    if state.phase is JobPhase.RUNNING and not state.hung_ranks:
+        reason = f"rank {event.rank} made no step progress for {event.silent_s:.1f} s"
+    elif (state.phase is JobPhase.RECOVERING and rec is not None and not rec.regrouped
+          and event.rank not in rec.replaced | rec.paused | state.hung_ranks and state.hung_ranks <= rec.replaced):
+        reason = f"rank {event.rank} did not answer the abort of generation {rec.gen} for {event.silent_s:.1f} s"
+    else:
+        return state, []
+    return _replace(state, hung_ranks=state.hung_ranks | {event.rank}), [KillWorker(event.rank, reason)]
 
 
 def _on_agent_joined(state: JobState, event: AgentJoined) -> tuple[JobState, list[Action]]:

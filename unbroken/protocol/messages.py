@@ -44,6 +44,17 @@ class WorkerExited(Message):
     last_lines: list[str]
 
 
+@message("worker_status")
+class WorkerStatus(Message):
+    """The agent saw a worker's process change state: running | stopped (SIGSTOP, a
+    debugger) | zombie. Evidence for the hang monitor (controller/hangs.py)."""
+
+    rank: int
+    pid: int
+    attempt: int
+    status: str
+
+
 @message("workers_stopped")
 class WorkersStopped(Message):
     node_rank: int

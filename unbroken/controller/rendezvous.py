@@ -1,7 +1,7 @@
 """The job's rendezvous store: one TCPStore per attempt, hosted by the controller.
 
 A TCPStore has no authentication: any process that reaches its port can read and write
-keys. Two things keep such a process (one without the job secret) from breaking a job:
+keys. What keeps such a process (one without the job secret) from breaking a job:
 
 - every key the job uses lives under a random per-attempt prefix (128 bits) that the
   controller hands out only over the authenticated control plane (``StartWorkers``,

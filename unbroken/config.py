@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,15 @@ from unbroken.errors import ConfigError
 
 #: Strategies of the recovery ladder, cheapest first (DESIGN.md section 6).
 STRATEGIES = ("retry", "recover-in-place", "recover", "elastic", "dump", "exit")
-#: Strategies this version can carry out.
-IMPLEMENTED_STRATEGIES = ("retry", "recover-in-place", "recover", "exit")
+#: Strategies this version can carry out (``elastic`` is not built: refused at the edge).
+IMPLEMENTED_STRATEGIES = ("retry", "recover-in-place", "recover", "dump", "exit")
+
+#: The longest timeout any ``*_timeout_s`` setting takes: one day (a timedelta of 1e300 s
+#: overflows in torch, ``inf`` never fires).
+MAX_TIMEOUT_S = 86400.0
+#: A user-given job secret (multi-node, standby) needs this many characters, this many distinct.
+SECRET_MIN_CHARS = 32
+SECRET_MIN_DISTINCT = 10
 
 # Environment variables the launcher sets for its workers (beyond torchrun's own).
 ENV_CONTROLLER = "UNBROKEN_CONTROLLER"  # host:port of the controller
@@ -36,6 +44,7 @@ ENV_SHM_DIR = "UNBROKEN_SHM_DIR"
 ENV_INJECT = "UNBROKEN_INJECT"
 ENV_PG_TIMEOUT = "UNBROKEN_PG_TIMEOUT_S"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
+ENV_STORE_PREFIX = "UNBROKEN_STORE_PREFIX"  # the attempt's secret rendezvous key prefix
 ENV_RECOVERY_TIMEOUT = "UNBROKEN_RECOVERY_TIMEOUT_S"
 ENV_SDC_EVERY = "UNBROKEN_SDC_CHECK_EVERY_STEPS"
 ENV_FINITE_CHECK = "UNBROKEN_FINITE_CHECK"
@@ -47,6 +56,35 @@ SUB_HEALTH_POLICIES = ("ignore", "grace-exit")
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _require_timeout(value: float | None, name: str, *, optional: bool = False) -> None:
+    """``value`` (the setting ``name``: a flag or an environment variable) is a finite number of
+    seconds in (0, MAX_TIMEOUT_S]; ``None`` passes where ``optional``."""
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S
+    _require(ok, f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] (finite, > 0), got {value}")
+
+
+def _require_strategy(name: str) -> None:
+    _require(name in STRATEGIES,
+             f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(IMPLEMENTED_STRATEGIES)})")
+    _require(name in IMPLEMENTED_STRATEGIES,
+             f"--recover-strategy: {name!r} is not built in this version "
+             f"(allowed: {', '.join(IMPLEMENTED_STRATEGIES)})")
+
+
+def check_secret_strength(secret: str) -> None:
+    """A job secret given by the user must be hard to guess: at least SECRET_MIN_CHARS characters,
+    SECRET_MIN_DISTINCT of them distinct, not padded with whitespace."""
+    stripped = secret.strip()
+    _require(len(stripped) >= SECRET_MIN_CHARS and len(set(stripped)) >= SECRET_MIN_DISTINCT
+             and stripped == secret,
+             f"{ENV_SECRET} is too weak ({len(secret)} characters, {len(set(stripped))} distinct): a job secret "
+             f"needs at least {SECRET_MIN_CHARS} characters, {SECRET_MIN_DISTINCT} of them distinct, and no "
+             "leading or trailing whitespace; make one with "
+             "`python -c 'import secrets; print(secrets.token_hex(32))'` and set it on every node")
 
 
 @dataclass(frozen=True)
@@ -65,12 +103,10 @@ class HangConfig:
     first_step_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _require(self.timeout_s is None or self.timeout_s > 0,
-                 f"--hang-timeout-s must be > 0, got {self.timeout_s}")
-        _require(self.floor_s > 0, f"hang floor must be > 0 s, got {self.floor_s}")
-        _require(self.factor >= 1, f"hang factor must be >= 1, got {self.factor}")
-        _require(self.first_step_timeout_s > 0,
-                 f"--first-step-timeout-s must be > 0, got {self.first_step_timeout_s}")
+        _require_timeout(self.timeout_s, "--hang-timeout-s", optional=True)
+        _require_timeout(self.floor_s, "hang floor")
+        _require(math.isfinite(self.factor) and self.factor >= 1, f"hang factor must be >= 1, got {self.factor}")
+        _require_timeout(self.first_step_timeout_s, "--first-step-timeout-s")
 
 
 @dataclass(frozen=True)
@@ -152,20 +188,22 @@ class LaunchConfig:
                  f"a job with --nnodes > 1 needs a shared secret: set {ENV_SECRET} on every node")
         _require(not (self.standby and (self.master_port == 0 or not self.secret)),
                  f"--standby joins a running job: give its --master-addr/--master-port and set {ENV_SECRET}")
+        if self.nnodes > 1 or self.standby:  # the secret is the user's (single node: we make one)
+            check_secret_strength(self.secret)
         _require(self.metrics_port is None or 0 <= self.metrics_port < 65536,
                  f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         _require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
         _require(self.stop_grace_s >= 0, f"stop grace must be >= 0 s, got {self.stop_grace_s}")
-        _require(self.pg_timeout_s > 0, f"--pg-timeout-s must be > 0, got {self.pg_timeout_s}")
+        _require_timeout(self.pg_timeout_s, "--pg-timeout-s")
+        _require_timeout(self.recovery_timeout_s, "--recovery-timeout-s")
         _require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         for name in self.recover_strategy:
-            _require(name in STRATEGIES,
-                     f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(STRATEGIES)})")
+            _require_strategy(name)
         _require(bool(self.recover_strategy), "--recover-strategy must name at least one strategy")
         _require(self.sdc_check_every_steps >= 0,
                  f"--sdc-check-every-steps must be >= 0 (0: off), got {self.sdc_check_every_steps}")
         _require(self.crash_loop_limit >= 0, f"--crash-loop-limit must be >= 0 (0: off), got {self.crash_loop_limit}")
-        _require(self.straggler_factor == 0 or self.straggler_factor > 1,
+        _require(self.straggler_factor == 0 or 1 < self.straggler_factor < math.inf,
                  f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
         _require(self.sub_health_policy in SUB_HEALTH_POLICIES,
                  f"--sub-health-policy: unknown policy {self.sub_health_policy!r} "
@@ -186,10 +224,17 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     """Parse ``--recover-strategy`` / the ``recover-strategy`` annotation: a comma list."""
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     for name in names:
-        _require(name in STRATEGIES,
-                 f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(STRATEGIES)})")
-    _require(bool(names), f"--recover-strategy: empty list (allowed: {', '.join(STRATEGIES)})")
+        _require_strategy(name)
+    _require(bool(names), f"--recover-strategy: empty list (allowed: {', '.join(IMPLEMENTED_STRATEGIES)})")
     return names
+
+
+def check_host_port(text: str, name: str) -> tuple[str, int]:
+    """``text`` as HOST:PORT (port in 1..65535); a ConfigError naming ``name`` otherwise."""
+    host, _, port = text.rpartition(":")
+    ok = bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+    _require(ok, f"{name}={text!r} must be HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:29400)")
+    return host, int(port)
 
 
 def secret_from_env(env: Mapping[str, str] | None = None) -> str:
@@ -229,6 +274,7 @@ class WorkerConfig:
     inject: str = ""
     pg_timeout_s: float = 60.0
     gen: int = 0  # > 0: this process replaces a lost rank and joins generation `gen`
+    store_prefix: str = ""  # managed: every rendezvous key lives under it (controller/rendezvous.py)
     recovery_timeout_s: float = 60.0
     sdc_check_every_steps: int = 0
     finite_check: bool = True
@@ -290,6 +336,7 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         inject=env.get(ENV_INJECT, ""),
         pg_timeout_s=_env_number(env, ENV_PG_TIMEOUT, 60.0, float),
         gen=_env_number(env, ENV_GEN, 0),
+        store_prefix=env.get(ENV_STORE_PREFIX, ""),
         recovery_timeout_s=_env_number(env, ENV_RECOVERY_TIMEOUT, 60.0, float),
         sdc_check_every_steps=_env_number(env, ENV_SDC_EVERY, 0),
         finite_check=env.get(ENV_FINITE_CHECK, "1") != "0",
@@ -300,14 +347,20 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
     _require(0 <= cfg.rank < cfg.world_size, f"RANK={cfg.rank} must be in [0, WORLD_SIZE={cfg.world_size})")
     _require(cfg.sdc_check_every_steps >= 0,
              f"{ENV_SDC_EVERY} must be >= 0 (0: off), got {cfg.sdc_check_every_steps}")
+    pg_name = "pg_timeout_s" if "pg_timeout_s" in overrides else f"environment variable {ENV_PG_TIMEOUT}"
+    _require_timeout(cfg.pg_timeout_s, pg_name)
+    _require_timeout(cfg.recovery_timeout_s, f"environment variable {ENV_RECOVERY_TIMEOUT}")
     if cfg.mode == "managed":
         _require(bool(cfg.secret), f"{ENV_CONTROLLER} is set but {ENV_SECRET} is not")
+        check_host_port(cfg.controller, f"environment variable {ENV_CONTROLLER}")
+        _require(bool(cfg.store_prefix), f"{ENV_CONTROLLER} is set but {ENV_STORE_PREFIX} is not "
+                                         "(both come from `unbroken run`)")
     return cfg
 
 
 def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
                controller: str, store_host: str, store_port: int, gen: int = 0,
-               world_size: int = 0) -> dict[str, str]:
+               world_size: int = 0, store_prefix: str = "") -> dict[str, str]:
     """The environment a worker gets from the agent: torchrun's variables plus ours.
 
     ``world_size`` is the job's, as the controller says (0: this launcher's own flags).
@@ -345,6 +398,7 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         ENV_SHM_DIR: ckpt.shm_dir,
         ENV_PG_TIMEOUT: str(cfg.pg_timeout_s),
         ENV_GEN: str(gen),
+        ENV_STORE_PREFIX: store_prefix,
         ENV_RECOVERY_TIMEOUT: str(cfg.recovery_timeout_s),
         ENV_SDC_EVERY: str(cfg.sdc_check_every_steps),
         ENV_FINITE_CHECK: "1" if cfg.finite_check else "0",

@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
+import psutil
+
 from unbroken.agent.persister import Persister
 from unbroken.checkpoint import shm_files
 from unbroken.checkpoint.launch_dirs import run_id
@@ -36,6 +38,7 @@ from unbroken.protocol.wire import Connection, connect
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05
+STATUS_EVERY = 5  # watch rounds between looks at the workers' process states (stopped, zombie)
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -49,6 +52,7 @@ class WorkerProc:
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
     state: str = "running"
+    process: str = "running"  # the OS's view, last reported: running | stopped | zombie
 
 
 class Agent:
@@ -63,7 +67,7 @@ class Agent:
         self._lock = threading.Lock()
         self._procs: dict[int, WorkerProc] = {}
         self._conn: Connection | None = None
-        self._store_addr: tuple[str, int] = ("", 0)
+        self._store_addr: tuple[str, int, str] = ("", 0, "")  # host, port, key prefix
         self.standby = cfg.standby
         self._spare: subprocess.Popen | None = None
         self._use_spare = bool({"recover-in-place", "recover"} & set(cfg.recover_strategy))
@@ -139,7 +143,7 @@ class Agent:
 
     # -- workers -------------------------------------------------------------------------
     def _start(self, msg: m.StartWorkers) -> None:
-        self._store_addr = (msg.store_host, msg.store_port)
+        self._store_addr = (msg.store_host, msg.store_port, msg.store_prefix)
         own = [self.node_rank * self.cfg.nproc_per_node + i for i in range(self.cfg.nproc_per_node)]
         self._world_size = msg.world_size
         for rank in msg.ranks or own:
@@ -154,7 +158,7 @@ class Agent:
             _signal_group(old.popen, signal.SIGKILL)
             old.popen.wait()
         if msg.store_port:
-            self._store_addr = (msg.store_host, msg.store_port)
+            self._store_addr = (msg.store_host, msg.store_port, msg.store_prefix)
         self._world_size = msg.world_size or self._world_size
         self._spawn(msg.rank, msg.attempt, gen=msg.gen)
 
@@ -163,11 +167,11 @@ class Agent:
             local_rank = self._local_ranks.setdefault(rank, len(self._local_ranks))
         else:
             local_rank = rank - self.node_rank * self.cfg.nproc_per_node
-        host, port = self._store_addr
+        host, port, prefix = self._store_addr
         env = dict(os.environ)
         env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt,
                               controller=self.controller, store_host=host, store_port=port, gen=gen,
-                              world_size=self._world_size))
+                              world_size=self._world_size, store_prefix=prefix))
         argv = [self.cfg.script, *self.cfg.script_args]
         popen = self._take_spare(env, argv) if gen > 0 else None
         if popen is None:
@@ -188,7 +192,10 @@ class Agent:
         if not self._use_spare or self._spare is not None:
             return
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.omp_num_threads), PYTHONUNBUFFERED="1")
-        self._spare = subprocess.Popen([sys.executable, "-u", "-m", "unbroken.agent.spare"], env=env,
+        # -P: the working directory is not put on sys.path, so a folder named `unbroken` there
+        # cannot shadow the installed package; the spare then sets sys.path[0] to the script's
+        # folder, as `python script.py` does for a worker started without it.
+        self._spare = subprocess.Popen([sys.executable, "-u", "-P", "-m", "unbroken.agent.spare"], env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -227,7 +234,11 @@ class Agent:
         proc.popen.stdout.close()
 
     def _watch_loop(self) -> None:
+        rounds = 0
         while not self._stop.wait(WATCH_INTERVAL_S):
+            rounds += 1
+            if rounds % STATUS_EVERY == 0:
+                self._report_process_states()
             with self._lock:
                 exited = [p for p in self._procs.values() if p.state == "running" and p.popen.poll() is not None]
                 for p in exited:
@@ -239,6 +250,17 @@ class Agent:
                 self._send(m.WorkerExited(rank=p.rank, pid=p.popen.pid, attempt=p.attempt,
                                           exit_code=code if code >= 0 else None,
                                           signal=-code if code < 0 else None, last_lines=list(p.tail)))
+
+    def _report_process_states(self) -> None:
+        """Tell the controller when a running worker's process is stopped or a zombie (or runs
+        again): the hang monitor blames such a rank first (controller/hangs.py)."""
+        with self._lock:
+            procs = [p for p in self._procs.values() if p.state == "running"]
+        for p in procs:
+            status = _process_state(p.popen.pid)
+            if status != p.process:
+                p.process = status
+                self._send(m.WorkerStatus(rank=p.rank, pid=p.popen.pid, attempt=p.attempt, status=status))
 
     def _kill(self, rank: int, pid: int) -> None:
         with self._lock:
@@ -287,6 +309,19 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: the agent's own clean-up still stops workers
         pass
+
+
+def _process_state(pid: int) -> str:
+    """running | stopped (SIGSTOP, a debugger) | zombie, as /proc says (psutil)."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "zombie"  # gone: the watcher reports its exit
+    except psutil.Error:
+        return "running"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "stopped"
+    return "zombie" if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "running"
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

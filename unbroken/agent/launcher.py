@@ -2,13 +2,16 @@
 
 :func:`run_job` prepares the run directory, starts the controller (node 0 only) and the
 agent, blocks until the job ends, and returns a :class:`JobResult`. Ctrl-C stops every
-worker and ends the job with exit code 130.
+worker and ends the job with exit code 130; SIGTERM, which the CLI turns into
+:class:`Terminated`, does the same with exit code 143. Either way every worker gets SIGTERM,
+then SIGKILL after the stop grace period, and this node's shared-memory files are removed.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import signal
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +23,20 @@ from unbroken.controller.eventlog import EventLog
 from unbroken.controller.machine import Failure
 from unbroken.controller.server import Controller
 from unbroken.errors import ConfigError
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when `unbroken run` gets SIGTERM (Kubernetes, Slurm): the job
+    stops as on Ctrl-C. A KeyboardInterrupt, so every clean-up that Ctrl-C runs runs too."""
+
+    signum = signal.SIGTERM
+
+
+def _interruption(exc: KeyboardInterrupt) -> tuple[int, str]:
+    """Exit code and reason of a job stopped by Ctrl-C or a signal (128 + its number)."""
+    if isinstance(exc, Terminated):
+        return 128 + exc.signum, f"terminated ({signal.Signals(exc.signum).name})"
+    return 130, "interrupted (Ctrl-C)"
 
 
 @dataclass(frozen=True)
@@ -78,10 +95,10 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
         agent = Agent(cfg, host, port, output=output)
         try:
             code, reason = agent.run()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            code, reason = _interruption(exc)
             if controller is not None:
-                threading.Thread(target=controller.abort, args=("interrupted (Ctrl-C)",), daemon=True).start()
-            code, reason = 130, "interrupted (Ctrl-C)"
+                threading.Thread(target=controller.abort, args=(reason, code), daemon=True).start()
         failure = controller.first_failure if controller is not None else None
         if controller is not None:
             outcome = controller.wait(timeout_s=0)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.config import LaunchConfig
-from unbroken.controller import health, machine as sm
+from unbroken.controller import hangs, health, machine as sm, rendezvous
 from unbroken.controller.eventlog import EventLog
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.errors import CheckpointError, ConnectionClosed, ProtocolError
@@ -57,6 +57,7 @@ class WorkerView:
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))
     state: str = "starting"  # starting | running | finished | failed | stopped
     conn: Connection | None = None
+    process: str = "running"  # as its agent sees the process: running | stopped | zombie
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Controller:
         self._fired: set[str] = set()
         self._stragglers: set[int] = set()  # ranks the straggler rule reported (once per job)
         self._store: dist.TCPStore | None = None
+        self._store_prefix = ""  # the current attempt's rendezvous key prefix (rendezvous.py)
         self._stores: list[dist.TCPStore] = []
         self._outcome: Outcome | None = None
         self._done = threading.Event()
@@ -216,10 +218,16 @@ class Controller:
                 now = time.monotonic()
                 w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
                 w.step, w.phase, w.state, w.steps_in_attempt = None, "starting", "starting", 0
+                w.process = "running"
                 w.compute_s.clear()
                 self.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
             elif isinstance(msg, m.WorkerExited):
                 self._on_worker_exited(msg)
+            elif isinstance(msg, m.WorkerStatus):
+                w = self._workers.get(msg.rank)
+                if w is not None and w.pid == msg.pid and w.attempt == msg.attempt:
+                    w.process = msg.status
+                    self.events.emit("worker_status", rank=msg.rank, pid=msg.pid, status=msg.status)
             elif isinstance(msg, m.WorkersStopped):
                 self.events.emit("workers_stopped", node_rank=agent, attempt=msg.attempt)
                 self._apply(sm.AgentStopped(agent, msg.attempt))
@@ -407,26 +415,46 @@ class Controller:
                 now = time.monotonic()
                 if self._state.phase is sm.JobPhase.RUNNING and not self._state.hung_ranks:
                     self._check_hangs(now)
+                elif self._state.phase is sm.JobPhase.RECOVERING:
+                    self._check_recovery_silence(now)
                 if self._recovery_deadline and now > self._recovery_deadline[1]:
                     gen, self._recovery_deadline = self._recovery_deadline[0], None
                     self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.recovery_timeout_s)
                     self._apply(sm.RecoveryTimeout(self._state.attempt, gen))
 
-    def _check_hangs(self, now: float) -> None:
-        live = [w for w in self._workers.values()
+    def _progress(self, now: float, since_t: float | None = None) -> list[hangs.RankProgress]:
+        """Every live rank of this attempt, silent since its last step (or since ``since_t``)."""
+        return [hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
+                                   self.hang_timeout_s(w), w.process)
+                for w in self._workers.values()
                 if w.attempt == self._state.attempt and w.state in ("starting", "running")]
-        hung = [w for w in live if now - w.last_progress_t > self.hang_timeout_s(w)]
-        if not hung:
+
+    def _check_hangs(self, now: float) -> None:
+        """Some rank is past its hang timeout: blame the one not progressing (hangs.py)."""
+        ranks = self._progress(now)
+        blamed = hangs.blame_hang(ranks)
+        if blamed is not None:
+            w = self._workers[blamed.rank]
+            self._fault_began(w.last_progress_t)  # the hang began when its progress stopped, not when we noticed
+            self._hung(w, blamed, hangs.why(blamed, ranks), during="step")
+
+    def _check_recovery_silence(self, now: float) -> None:
+        """A survivor that does not answer the abort order within its hang timeout is hung too."""
+        rec = self._state.recovery
+        ordered_t = self._recovery_t.get("decide")
+        if rec is None or rec.regrouped or ordered_t is None:
             return
-        # Ranks blocked in a collective ('sync') are usually waiting for the hung one:
-        # suspect the others first, the longest silent first.
-        w = min(hung, key=lambda v: (v.phase == "sync", v.last_progress_t))
-        silent = now - w.last_progress_t
-        self._fault_began(w.last_progress_t)  # the hang began when its progress stopped, not when we noticed
-        self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(silent, 3),
-                         timeout_s=round(self.hang_timeout_s(w), 3), median_step_s=self._median_step_s(),
-                         attempt=w.attempt)
-        self._apply(sm.WorkerHung(w.rank, w.attempt, w.step, silent))
+        ranks = [r for r in self._progress(now, since_t=ordered_t) if r.rank not in rec.replaced]
+        blamed = hangs.silent_in_recovery(ranks, rec.paused)
+        if blamed is not None and blamed.rank not in self._state.hung_ranks and self._state.hung_ranks <= rec.replaced:
+            why = f"no answer to the abort of generation {rec.gen}; process {blamed.process}"
+            self._hung(self._workers[blamed.rank], blamed, why, during="recovery")
+
+    def _hung(self, w: WorkerView, blamed: hangs.RankProgress, why: str, during: str) -> None:
+        self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(blamed.silent_s, 3),
+                         timeout_s=round(blamed.timeout_s, 3), median_step_s=self._median_step_s(),
+                         attempt=w.attempt, process=w.process, why=why, during=during)
+        self._apply(sm.WorkerHung(w.rank, w.attempt, w.step, blamed.silent_s))
 
     # -- the state machine and its actions ---------------------------------------------
     def _apply(self, event: sm.Event) -> None:
@@ -466,6 +494,7 @@ class Controller:
                     self._send_to_node(action.agent, m.RestartWorker(
                         rank=rank, attempt=self._state.attempt, gen=action.gen,
                         store_host=self.host, store_port=self._store.port if self._store else 0,
+                        store_prefix=self._store_prefix,
                         world_size=self.cfg.world_size))
             elif isinstance(action, sm.Regroup):
                 self._recovery_t["regroup"] = time.monotonic()
@@ -514,16 +543,18 @@ class Controller:
                     log.warning("controller: could not send %s to rank %d: %s", type(msg).__name__, w.rank, exc)
 
     def _start_attempt(self, attempt: int) -> None:
-        # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts).
-        store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts);
+        # bound to the job's address, its keys under a prefix only the control plane hands out.
+        store = rendezvous.open_store(self.host)
         self._stores = [store]  # the previous attempt's store goes: all its workers are dead
-        self._store = store
+        self._store, self._store_prefix = store, rendezvous.new_prefix()
         for w in self._workers.values():
             w.state, w.steps_in_attempt = "starting", 0
         self.events.emit("attempt_started", attempt=attempt, store_port=store.port)
         for agent in sorted(self._state.hosts()):
             ranks = [r for r in range(self.cfg.world_size) if self._state.agent_of(r) == agent]
             self._send_to_node(agent, m.StartWorkers(attempt=attempt, store_host=self.host, store_port=store.port,
+                                                     store_prefix=self._store_prefix,
                                                      world_size=self.cfg.world_size, ranks=ranks))
 
     def _finish(self, action: sm.Finish) -> None:

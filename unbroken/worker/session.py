@@ -123,9 +123,11 @@ class Job:
     def _build_process_group(self, backend: str) -> None:
         timeout = timedelta(seconds=self.cfg.pg_timeout_s)
         if self.cfg.mode == "managed":
-            # The store lives in the controller, one per attempt; generations get a prefix.
-            self._store = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
-                                        is_master=False, timeout=timeout)
+            # The store lives in the controller, one per attempt; every key under the attempt's
+            # secret prefix (controller/rendezvous.py), each generation under its own below it.
+            tcp = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
+                                is_master=False, timeout=timeout)
+            self._store = dist.PrefixStore(f"{self.cfg.store_prefix}/", tcp)
             if self.cfg.replacement:
                 return  # joins the next generation's group when the regroup order comes
         if dist.is_initialized():  # the script built it: the script destroys it

@@ -96,16 +96,30 @@ class AbortableWork(dist.Work):
                  result: Any = None) -> None:
         super().__init__()
         self._inner, self._signal, self._graveyard, self._what = inner, signal, graveyard, what
-        self._future: Future = Future()
+        # A Future completed from Python with set_exception() is, to C++ callers (DDP's
+        # reducer), a *successful* future holding an exception object; only a callback that
+        # raises marks a future failed. So ours is a `then` of a trigger that carries
+        # (value, error), and the callback raises the error.
+        self._trigger: Future = Future()
+        self._future: Future = self._trigger.then(_unwrap)
         self._done_lock = threading.Lock()
+        self._completed = False
         self._error: BaseException | None = None
         if inner is None:  # completed locally (a detached group)
-            self._future.set_result(result)
+            self._complete(result, None)
             return
         if not signal._track(self):
             self._fail(CollectiveAborted(f"{what} issued after the abort order ({signal.reason})"))
             return
         inner.get_future().add_done_callback(self._inner_done)
+
+    def _complete(self, value: Any, error: BaseException | None) -> bool:
+        with self._done_lock:
+            if self._completed:
+                return False
+            self._completed, self._error = True, error
+        self._trigger.set_result((value, error))
+        return True
 
     def _inner_done(self, fut: Future) -> None:  # a gloo thread
         self._signal._untrack(self)
@@ -114,30 +128,24 @@ class AbortableWork(dist.Work):
         except Exception as err:  # noqa: BLE001 - a peer died: the op's error is the result
             self._fail(err)
             return
-        with self._done_lock:
-            if not self._future.done():
-                self._future.set_result(value)
+        self._complete(value, None)
 
     def _fail(self, err: BaseException) -> None:
-        with self._done_lock:
-            if self._future.done():
-                return
-            self._error = err
-            if self._inner is not None and not self._inner.is_completed():
-                self._graveyard.append(self._inner)  # never dropped early: FACTS.md
-            self._future.set_exception(err)
+        inner_pending = self._inner is not None and not self._inner.is_completed()
+        if self._complete(None, err) and inner_pending:
+            self._graveyard.append(self._inner)  # never dropped early: FACTS.md
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._completed
 
     def is_success(self) -> bool:
-        return self._future.done() and self._error is None
+        return self._completed and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
 
     def wait(self, timeout: Any = None) -> bool:
-        if self._inner is not None and not self._future.done():
+        if self._inner is not None and not self._completed:
             try:
                 wait_all([self._inner], self._signal.is_set, self._graveyard, self._what)
             except Exception as err:  # noqa: BLE001 - aborted, or the backend's error
@@ -152,6 +160,13 @@ class AbortableWork(dist.Work):
     def result(self) -> Any:
         self.wait()
         return self._future.value()
+
+
+def _unwrap(trigger: Future) -> Any:
+    value, error = trigger.value()
+    if error is not None:
+        raise error
+    return value
 
 
 def _first_tensors(args: tuple) -> list[torch.Tensor]:

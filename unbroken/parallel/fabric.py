@@ -90,7 +90,7 @@ class Fabric:
             group._attach(self._gen, self._backend_for(group, self._gen))
         return group
 
-    def _backend_for(self, group: SurvivingGroup, gen: int) -> dist.ProcessGroup:
+    def _backend_for(self, group: SurvivingGroup, gen: int) -> Any:  # a ProcessGroupGloo (a Backend)
         store = dist.PrefixStore(f"gen{gen}/{group.key}/", self._store)
         return dist.ProcessGroupGloo(store, group.rank(), group.size(), self.timeout)
 
@@ -113,8 +113,8 @@ class Fabric:
 
     def prune_graveyard(self) -> int:
         """Drop abandoned works that have ended; returns how many are still pending."""
-        self.graveyard[:] = [w for w in self.graveyard if isinstance(w, dist.ProcessGroup) or not w.is_completed()]
-        return sum(1 for w in self.graveyard if not isinstance(w, dist.ProcessGroup))
+        self.graveyard[:] = [w for w in self.graveyard if not isinstance(w, dist.Work) or not w.is_completed()]
+        return sum(1 for w in self.graveyard if isinstance(w, dist.Work))
 
     def close(self) -> None:
         """Tear the default group down; abandoned backends stay referenced by the caller's fabric."""

@@ -188,12 +188,12 @@ class SurvivingGroup(dist.ProcessGroup):
         self.global_ranks = list(global_ranks)
         self.key = key  # names its store prefix in each generation: gen<g>/<key>/
         self._signal, self._graveyard = signal, graveyard
-        self._backend: dist.ProcessGroup | None = None
+        self._backend: Any = None  # a ProcessGroupGloo (torch Backend) or None
         self._gen = -1  # -1: detached, no generation joined yet
         self._group_name = ""
 
     # --- generations (called by the fabric) ---
-    def _attach(self, gen: int, backend: dist.ProcessGroup) -> None:
+    def _attach(self, gen: int, backend: Any) -> None:
         old, self._backend, self._gen = self._backend, backend, gen
         if old is not None:
             self._graveyard.append(old)  # its pending ops end at its timeout, not before
@@ -203,7 +203,7 @@ class SurvivingGroup(dist.ProcessGroup):
         return self._gen
 
     @property
-    def backend(self) -> dist.ProcessGroup | None:
+    def backend(self) -> Any:
         return self._backend
 
     # --- what torch asks of a ProcessGroup ---

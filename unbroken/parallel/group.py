@@ -111,7 +111,11 @@ class AbortableWork(dist.Work):
         if not signal._track(self):
             self._fail(CollectiveAborted(f"{what} issued after the abort order ({signal.reason})"))
             return
-        inner.get_future().add_done_callback(self._inner_done)
+        try:
+            inner_future = inner.get_future()
+        except RuntimeError:  # gloo's _allgather_base/_reduce_scatter_base works have none:
+            return            # they complete through wait() / is_completed() polling
+        inner_future.add_done_callback(self._inner_done)
 
     def _complete(self, value: Any, error: BaseException | None) -> bool:
         with self._done_lock:
@@ -136,7 +140,20 @@ class AbortableWork(dist.Work):
             self._graveyard.append(self._inner)  # never dropped early: FACTS.md
 
     def is_completed(self) -> bool:
+        if not self._completed and self._inner is not None and self._inner.is_completed():
+            self._settle()
         return self._completed
+
+    def _settle(self) -> None:
+        """The backend work ended (seen by polling): take its result or error."""
+        self._signal._untrack(self)
+        try:
+            self._inner.wait()
+            value = self._inner.result()
+        except Exception as err:  # noqa: BLE001 - the op's error is the result
+            self._fail(err)
+            return
+        self._complete(value, None)
 
     def is_success(self) -> bool:
         return self._completed and self._error is None
@@ -150,6 +167,8 @@ class AbortableWork(dist.Work):
                 wait_all([self._inner], self._signal.is_set, self._graveyard, self._what)
             except Exception as err:  # noqa: BLE001 - aborted, or the backend's error
                 self._fail(err)
+            else:
+                self._settle()
         if self._error is not None:
             raise self._error
         return True
@@ -272,6 +291,21 @@ class SurvivingGroup(dist.ProcessGroup):
             output.view(-1, input.numel()).copy_(input.reshape(1, -1))
             return [output]
         return self._issue("_allgather_base", (output, input, *rest), local)
+
+    def all_gather_single(self, output, input, *rest):  # noqa: A002 - 2.13's Python-side name
+        return self._allgather_base(output, input, *rest)
+
+    def reduce_scatter_single(self, *args):  # 2.13's Python-side name of _reduce_scatter_base
+        return self._issue("_reduce_scatter_base", args, None)
+
+    def all_to_all_single(self, *args):  # 2.13's Python-side name of alltoall_base
+        return self._issue("alltoall_base", args, None)
+
+    def alltoall(self, *args):
+        return self._issue("alltoall", args, None)
+
+    def allgather_coalesced(self, *args):
+        return self._issue("allgather_coalesced", args, None)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, *rest):
         def local():

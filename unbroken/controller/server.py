@@ -29,6 +29,7 @@ from unbroken.controller import health, machine as sm
 from unbroken.controller.eventlog import EventLog
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.errors import CheckpointError, ConnectionClosed, ProtocolError
+from unbroken.ops.monitor import JobMonitor
 from unbroken.protocol import messages as m
 from unbroken.protocol.wire import Connection, Server
 from unbroken.recovery.restore_point import RankOffer, decide_restore
@@ -98,6 +99,9 @@ class Controller:
         self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep) if ckpt.save_dir else None
         self._server = Server(host, port, cfg.secret.encode(), self._on_connection)
         self._monitor = threading.Thread(target=self._monitor_loop, name="unbroken-hang-monitor", daemon=True)
+        self.live = JobMonitor(run_dir=cfg.run_dir, job_id=cfg.job_id, world_size=cfg.world_size, events=events,
+                               snapshot=self.snapshot, host=host, metrics_port=cfg.metrics_port)
+        events.listeners.append(self.live.on_record)  # status, metrics and the page follow the log
 
     @property
     def port(self) -> int:
@@ -110,6 +114,7 @@ class Controller:
     def start(self) -> None:
         self._server.start()
         self._monitor.start()
+        self.live.start()
         self.events.emit("controller_started", address=self.address, world_size=self.cfg.world_size,
                          nnodes=self.cfg.nnodes, max_restarts=self.cfg.max_restarts,
                          recover_strategy=list(self.cfg.recover_strategy))
@@ -131,6 +136,7 @@ class Controller:
         while self._agents and time.monotonic() < deadline:
             time.sleep(0.02)
         self._server.close()
+        self.live.close()
         self._stores.clear()
         self._store = None
 
@@ -297,6 +303,7 @@ class Controller:
                     w.last_progress_t, w.step = now, msg.step
                     w.steps_in_attempt += 1
                     w.metrics = dict(msg.metrics)
+                    self.live.on_step(rank, msg.step, w.metrics)
                     self._check_recovered()
                     if rank == 0:
                         self._check_stragglers(attempt)

@@ -72,6 +72,7 @@ def snapshot(job: Job, step: int) -> None:
             hold = ckpt.persist_every_steps if ckpt.save_dir else 0  # kept until the agent persisted it
             job._snapshots = SnapshotWriter(ckpt.shm_dir, job.cfg.job_id, job.rank, hold_every=hold)
         job._snapshots.write(step, job._state(), {"step": step})
+        job._metrics["shm_bytes"] = sum(p.stat().st_size for p in job._snapshots.paths if p.exists())
     except CheckpointError as exc:  # e.g. /dev/shm too small: storage checkpoints go on
         job._memory_tier = False
         _save_failed(job, step, exc)

@@ -196,19 +196,28 @@ class Job:
                 if not self._abort_step(index, exc):
                     raise
                 continue
-            yield index
+            try:
+                yield index
+            except GeneratorExit:  # the script left the loop early (`break`): no more step progress
+                self._report_finished()
+                raise
             if self._recovery_needed:
                 continue
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
             try:
+                ckpt_started = time.monotonic()
                 self._check_replicas()
                 checkpointing.after_step(self)
+                self._metrics["ckpt_s"] = time.monotonic() - ckpt_started  # the step's checkpoint stall
             except Exception as exc:  # a peer lost during the check or checkpoint, or an odd copy: recover
                 if not self._abort_step(index, exc):
                     raise
                 continue
             self._report_progress()
+        self._report_finished()
+
+    def _report_finished(self) -> None:
         if self._control is not None:  # past the loop: no step progress to expect any more
             self._control.progress(self._step, "finished", {})
 

@@ -128,8 +128,10 @@ def main() -> int:
     if args.kill_step >= 0:
         arm_kill(model, step_box, args.kill_step)
     facts = {"rank": args.rank, "pid": os.getpid(), "first_gen": args.gen, "recoveries": []}
+    if args.gen > 0:  # a replacement: tell the survivors it is ready (the controller's regroup order)
+        store.set(f"ready/{args.gen}", str(os.getpid()))
     fabric.switch(args.gen)
-    if not os.environ.get("NOWATCH"): watcher.start()
+    watcher.start()
     step = 0
     if args.gen > 0:  # a replacement: the state comes from a survivor
         step = _transfer(fabric, wrapped, opt, step, lost=[args.rank], facts=facts)
@@ -152,6 +154,7 @@ def main() -> int:
         while gen not in watcher.lost_by_gen:  # gloo saw the death first: wait for the order
             time.sleep(0.002)
         facts["recoveries"][-1]["left_s"] = time.monotonic() - aborted_at
+        store.wait([f"ready/{gen + 1}"], timedelta(seconds=300))  # the replacement has started
         facts["recoveries"][-1]["switch_s"] = fabric.switch(gen + 1)
         step = _transfer(fabric, wrapped, opt, step, lost=watcher.lost_by_gen[gen], facts=facts)
         facts["recoveries"][-1]["back_s"] = time.monotonic() - aborted_at

@@ -27,6 +27,7 @@ from typing import TextIO
 
 from unbroken.agent.persister import Persister
 from unbroken.checkpoint import shm_files
+from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
@@ -67,7 +68,8 @@ class Agent:
         self._spare: subprocess.Popen | None = None
         self._use_spare = bool({"recover-in-place", "recover"} & set(cfg.recover_strategy))
         ckpt = cfg.checkpoint
-        self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._local_ranks, self._report_persisted) \
+        self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._local_ranks, self._report_persisted,
+                                    run_id=run_id(cfg.secret, cfg.job_id)) \
             if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id else None
         self._world_size = 0  # the job's, from the controller's orders
         self._local_ranks: dict[int, int] = {}

@@ -48,6 +48,16 @@ def _prepare_run_dir(cfg: LaunchConfig) -> None:
         f.write(cfg.to_json() + "\n")
 
 
+def _log_checkpoint_dirs(cfg: LaunchConfig, events: EventLog) -> None:
+    """Event `checkpoint_dirs`: where this launch resumes from and saves to, and the notes."""
+    from unbroken.checkpoint.launch_dirs import check_launch_dirs
+
+    ckpt = cfg.checkpoint
+    if ckpt.save_dir or ckpt.load_dir:
+        events.emit("checkpoint_dirs", save_dir=ckpt.save_dir, load_dir=ckpt.load_dir,
+                    notes=check_launch_dirs(ckpt.save_dir, ckpt.load_dir))
+
+
 def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
             on_controller: Callable[[Controller], None] | None = None) -> JobResult:
     """Run this node's part of a job to its end. ``cfg`` must come from :func:`resolve`."""
@@ -57,6 +67,7 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     try:
         if cfg.node_rank == 0 and not cfg.standby:
             events = EventLog(cfg.run_dir)
+            _log_checkpoint_dirs(cfg, events)
             controller = Controller(cfg, host=cfg.master_addr, port=cfg.master_port, events=events)
             controller.start()
             if on_controller is not None:

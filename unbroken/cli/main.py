@@ -185,7 +185,11 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     from unbroken.agent.launcher import resolve, run_job
 
+    from unbroken.checkpoint.launch_dirs import check_launch_dirs
+
     cfg = resolve(launch_config(args))
+    for note in check_launch_dirs(cfg.checkpoint.save_dir, cfg.checkpoint.load_dir):  # before any worker
+        print(f"unbroken: {note}", file=sys.stderr)
     result = run_job(cfg, output=sys.stdout)
     if result.exit_code == 0:
         print(f"unbroken: job finished: {result.reason} (run dir {result.run_dir})")

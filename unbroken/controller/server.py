@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.config import LaunchConfig
 from unbroken.controller import health, machine as sm
 from unbroken.controller.eventlog import EventLog
@@ -96,8 +97,11 @@ class Controller:
         self._restore_offers: dict[tuple[int, int], dict[int, RankOffer]] = {}
         self._restore_steps: dict[tuple[int, int], int] = {}
         ckpt = cfg.checkpoint
-        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep) if ckpt.save_dir else None
-        self._server = Server(host, port, cfg.secret.encode(), self._on_connection)
+        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=run_id(cfg.secret, cfg.job_id)) \
+            if ckpt.save_dir else None
+        self._server = Server(host, port, cfg.secret.encode(), self._on_connection,
+                              on_failed_handshakes=lambda count, last: self.events.emit(
+                                  "handshakes_failed", count=count, last=last))
         self._monitor = threading.Thread(target=self._monitor_loop, name="unbroken-hang-monitor", daemon=True)
         self.live = JobMonitor(run_dir=cfg.run_dir, job_id=cfg.job_id, world_size=cfg.world_size, events=events,
                                snapshot=self.snapshot, host=host, metrics_port=cfg.metrics_port)

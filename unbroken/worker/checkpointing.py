@@ -27,7 +27,7 @@ import torch
 
 from unbroken.checkpoint.memory import SnapshotWriter
 from unbroken.checkpoint.shm_files import check_shm_capacity, estimate_snapshot_bytes
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, ShmCapacityError
 
 if TYPE_CHECKING:
     from unbroken.worker.session import Job
@@ -37,12 +37,24 @@ log = logging.getLogger(__name__)
 
 def check_capacity(job: Job) -> None:
     """Before the first step: ShmCapacityError unless the memory-tier slots of every rank on
-    this node fit in the shm dir, with the optimizers' state as after their first step."""
+    this node fit in the shm dir, with the optimizers' state as after their first step.
+
+    Only a new launch (attempt 0) fails on it, before training. A job restart mid-run degrades
+    instead: the memory tier is off for this attempt (storage checkpoints go on), said once."""
     ckpt = job.cfg.checkpoint
     optimizers = [o for o in job._tracked.values() if isinstance(o, torch.optim.Optimizer)]
     snapshot_bytes = estimate_snapshot_bytes(job._state(), optimizers)
-    needed = check_shm_capacity(ckpt.shm_dir, job.cfg.job_id, rank=job.rank, snapshot_bytes=snapshot_bytes,
-                                local_world_size=job.cfg.local_world_size)
+    try:
+        needed = check_shm_capacity(ckpt.shm_dir, job.cfg.job_id, rank=job.rank, snapshot_bytes=snapshot_bytes,
+                                    local_world_size=job.cfg.local_world_size)
+    except ShmCapacityError as exc:
+        if job.attempt == 0:
+            raise
+        job._memory_tier = False
+        job._event("memory_tier_off", step=job._step, reason=str(exc))
+        log.warning("rank %d: the memory tier is off for this attempt (%d), storage checkpoints go on: %s",
+                    job.rank, job.attempt, exc)
+        return
     log.info("rank %d: memory tier fits in %s: about %d bytes per snapshot, %d bytes for the node's "
              "%d rank(s)", job.rank, ckpt.shm_dir, snapshot_bytes, needed, job.cfg.local_world_size)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NoReturn
 import torch
 import torch.distributed as dist
 
+from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_env
 from unbroken.errors import EXIT_FATAL, CheckpointError, CollectiveAborted, ConfigError, FatalError, StateDamaged
@@ -81,7 +82,7 @@ class Job:
         self._owns_default_group = False
         self._control = self._build_control()
         self._injector = self._build_injector()
-        self._storage = self._build_storage()
+        self._storage, self._load_storage = self._build_storage()
         self._snapshots: SnapshotWriter | None = None  # the memory tier, built at the first snapshot
         self._memory_tier = self._control is not None and bool(cfg.job_id) and cfg.checkpoint.every_steps > 0
         self._build_process_group(backend or _default_backend(self.device))
@@ -112,9 +113,12 @@ class Job:
             claim = file_claim(self.cfg.run_dir)
         return FaultInjector(faults, self.rank, claim, tracked=lambda: self._tracked, degraded=self.report_degraded)
 
-    def _build_storage(self) -> StorageTier | None:
+    def _build_storage(self) -> tuple[StorageTier | None, StorageTier | None]:
+        """(where this run saves, --load's directory); restore picks from them by attempt."""
         ckpt = self.cfg.checkpoint
-        return StorageTier(ckpt.resume_dir, keep=ckpt.keep) if ckpt.resume_dir else None
+        own = run_id(self.cfg.secret, self.cfg.job_id)
+        save = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=own) if ckpt.save_dir else None
+        return save, StorageTier(ckpt.load_dir) if ckpt.load_dir else None
 
     def _build_process_group(self, backend: str) -> None:
         timeout = timedelta(seconds=self.cfg.pg_timeout_s)

@@ -16,11 +16,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from unbroken.errors import ConfigError
+from unbroken.names import RUNGS, Rung
 
-#: Strategies of the recovery ladder, cheapest first (DESIGN.md section 6).
-STRATEGIES = ("retry", "recover-in-place", "recover", "elastic", "dump", "exit")
-#: Strategies this version can carry out.
-IMPLEMENTED_STRATEGIES = ("retry", "recover-in-place", "recover", "exit")
 
 # Environment variables the launcher sets for its workers (beyond torchrun's own).
 ENV_CONTROLLER = "UNBROKEN_CONTROLLER"  # host:port of the controller
@@ -123,7 +120,7 @@ class LaunchConfig:
     secret: str = ""
     job_id: str = ""
     inject: str = ""
-    recover_strategy: tuple[str, ...] = ("retry", "recover-in-place", "recover", "exit")
+    recover_strategy: tuple[str, ...] = (Rung.RETRY, Rung.RECOVER_IN_PLACE, Rung.RECOVER, Rung.EXIT)
     recovery_timeout_s: float = 60.0
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
     no_replica_restore: bool = False  # never restore from replicas: checkpoints only (seeds' no-replica)
@@ -156,8 +153,8 @@ class LaunchConfig:
         _require(self.pg_timeout_s > 0, f"--pg-timeout-s must be > 0, got {self.pg_timeout_s}")
         _require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         for name in self.recover_strategy:
-            _require(name in STRATEGIES,
-                     f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(STRATEGIES)})")
+            _require(name in RUNGS,
+                     f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(RUNGS)})")
         _require(bool(self.recover_strategy), "--recover-strategy must name at least one strategy")
         _require(self.sdc_check_every_steps >= 0,
                  f"--sdc-check-every-steps must be >= 0 (0: off), got {self.sdc_check_every_steps}")
@@ -183,9 +180,9 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     """Parse ``--recover-strategy`` / the ``recover-strategy`` annotation: a comma list."""
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     for name in names:
-        _require(name in STRATEGIES,
-                 f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(STRATEGIES)})")
-    _require(bool(names), f"--recover-strategy: empty list (allowed: {', '.join(STRATEGIES)})")
+        _require(name in RUNGS,
+                 f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(RUNGS)})")
+    _require(bool(names), f"--recover-strategy: empty list (allowed: {', '.join(RUNGS)})")
     return names
 
 

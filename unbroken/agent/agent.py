@@ -31,6 +31,7 @@ from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
 from unbroken.protocol.wire import Connection, connect
+from unbroken.names import REPLACING_RUNGS
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class Agent:
         self._store_addr: tuple[str, int] = ("", 0)
         self.standby = cfg.standby
         self._spare: subprocess.Popen | None = None
-        self._use_spare = bool({"recover-in-place", "recover"} & set(cfg.recover_strategy))
+        self._use_spare = bool(REPLACING_RUNGS & set(cfg.recover_strategy))
         ckpt = cfg.checkpoint
         self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._local_ranks, self._report_persisted) \
             if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id else None

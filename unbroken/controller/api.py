@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from unbroken.names import Phase, Rung
+
 
 class JobPhase(enum.Enum):
     STARTING = "starting"
@@ -118,7 +120,7 @@ class WorkerPaused:
     rank: int
     attempt: int
     step: int
-    phase: str = "compute"
+    phase: str = Phase.COMPUTE
 
 
 @dataclass(frozen=True)
@@ -288,7 +290,7 @@ class JobState:
     world_size: int
     nnodes: int
     max_restarts: int
-    allowed: tuple[str, ...] = ("exit",)
+    allowed: tuple[str, ...] = (Rung.EXIT,)
     phase: JobPhase = JobPhase.STARTING
     attempt: int = 0
     restarts_used: int = 0

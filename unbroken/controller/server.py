@@ -29,6 +29,7 @@ from unbroken.controller import health, machine as sm
 from unbroken.controller.eventlog import EventLog
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.errors import CheckpointError, ConnectionClosed, ProtocolError
+from unbroken.names import LIVE_WORKER_STATES, STEP_PHASES, Phase, Rung, WorkerState
 from unbroken.protocol import messages as m
 from unbroken.protocol.wire import Connection, Server
 from unbroken.recovery.restore_point import RankOffer, decide_restore
@@ -48,12 +49,12 @@ class WorkerView:
     started_t: float = 0.0
     last_progress_t: float = 0.0
     step: int | None = None  # steps completed, as last reported
-    phase: str = "starting"
+    phase: str = Phase.STARTING
     steps_in_attempt: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     compute_t: float = 0.0  # when the step in flight began (its 'compute' report)
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))
-    state: str = "starting"  # starting | running | finished | failed | stopped
+    state: WorkerState = WorkerState.STARTING
     conn: Connection | None = None
 
 
@@ -205,7 +206,7 @@ class Controller:
                 w = self._workers[msg.rank]
                 now = time.monotonic()
                 w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
-                w.step, w.phase, w.state, w.steps_in_attempt = None, "starting", "starting", 0
+                w.step, w.phase, w.state, w.steps_in_attempt = None, Phase.STARTING, WorkerState.STARTING, 0
                 w.compute_s.clear()
                 self.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
             elif isinstance(msg, m.WorkerExited):
@@ -244,7 +245,7 @@ class Controller:
         w = self._workers[msg.rank]
         if msg.attempt != self._state.attempt:
             return
-        w.state = "finished" if msg.exit_code == 0 else "failed"
+        w.state = WorkerState.FINISHED if msg.exit_code == 0 else WorkerState.FAILED
         if msg.exit_code != 0:
             self._fault_began(time.monotonic())
         self.events.emit("worker_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
@@ -263,7 +264,7 @@ class Controller:
             if first.attempt != self._state.attempt or (w.pid and first.pid != w.pid):
                 self.events.emit("worker_fenced", rank=first.rank, pid=first.pid, attempt=first.attempt)
                 return
-            w.conn, w.state = conn, "running"
+            w.conn, w.state = conn, WorkerState.RUNNING
             if first.replacement:
                 self._on_replacement_joined(first.rank, first.gen)
         while True:
@@ -283,14 +284,14 @@ class Controller:
                 return  # a connection of a process this rank no longer is
             if isinstance(msg, m.Progress):
                 w.phase = msg.phase
-                if msg.phase == "finished":
-                    w.state = "finishing"
-                elif msg.phase == "compute":
+                if msg.phase == Phase.FINISHED:
+                    w.state = WorkerState.FINISHING
+                elif msg.phase == Phase.COMPUTE:
                     w.compute_t = time.monotonic()
-                elif msg.phase == "sync" and w.compute_t:
+                elif msg.phase == Phase.SYNC and w.compute_t:
                     w.compute_s.append(time.monotonic() - w.compute_t)
                     w.compute_t = 0.0
-                if msg.phase == "done":  # a completed step: the progress the hang monitor watches
+                if msg.phase == Phase.DONE:  # a completed step: the progress the hang monitor watches
                     now = time.monotonic()
                     if w.steps_in_attempt:
                         self._step_times.append(now - w.last_progress_t)
@@ -322,7 +323,7 @@ class Controller:
                 self._apply(sm.SessionReady(rank, attempt, msg.num_replicas))
             elif isinstance(msg, m.Paused):
                 self.events.emit("worker_paused", rank=rank, gen=msg.gen, step=msg.step, phase=msg.phase)
-                phase = msg.phase if msg.phase in ("compute", "sync", "update", "done") else "compute"
+                phase = msg.phase if msg.phase in STEP_PHASES else Phase.COMPUTE
                 self._apply(sm.WorkerPaused(rank, attempt, msg.step, phase))
             elif isinstance(msg, m.WorkerRegister) and msg.replacement:
                 self._on_replacement_joined(rank, msg.gen)
@@ -403,13 +404,13 @@ class Controller:
 
     def _check_hangs(self, now: float) -> None:
         live = [w for w in self._workers.values()
-                if w.attempt == self._state.attempt and w.state in ("starting", "running")]
+                if w.attempt == self._state.attempt and w.state in LIVE_WORKER_STATES]
         hung = [w for w in live if now - w.last_progress_t > self.hang_timeout_s(w)]
         if not hung:
             return
         # Ranks blocked in a collective ('sync') are usually waiting for the hung one:
         # suspect the others first, the longest silent first.
-        w = min(hung, key=lambda v: (v.phase == "sync", v.last_progress_t))
+        w = min(hung, key=lambda v: (v.phase == Phase.SYNC, v.last_progress_t))
         silent = now - w.last_progress_t
         self._fault_began(w.last_progress_t)  # the hang began when its progress stopped, not when we noticed
         self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(silent, 3),
@@ -438,7 +439,7 @@ class Controller:
                 f = action.failure
                 self.events.emit("decision", rung=action.rung, rank=f.rank, kind=f.kind, step=f.step,
                                  attempt=f.attempt, committed_step=self._state.committed_step, reason=action.reason)
-                if action.rung != "recover-in-place":
+                if action.rung != Rung.RECOVER_IN_PLACE:
                     self._recovery_deadline = None
             elif isinstance(action, sm.CommitStep):
                 self._to_workers(m.CommitStep(gen=action.gen, step=action.step))
@@ -450,7 +451,7 @@ class Controller:
             elif isinstance(action, sm.RestartRanks):
                 for rank in sorted(action.ranks):
                     w = self._workers[rank]
-                    w.state, w.conn, w.pid = "starting", None, 0
+                    w.state, w.conn, w.pid = WorkerState.STARTING, None, 0
                     self.events.emit("restart_worker", rank=rank, gen=action.gen, agent=action.agent)
                     self._send_to_node(action.agent, m.RestartWorker(
                         rank=rank, attempt=self._state.attempt, gen=action.gen,
@@ -496,7 +497,7 @@ class Controller:
 
     def _to_workers(self, msg: m.Message) -> None:
         for w in self._workers.values():
-            if w.conn is not None and w.state in ("starting", "running"):
+            if w.conn is not None and w.state in LIVE_WORKER_STATES:
                 try:
                     w.conn.send(msg)
                 except (OSError, ProtocolError) as exc:
@@ -508,7 +509,7 @@ class Controller:
         self._stores = [store]  # the previous attempt's store goes: all its workers are dead
         self._store = store
         for w in self._workers.values():
-            w.state, w.steps_in_attempt = "starting", 0
+            w.state, w.steps_in_attempt = WorkerState.STARTING, 0
         self.events.emit("attempt_started", attempt=attempt, store_port=store.port)
         for agent in sorted(self._state.hosts()):
             ranks = [r for r in range(self.cfg.world_size) if self._state.agent_of(r) == agent]

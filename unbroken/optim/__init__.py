@@ -6,7 +6,7 @@
   of training state; pure, for recovery planning.
 """
 
-from unbroken.optim.replica_map import Piece, ReplicaMap
+from unbroken.recovery.replica_map import Piece, ReplicaMap
 from unbroken.optim.sharded import ShardedOptimizer
 
 __all__ = ["Piece", "ReplicaMap", "ShardedOptimizer"]

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from unbroken.errors import NoLiveReplica
-from unbroken.optim.comm import wait_all
-from unbroken.optim.replica_map import Piece
-from unbroken.recovery.transfer import broadcast_state
+from unbroken.comm.wait import wait_all
+from unbroken.recovery.replica_map import Piece
+from unbroken.comm.transfer import broadcast_state
 
 if TYPE_CHECKING:
     from unbroken.optim.sharded import ShardedOptimizer

@@ -2,7 +2,7 @@
 
 :class:`ShardedOptimizer` wraps any *elementwise* torch optimizer (AdamW, Adam, SGD with
 momentum, RMSprop, Adagrad, ... -- not ones that look at whole tensors, such as LBFGS or a
-layer-wise trust ratio). Layout (see :mod:`unbroken.optim.replica_map`): the d data-parallel
+layer-wise trust ratio). Layout (see :mod:`unbroken.recovery.replica_map`): the d data-parallel
 ranks form N = ``num_replicas`` blocks of d/N ranks; rank r updates shard ``r % (d/N)`` of
 the flat parameter space, and the N ranks with the same shard hold identical state.
 
@@ -55,10 +55,10 @@ from torch import nn
 
 from unbroken.errors import CollectiveAborted, OptimizerError
 from unbroken.optim import repair, statedict
-from unbroken.optim.comm import AbortCheck, wait_all
+from unbroken.comm.wait import AbortCheck, wait_all
 from unbroken.optim.layout import FlatLayout
 from unbroken.optim.params import checksum, collect_groups, param_names
-from unbroken.optim.replica_map import ReplicaMap
+from unbroken.recovery.replica_map import ReplicaMap
 
 PhaseCallback = Callable[[str, int], None]
 
@@ -88,7 +88,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.on_phase = on_phase
         self.should_abort = should_abort
         self.defer_aborted_gather = False  # set by an unbroken session: see step()
-        self.abandoned_work: list[dist.Work] = []  # the graveyard: see unbroken.optim.comm
+        self.abandoned_work: list[dist.Work] = []  # the graveyard: see unbroken.comm.wait
         self.retired_groups: list[dist.ProcessGroup] = []  # replaced by set_process_group()
         self.step_count = 0
         self._grads_synced = False
@@ -178,6 +178,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # groups and the state are then the wrapped optimizer's very objects.
         super().__init__([{"params": [piece]} for piece in self._pieces], {})
         self._link_inner()
+
+    @property
+    def wrapped(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer over this rank's shard (its groups and state are this one's)."""
+        return self._inner
 
     def _link_inner(self) -> None:
         self.defaults = self._inner.defaults

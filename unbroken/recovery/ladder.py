@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-RUNGS = ("retry", "recover-in-place", "recover", "elastic", "dump", "exit")
+from unbroken.names import RUNGS, Rung
+
 GIVE_UP = "give-up"
 
 
@@ -23,6 +24,6 @@ def choose_rung(allowed: Sequence[str], feasible: Mapping[str, bool], *, after: 
     """
     start = RUNGS.index(after) + 1 if after else 0
     for rung in RUNGS[start:]:
-        if (rung in allowed or rung == "exit") and feasible.get(rung, False):
+        if (rung in allowed or rung == Rung.EXIT) and feasible.get(rung, False):
             return rung
     return GIVE_UP

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from unbroken.checkpoint.memory import SnapshotWriter
-from unbroken.checkpoint.shm_files import check_shm_capacity, estimate_snapshot_bytes
+from unbroken.checkpoint.capacity import check_shm_capacity, estimate_snapshot_bytes
 from unbroken.errors import CheckpointError
 
 if TYPE_CHECKING:

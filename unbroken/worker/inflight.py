@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from unbroken.errors import CheckpointError, JobFailed
 from unbroken.protocol.messages import Dump, Regroup
-from unbroken.recovery.transfer import broadcast_state
+from unbroken.comm.transfer import broadcast_state
 from unbroken.worker import rng as rng_state
 
 if TYPE_CHECKING:

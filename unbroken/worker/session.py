@@ -29,7 +29,7 @@ from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_e
 from unbroken.errors import EXIT_FATAL, CheckpointError, CollectiveAborted, ConfigError, FatalError, StateDamaged
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
-from unbroken.optim.comm import wait_all
+from unbroken.comm.wait import wait_all
 from unbroken.worker import checkpointing, inflight, integrity, restore, rng
 from unbroken.worker.control import ControlClient
 

@@ -56,14 +56,12 @@ from torch import nn
 from unbroken.errors import CollectiveAborted, OptimizerError
 from unbroken.optim import repair, statedict
 from unbroken.comm.wait import AbortCheck, wait_all
+from unbroken.worker.api import PhaseCallback, RecoverableState, SessionHooks
 from unbroken.optim.layout import FlatLayout
 from unbroken.optim.params import checksum, collect_groups, param_names
 from unbroken.recovery.replica_map import ReplicaMap
 
-PhaseCallback = Callable[[str, int], None]
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
     """ZeRO-1 with ``num_replicas`` copies of every optimizer shard. See the module docstring.
 
     ``params`` is a module (recommended: then a parameter added after construction is
@@ -88,7 +86,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.on_phase = on_phase
         self.should_abort = should_abort
         self.defer_aborted_gather = False  # set by an unbroken session: see step()
-        self.abandoned_work: list[dist.Work] = []  # the graveyard: see unbroken.comm.wait
+        self._abandoned_work: list[dist.Work] = []  # the graveyard: see unbroken.comm.wait
         self.retired_groups: list[dist.ProcessGroup] = []  # replaced by set_process_group()
         self.step_count = 0
         self._grads_synced = False
@@ -114,7 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank = process_group.rank() if process_group is not None else 0
         self.world_size = process_group.size() if process_group is not None else 1
         self.replica_map = ReplicaMap(self.world_size, num_replicas)  # validates num_replicas
-        self.num_replicas = num_replicas
+        self._num_replicas = num_replicas
         self.shard_index = self.replica_map.shard_of(self.rank)
 
     def _build_flat(self, bucket_bytes: int) -> None:
@@ -271,13 +269,51 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.process_group = self._gather_group = None
         self.retired_groups = []
 
+    @torch.no_grad()
     def recover(self, replaced: Iterable[int]) -> None:
         """Collective on the current (new) group after ranks were lost: see :mod:`unbroken.optim.repair`."""
-        repair.recover(self, replaced)
+        replaced = set(replaced)
+        sources = repair.shard_sources(self, replaced)
+        if self._gather_pending:  # committed and updated here; the gather below completes it
+            self._gather_pending = False
+            self.step_count += 1
+        repair.send_shards(self, sources, replaced)
+        repair.gather_params(self, sources)
+        self.step_count = repair.agree_step_count(self)
+        self.zero_grad(set_to_none=True)
+        self._validated = True  # the parameters are the holders' own: no first-step check
+
+    def attach(self, hooks: SessionHooks) -> None:
+        """An unbroken session's hooks (see :class:`unbroken.worker.api.RecoverableState`)."""
+        if self.on_phase is None:
+            self.on_phase = hooks.on_phase
+        if self.should_abort is None:
+            self.should_abort = hooks.should_abort
+        self.defer_aborted_gather = self.defer_aborted_gather or hooks.defer_completion
+
+    @property
+    def num_replicas(self) -> int:
+        """Copies of every optimizer shard (ranks holding it): see :mod:`unbroken.recovery.replica_map`."""
+        return self._num_replicas
+
+    @property
+    def abandoned_work(self) -> list[dist.Work]:
+        """Collective work left pending on an abort (the graveyard: see :mod:`unbroken.comm.wait`)."""
+        return self._abandoned_work
+
+    @property
+    def flat_param(self) -> torch.Tensor:
+        """The flat buffer every trainable parameter is a view of (the layout's order)."""
+        return self._flat_param
 
     @property
     def gather_pending(self) -> bool:
         """True when the last step's parameter gather was cut by a fault (the step itself committed)."""
+        return self._gather_pending
+
+    @property
+    def step_pending(self) -> bool:
+        """The contract's name for :attr:`gather_pending` (the completion of this step is the gather)."""
         return self._gather_pending
 
     def finish_step(self) -> None:
@@ -448,7 +484,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> dict[str, Any]:
         """Optimizer memory on this rank, measured, next to the formula (module docstring)."""
-        return statedict.memory_report(self)
+        return statedict.memory_report(self.layout, [self._inner.state.get(p, {}) for p in self._pieces],
+                                       shard_index=self.shard_index,
+                                       param_element_bytes=self._flat_param.element_size())
 
 
 def _plain(value: Any) -> Any:

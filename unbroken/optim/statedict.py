@@ -22,7 +22,6 @@ from unbroken.optim.layout import FlatLayout
 
 if TYPE_CHECKING:
     from unbroken.optim.params import ParamGroup
-    from unbroken.optim.sharded import ShardedOptimizer
 
 
 def is_flat_state(value: Any) -> bool:
@@ -131,25 +130,26 @@ def _piece_state(g: int, group: ParamGroup, entries: list[dict[str, Any]], layou
     return out
 
 
-def memory_report(opt: ShardedOptimizer) -> dict[str, Any]:
-    """Measured optimizer memory of this rank, and the formula it should equal."""
-    layout = opt.layout
+def memory_report(layout: FlatLayout, piece_states: list[dict[str, Any]], *, shard_index: int,
+                  param_element_bytes: int) -> dict[str, Any]:
+    """Measured optimizer memory of this rank (``piece_states``: the state of each of its shard
+    pieces), and the formula it should equal."""
     flat_bytes = scalar_bytes = 0
     per_element = 0
-    for piece in opt._pieces:
-        for value in opt.state.get(piece, {}).values():
+    for state in piece_states:
+        for value in state.values():
             if is_flat_state(value):
                 flat_bytes += value.nbytes
             elif isinstance(value, torch.Tensor):
                 scalar_bytes += value.nbytes
         if not per_element:
-            per_element = sum(v.element_size() for v in opt.state.get(piece, {}).values() if is_flat_state(v))
-    start, end = layout.shard_range(opt.shard_index)
+            per_element = sum(v.element_size() for v in state.values() if is_flat_state(v))
+    start, end = layout.shard_range(shard_index)
     numel = layout.numel
-    n, d = opt.num_replicas, opt.world_size
-    param_bytes = numel * opt._flat_param.element_size()
+    n, d = layout.num_replicas, layout.world_size
+    param_bytes = numel * param_element_bytes
     return {
-        "world_size": d, "num_replicas": n, "num_shards": layout.num_shards, "shard_index": opt.shard_index,
+        "world_size": d, "num_replicas": n, "num_shards": layout.num_shards, "shard_index": shard_index,
         "num_params": numel,
         "shard_numel": end - start,
         "state_bytes_per_element": per_element,

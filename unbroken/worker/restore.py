@@ -1,7 +1,7 @@
 """Restore at a job (re)start: every rank agrees on one step, then loads it.
 
 Runs in the training thread of each rank, inside :meth:`unbroken.worker.session.Job.steps`,
-once per process (a replacement process of an in-flight recovery does not come here: it
+once per process, with narrow collaborators (:class:`RestoreSources`, the tracked state) (a replacement process of an in-flight recovery does not come here: it
 receives its state from replicas, see :mod:`unbroken.worker.inflight`).
 
 Sources of a rank, fastest first: its own node's shared-memory snapshots (the memory
@@ -24,87 +24,99 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from unbroken.checkpoint.memory_reader import SnapshotReader
+from unbroken.checkpoint.storage import StorageTier
 from unbroken.errors import CheckpointError, FatalError, JobFailed, NoCheckpoint
-
-if TYPE_CHECKING:
-    from unbroken.worker.session import Job
+from unbroken.worker.control import ControlClient
+from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
 
 
-def restore(job: Job) -> int:
+@dataclass(frozen=True)
+class RestoreSources:
+    """What one rank restores from and with whom it agrees (the session builds it)."""
+
+    rank: int
+    attempt: int
+    recovery_timeout_s: float
+    memory: SnapshotReader | None  # this node's shared-memory snapshots (under `unbroken run`)
+    storage: StorageTier | None
+    control: ControlClient | None  # the controller decides the step; None: the ranks agree by all_min
+    all_min: Callable[[int], int]  # an all-reduce MIN over every rank
+
+
+def restore(src: RestoreSources, tracked: TrackedState, event: Callable[..., None]) -> int:
     """Agree on the step to resume from, load it into the tracked state; return the step
     (0 when there is nothing to restore)."""
-    memory = SnapshotReader(job.cfg.checkpoint.shm_dir, job.cfg.job_id, job.rank) \
-        if job._control is not None and job.cfg.job_id else None
-    if memory is None and job._storage is None:
+    if src.memory is None and src.storage is None:
         return 0
     started = time.monotonic()
     bound: int | None = None  # the newest step this rank may still offer
     round_ = 0
     while True:
-        agreed = _agree(job, memory, round_, bound)
+        agreed = _agree(src, round_, bound)
         if agreed < 0:
-            if round_ and memory is not None:  # a failed load may have written into the tensors: no fresh start
-                raise FatalError(f"rank {job.rank}: no checkpoint step could be loaded by every rank (the "
+            if round_ and src.memory is not None:  # a failed load may have written into the tensors: no fresh start
+                raise FatalError(f"rank {src.rank}: no checkpoint step could be loaded by every rank (the "
                                  "newest ones failed their checksums) and the tracked state may hold part of "
                                  "one; not starting from scratch. See `unbroken ckpt verify` and events.jsonl")
             return 0
-        loaded = _load_step(job, memory, agreed)
-        if job._all_min(1 if loaded else 0):
+        loaded = _load_step(src, tracked, agreed)
+        if src.all_min(1 if loaded else 0):
             break
         bound = agreed if loaded else agreed - 1  # someone could not load it: go older
         round_ += 1
     state, tier = loaded
-    job._load_state(state)
+    tracked.load_tree(state)
     seconds = time.monotonic() - started
-    log.info("rank %d: restored step %d from %s in %.3f s", job.rank, agreed, tier, seconds)
-    job._event("restored", step=agreed, tier=tier, seconds=seconds)
+    log.info("rank %d: restored step %d from %s in %.3f s", src.rank, agreed, tier, seconds)
+    event("restored", step=agreed, tier=tier, seconds=seconds)
     return agreed
 
 
-def _agree(job: Job, memory: SnapshotReader | None, round_: int, bound: int | None) -> int:
+def _agree(src: RestoreSources, round_: int, bound: int | None) -> int:
     """The step every rank loads in round ``round_`` (-1: none, start fresh)."""
-    if job._control is None:
-        return job._all_min(_newest_available(job, memory, bound))
-    memory_steps = sorted({s for s, _ in memory.committed() if bound is None or s <= bound}, reverse=True) \
-        if memory is not None else []
+    if src.control is None:
+        return src.all_min(_newest_available(src, bound))
+    memory_steps = sorted({s for s, _ in src.memory.committed() if bound is None or s <= bound}, reverse=True) \
+        if src.memory is not None else []
     # Listed by metadata only (cheap); a file that rotted in place fails its checksum at
     # load, and the next round goes older.
-    storage_steps = job._storage.loadable_steps(job.rank, at_or_below=bound) if job._storage is not None else []
-    timeout_s = job.cfg.recovery_timeout_s
-    step = job._control.restore_at(round_, memory_steps, storage_steps, timeout_s)
+    storage_steps = src.storage.loadable_steps(src.rank, at_or_below=bound) if src.storage is not None else []
+    timeout_s = src.recovery_timeout_s
+    step = src.control.restore_at(round_, memory_steps, storage_steps, timeout_s)
     if step is None:
-        raise JobFailed(f"rank {job.rank}: no restore decision from the controller within {timeout_s:.0f} s "
-                        f"(attempt {job.attempt}, round {round_}; offered memory steps {memory_steps}, storage "
+        raise JobFailed(f"rank {src.rank}: no restore decision from the controller within {timeout_s:.0f} s "
+                        f"(attempt {src.attempt}, round {round_}; offered memory steps {memory_steps}, storage "
                         f"steps {storage_steps}); the controller is gone or another rank never offered. "
                         "The setting is --recovery-timeout-s; the controller's events.jsonl says more")
     return step
 
 
-def _newest_available(job: Job, memory: SnapshotReader | None, bound: int | None) -> int:
-    steps = [s for s, _ in memory.committed()] if memory is not None else []
-    stored = job._storage.newest_loadable_step(job.rank, at_or_below=bound) if job._storage else None
+def _newest_available(src: RestoreSources, bound: int | None) -> int:
+    steps = [s for s, _ in src.memory.committed()] if src.memory is not None else []
+    stored = src.storage.newest_loadable_step(src.rank, at_or_below=bound) if src.storage else None
     candidates = [s for s in steps if bound is None or s <= bound] + ([stored] if stored is not None else [])
     return max(candidates, default=-1)
 
 
-def _load_step(job: Job, memory: SnapshotReader | None, step: int) -> tuple[dict, str] | None:
+def _load_step(src: RestoreSources, tracked: TrackedState, step: int) -> tuple[dict, str] | None:
     """(state, tier) of ``step`` for this rank, memory first, else storage; None if neither loads it."""
-    if memory is not None:
+    if src.memory is not None:
         try:
             # Straight into the tensors of the freshly built model and optimizer: no new
             # allocation (page faults). If it fails, another step is loaded over them.
-            return memory.load(step, into=job._state())[0], "memory"
+            return src.memory.load(step, into=tracked.tree())[0], "memory"
         except (NoCheckpoint, CheckpointError) as exc:
             if not isinstance(exc, NoCheckpoint):
-                log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", job.rank, step, exc)
-    if job._storage is not None:
+                log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", src.rank, step, exc)
+    if src.storage is not None:
         try:
-            return job._storage.load_rank(step, job.rank)[0], "storage"
+            return src.storage.load_rank(step, src.rank)[0], "storage"
         except CheckpointError as exc:
-            log.warning("rank %d: checkpoint of step %d unusable: %s", job.rank, step, exc)
+            log.warning("rank %d: checkpoint of step %d unusable: %s", src.rank, step, exc)
     return None

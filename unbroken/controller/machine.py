@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from unbroken.controller import commits
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
-    JobPhase, Failure, AgentJoined, WorkerExited, WorkerHung, AgentStopped, AgentLost,
+    JobPhase, Failure, AgentJoined, RankExited, WorkerHung, AgentStopped, AgentLost,
     StandbyJoined, SessionReady, StepSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
-    WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, StartAttempt, StopAttempt, KillWorker, Decide,
-    Finish, CommitStep, AbortGeneration, RestartRanks, Regroup, Recovered, DumpOrder, CommitDump,
-    Recovery, JobState, Event, Action)
+    WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, StartAttempt,
+    StopAttempt, KillRank, Decide, Finish, CommitStep, AbortGeneration, RestartRanks, OrderRegroup, Recovered,
+    DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobState,
+    Event, Action)
 from unbroken.errors import EXIT_FATAL
 from unbroken.recovery.replica_map import ReplicaMap
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
@@ -49,6 +51,8 @@ def _replace(state: JobState, **changes) -> JobState:
 
 def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     """Apply one event to the job state; return the new state and what to do."""
+    if isinstance(event, (RestoreOffered, StepPersisted)):  # in any phase: see unbroken.controller.commits
+        return commits.transition(state, event)
     if state.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED):
         return state, []
     if isinstance(event, AgentJoined):
@@ -59,8 +63,8 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         if event.attempt != state.attempt or state.phase is not JobPhase.RUNNING or state.hung_ranks:
             return state, []
         reason = f"rank {event.rank} made no step progress for {event.silent_s:.1f} s"
-        return _replace(state, hung_ranks=state.hung_ranks | {event.rank}), [KillWorker(event.rank, reason)]
-    if isinstance(event, WorkerExited):
+        return _replace(state, hung_ranks=state.hung_ranks | {event.rank}), [KillRank(event.rank, reason)]
+    if isinstance(event, RankExited):
         return _on_worker_exited(state, event)
     if isinstance(event, AgentStopped):
         return _on_agent_stopped(state, event)
@@ -80,7 +84,7 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
             # Found by a second rank before the regroup: it receives its state from replicas too.
             return _replace(state, recovery=dataclasses.replace(rec, replaced=rec.replaced | {event.rank})), []
         if state.phase is not JobPhase.RUNNING:
-            return state, [KillWorker(event.rank, f"state damaged during a recovery: {event.what}")]
+            return state, [KillRank(event.rank, f"state damaged during a recovery: {event.what}")]
         kind = event.kind if event.kind in RETRY_KINDS else "memory-fault"
         return _recover(state, Failure(rank=event.rank, attempt=event.attempt, kind=kind, step=event.step))
     if isinstance(event, StepDumped):
@@ -99,7 +103,7 @@ def _on_agent_joined(state: JobState, event: AgentJoined) -> tuple[JobState, lis
     return state, []
 
 
-def _on_worker_exited(state: JobState, event: WorkerExited) -> tuple[JobState, list[Action]]:
+def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, list[Action]]:
     if event.attempt != state.attempt or state.phase not in (JobPhase.RUNNING, JobPhase.RECOVERING):
         return state, []  # a worker of an attempt that is already being stopped
     if event.exit_code == 0 and state.phase is JobPhase.RECOVERING:
@@ -191,7 +195,7 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     if failure.kind in RETRY_KINDS and rung != Rung.RETRY:
         # Not repairable in place: the damaged process goes, and its exit takes the ladder on.
         return state, [Decide(rung, failure, f"{failure.describe()}; no retry ({why})"),
-                       KillWorker(failure.rank, f"state damaged in memory, not repairable in place ({why})")]
+                       KillRank(failure.rank, f"state damaged in memory, not repairable in place ({why})")]
     if rung == Rung.RETRY:  # no process exits: the damaged rank receives its state from replicas
         gen = state.gen + 1
         reason = f"{failure.describe()}; {why}; repairing rank {failure.rank} from replicas"
@@ -377,6 +381,6 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         if rec.rung == Rung.DUMP:
             rec = dataclasses.replace(rec, dump_step=decision.resume_step)
             return _replace(state, recovery=rec), [DumpOrder(rec.gen, decision.resume_step, _writers(state, rec))]
-        return _replace(state, recovery=rec), [Regroup(rec.gen, decision.resume_step, rec.replaced,
+        return _replace(state, recovery=rec), [OrderRegroup(rec.gen, decision.resume_step, rec.replaced,
                                                        decision.direction.value, decision.reason)]
     return _replace(state, recovery=rec), []

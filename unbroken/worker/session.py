@@ -79,7 +79,8 @@ class Job:
         self._control = self._build_control()
         self._injector = self._build_injector()
         self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
-                                  injector=self._injector, all_min=self._all_min, event=self._event)
+                                  injector=self._injector, all_min=self._all_min, event=self._event,
+                                  metrics=self._metrics)
         store, group = self._build_process_group(backend or _default_backend(self.device))
         self._inflight = InFlight(cfg, device=self.device, control=self._control, store=store, group=group,
                                   tracked=self._tracked, injector=self._injector,
@@ -177,19 +178,28 @@ class Job:
                 if not self._inflight.note_fault(index, exc):
                     raise
                 continue
-            yield index
+            try:
+                yield index
+            except GeneratorExit:  # the script left the loop early (`break`): no more step progress
+                self._report_finished()
+                raise
             if self._inflight.fault_noted:
                 continue
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
             try:
+                ckpt_started = time.monotonic()
                 self._check_replicas()
                 self._ckpt.after_step(self._step)
+                self._metrics["ckpt_s"] = time.monotonic() - ckpt_started  # the step's checkpoint stall
             except Exception as exc:  # a peer lost during the check or checkpoint, or an odd copy: recover
                 if not self._inflight.note_fault(index, exc):
                     raise
                 continue
             self._report_progress()
+        self._report_finished()
+
+    def _report_finished(self) -> None:
         if self._control is not None:  # past the loop: no step progress to expect any more
             self._control.progress(self._step, Phase.FINISHED, {})
 
@@ -348,10 +358,7 @@ class Job:
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (loss, ...) to this step's progress report."""
-        for key, value in metrics.items():
-            if isinstance(value, torch.Tensor):
-                value = value.item()
-            self._metrics[key] = value
+        self._metrics.update({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
 
     def checkpoint(self) -> None:
         """Checkpoint the state now (after the last completed step), to storage too."""

@@ -40,11 +40,23 @@ def test_unset_means_the_default_and_init_overrides_win(f):
 
 
 @pytest.mark.parametrize("f", [f for f in FIELDS if f.metadata["above"] is not None
-                               or f.metadata["at_least"] is not None], ids=lambda f: f.name)
+                               or f.metadata["at_least"] is not None or f.metadata["timeout"]], ids=lambda f: f.name)
 def test_a_value_out_of_range_names_the_flag(f):
-    bound = f.metadata["above"] if f.metadata["above"] is not None else f.metadata["at_least"] - 1
+    meta = f.metadata
+    bound = 0 if meta["timeout"] else meta["above"] if meta["above"] is not None else meta["at_least"] - 1
     with pytest.raises(ConfigError, match=f"--{setting_flag(f)} must be"):
         WorkerSettings(**{f.name: type(f.default)(bound)})
+
+
+@pytest.mark.parametrize("f", [f for f in FIELDS if f.metadata["timeout"]], ids=lambda f: f.name)
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 86400.5])
+def test_a_timeout_setting_is_finite_and_at_most_a_day_from_flag_env_and_init(f, value):
+    with pytest.raises(ConfigError, match=rf"--{setting_flag(f)} must be a number of seconds in \(0, 86400\]"):
+        WorkerSettings(**{f.name: value})
+    with pytest.raises(ConfigError, match=f"environment variable {setting_env(f)} must be"):
+        worker_config_from_env({setting_env(f): str(value)})
+    with pytest.raises(ConfigError, match=f"^{f.name} must be"):
+        worker_config_from_env({}, **{f.name: value})
 
 
 def test_the_derived_names_are_the_documented_ones():

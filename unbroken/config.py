@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from unbroken.errors import ConfigError
-from unbroken.names import RUNGS, Rung
+from unbroken.limits import (  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
+    IMPLEMENTED_RUNGS, MAX_TIMEOUT_S, check_host_port, require_strategy, require_timeout)
+from unbroken.names import Rung
 
+#: A user-given job secret (multi-node, standby) needs this many characters, this many distinct.
+SECRET_MIN_CHARS = 32
+SECRET_MIN_DISTINCT = 10
 
 # Environment variables the launcher sets for its workers (beyond torchrun's own).
 ENV_CONTROLLER = "UNBROKEN_CONTROLLER"  # host:port of the controller
@@ -36,6 +42,7 @@ ENV_PERSIST_EVERY = "UNBROKEN_PERSIST_EVERY_STEPS"
 ENV_SHM_DIR = "UNBROKEN_SHM_DIR"
 ENV_INJECT = "UNBROKEN_INJECT"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
+ENV_STORE_PREFIX = "UNBROKEN_STORE_PREFIX"  # the attempt's secret rendezvous key prefix
 
 #: What a rank reported degraded (sub-health) leads to: nothing, or a dump and a clean restart.
 SUB_HEALTH_POLICIES = ("ignore", "grace-exit")
@@ -46,11 +53,38 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def check_secret_strength(secret: str) -> None:
+    """A job secret given by the user must be hard to guess: at least SECRET_MIN_CHARS characters,
+    SECRET_MIN_DISTINCT of them distinct, not padded with whitespace."""
+    stripped = secret.strip()
+    _require(len(stripped) >= SECRET_MIN_CHARS and len(set(stripped)) >= SECRET_MIN_DISTINCT
+             and stripped == secret,
+             f"{ENV_SECRET} is too weak ({len(secret)} characters, {len(set(stripped))} distinct): a job secret "
+             f"needs at least {SECRET_MIN_CHARS} characters, {SECRET_MIN_DISTINCT} of them distinct, and no "
+             "leading or trailing whitespace; make one with "
+             "`python -c 'import secrets; print(secrets.token_hex(32))'` and set it on every node")
+
+
 def setting(default: bool | int | float, help: str, *, above: float | None = None, at_least: float | None = None,
-            off: str = "") -> Any:
+            off: str = "", timeout: bool = False) -> Any:
     """A field of :class:`WorkerSettings`: its default, help text and range (``> above`` or
-    ``>= at_least``; ``off`` names the value that turns it off, for the message)."""
-    return field(default=default, metadata={"help": help, "above": above, "at_least": at_least, "off": off})
+    ``>= at_least``; ``timeout``: a finite number of seconds in (0, MAX_TIMEOUT_S]; ``off``
+    names the value that turns it off, for the message)."""
+    return field(default=default, metadata={"help": help, "above": above, "at_least": at_least, "off": off,
+                                            "timeout": timeout})
+
+
+def _check_setting(f: dataclasses.Field, value: Any, name: str) -> None:
+    """``value`` of the :class:`WorkerSettings` field ``f`` is in its range; the message names
+    ``name`` (the flag, the environment variable or the keyword the value came from)."""
+    meta = f.metadata
+    off = f" ({meta['off']})" if meta["off"] else ""
+    if meta["timeout"]:
+        require_timeout(value, name)
+    if meta["above"] is not None:
+        _require(value > meta["above"], f"{name} must be > {meta['above']}{off}, got {value}")
+    if meta["at_least"] is not None:
+        _require(value >= meta["at_least"], f"{name} must be >= {meta['at_least']}{off}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -60,8 +94,8 @@ class WorkerSettings:
     One field per setting; :func:`setting_env` and :func:`setting_flag` derive its names.
     """
 
-    pg_timeout_s: float = setting(60.0, "process-group timeout of the workers", above=0)
-    recovery_timeout_s: float = setting(60.0, "deadline of one in-flight recovery attempt", above=0)
+    pg_timeout_s: float = setting(60.0, "process-group timeout of the workers", timeout=True)
+    recovery_timeout_s: float = setting(60.0, "deadline of one in-flight recovery attempt", timeout=True)
     sdc_check_every_steps: int = setting(
         0, "compare checksums of the state across replicas every K steps; an odd copy is repaired "
            "from the majority (silent data corruption; default 0: off)", at_least=0, off="0: off")
@@ -70,13 +104,7 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            value, meta = getattr(self, f.name), f.metadata
-            off = f" ({meta['off']})" if meta["off"] else ""
-            if meta["above"] is not None:
-                _require(value > meta["above"], f"--{setting_flag(f)} must be > {meta['above']}{off}, got {value}")
-            if meta["at_least"] is not None:
-                _require(value >= meta["at_least"],
-                         f"--{setting_flag(f)} must be >= {meta['at_least']}{off}, got {value}")
+            _check_setting(f, getattr(self, f.name), f"--{setting_flag(f)}")
 
     def to_env(self) -> dict[str, str]:
         """The environment variables a worker reads these settings back from."""
@@ -88,7 +116,8 @@ class WorkerSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
-        """The settings in ``env`` (unset or empty: the default)."""
+        """The settings in ``env`` (unset or empty: the default); a value out of range is a
+        ConfigError naming its environment variable."""
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key, default = setting_env(f), f.default
@@ -96,6 +125,7 @@ class WorkerSettings:
                 values[f.name] = env.get(key, "1" if default else "0") != "0"
             else:
                 values[f.name] = _env_number(env, key, default, type(default))
+                _check_setting(f, values[f.name], f"environment variable {key}")
         return cls(**values)
 
 
@@ -127,12 +157,10 @@ class HangConfig:
     first_step_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _require(self.timeout_s is None or self.timeout_s > 0,
-                 f"--hang-timeout-s must be > 0, got {self.timeout_s}")
-        _require(self.floor_s > 0, f"hang floor must be > 0 s, got {self.floor_s}")
-        _require(self.factor >= 1, f"hang factor must be >= 1, got {self.factor}")
-        _require(self.first_step_timeout_s > 0,
-                 f"--first-step-timeout-s must be > 0, got {self.first_step_timeout_s}")
+        require_timeout(self.timeout_s, "--hang-timeout-s", optional=True)
+        require_timeout(self.floor_s, "hang floor")
+        _require(math.isfinite(self.factor) and self.factor >= 1, f"hang factor must be >= 1, got {self.factor}")
+        require_timeout(self.first_step_timeout_s, "--first-step-timeout-s")
 
 
 @dataclass(frozen=True)
@@ -211,17 +239,18 @@ class LaunchConfig:
                  f"a job with --nnodes > 1 needs a shared secret: set {ENV_SECRET} on every node")
         _require(not (self.standby and (self.master_port == 0 or not self.secret)),
                  f"--standby joins a running job: give its --master-addr/--master-port and set {ENV_SECRET}")
+        if self.nnodes > 1 or self.standby:  # the secret is the user's (single node: we make one)
+            check_secret_strength(self.secret)
         _require(self.metrics_port is None or 0 <= self.metrics_port < 65536,
                  f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         _require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
         _require(self.stop_grace_s >= 0, f"stop grace must be >= 0 s, got {self.stop_grace_s}")
         _require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         for name in self.recover_strategy:
-            _require(name in RUNGS,
-                     f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(RUNGS)})")
+            require_strategy(name)
         _require(bool(self.recover_strategy), "--recover-strategy must name at least one strategy")
         _require(self.crash_loop_limit >= 0, f"--crash-loop-limit must be >= 0 (0: off), got {self.crash_loop_limit}")
-        _require(self.straggler_factor == 0 or self.straggler_factor > 1,
+        _require(self.straggler_factor == 0 or 1 < self.straggler_factor < math.inf,
                  f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
         _require(self.sub_health_policy in SUB_HEALTH_POLICIES,
                  f"--sub-health-policy: unknown policy {self.sub_health_policy!r} "
@@ -242,9 +271,8 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     """Parse ``--recover-strategy`` / the ``recover-strategy`` annotation: a comma list."""
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     for name in names:
-        _require(name in RUNGS,
-                 f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(RUNGS)})")
-    _require(bool(names), f"--recover-strategy: empty list (allowed: {', '.join(RUNGS)})")
+        require_strategy(name)
+    _require(bool(names), f"--recover-strategy: empty list (allowed: {', '.join(IMPLEMENTED_RUNGS)})")
     return names
 
 
@@ -284,6 +312,7 @@ class WorkerConfig:
     run_dir: str | None = None
     inject: str = ""
     gen: int = 0  # > 0: this process replaces a lost rank and joins generation `gen`
+    store_prefix: str = ""  # managed: every rendezvous key lives under it (controller/rendezvous.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
 
@@ -328,6 +357,9 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         ckpt = dataclasses.replace(ckpt, **ckpt_fields)
     settings = WorkerSettings.from_env(env)
     setting_fields = {f.name: overrides.pop(f.name) for f in dataclasses.fields(WorkerSettings) if f.name in overrides}
+    for f in dataclasses.fields(WorkerSettings):  # an init() keyword: named as such
+        if f.name in setting_fields:
+            _check_setting(f, setting_fields[f.name], f.name)
     if setting_fields:
         settings = dataclasses.replace(settings, **setting_fields)
     cfg = WorkerConfig(
@@ -346,6 +378,7 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         run_dir=env.get(ENV_RUN_DIR) or None,
         inject=env.get(ENV_INJECT, ""),
         gen=_env_number(env, ENV_GEN, 0),
+        store_prefix=env.get(ENV_STORE_PREFIX, ""),
         checkpoint=ckpt,
         worker=settings,
     )
@@ -354,12 +387,15 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
     _require(0 <= cfg.rank < cfg.world_size, f"RANK={cfg.rank} must be in [0, WORLD_SIZE={cfg.world_size})")
     if cfg.mode == "managed":
         _require(bool(cfg.secret), f"{ENV_CONTROLLER} is set but {ENV_SECRET} is not")
+        check_host_port(cfg.controller, f"environment variable {ENV_CONTROLLER}")
+        _require(bool(cfg.store_prefix), f"{ENV_CONTROLLER} is set but {ENV_STORE_PREFIX} is not "
+                                         "(both come from `unbroken run`)")
     return cfg
 
 
 def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
                controller: str, store_host: str, store_port: int, gen: int = 0,
-               world_size: int = 0) -> dict[str, str]:
+               world_size: int = 0, store_prefix: str = "") -> dict[str, str]:
     """The environment a worker gets from the agent: torchrun's variables plus ours.
 
     ``world_size`` is the job's, as the controller says (0: this launcher's own flags).
@@ -396,6 +432,7 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         ENV_KEEP: str(ckpt.keep),
         ENV_SHM_DIR: ckpt.shm_dir,
         ENV_GEN: str(gen),
+        ENV_STORE_PREFIX: store_prefix,
         **cfg.worker.to_env(),
     }
     if ckpt.save_dir:

@@ -182,7 +182,7 @@ def shm_size_bytes(values: dict[str, Any]) -> int:
     rank of the pod, plus what unbroken's capacity check keeps free (max(256 MiB, 10% of the
     free bytes)), plus ``memoryTier.extraBytes``; rounded up to MiB."""
     from unbroken.checkpoint.memory import MIN_HEADROOM_BYTES
-    from unbroken.checkpoint.shm_files import shm_slots_bytes
+    from unbroken.checkpoint.capacity import shm_slots_bytes
 
     extra = parse_quantity("memoryTier.extraBytes", values["memoryTier"]["extraBytes"])
     if not values["memoryTier"]["everySteps"]:

@@ -212,3 +212,49 @@ def test_recovery_timing_reports_the_in_flight_milestones():
     views[1].step = 7
     assert timing.check_recovered(views, 0, 12.0)["tier"] == "replicas"
     assert timing.check_recovered(views, 0, 12.0) is None  # reported once
+
+
+def test_an_agents_process_status_reaches_the_view_only_for_the_current_process():
+    hub = FakeHub()
+    AGENT_HANDLERS[m.WorkerStatus](hub.connections, 0, m.WorkerStatus(rank=1, pid=101, attempt=0, status="stopped"))
+    AGENT_HANDLERS[m.WorkerStatus](hub.connections, 0, m.WorkerStatus(rank=0, pid=999, attempt=0, status="zombie"))
+    assert (hub.workers[1].process, hub.workers[0].process) == ("stopped", "running")
+    assert hub.events.lines == [("worker_status", {"rank": 1, "pid": 101, "status": "stopped"})]
+    AGENT_HANDLERS[m.WorkerStarted](hub.connections, 0, m.WorkerStarted(rank=1, pid=102, attempt=0))
+    assert hub.workers[1].process == "running"  # a new process of the rank starts running
+
+
+def test_the_monitor_blames_the_rank_that_never_reached_the_collective():
+    hub = FakeHub(world_size=3)
+    for w in hub.workers.values():
+        w.state, w.phase, w.last_progress_t = WorkerState.RUNNING, Phase.SYNC, 0.0
+    hub.workers[2].phase, hub.workers[2].last_progress_t = Phase.COMPUTE, 1.0  # silent for less time
+    timeout_s = hub.cfg.hang.first_step_timeout_s
+    assert hub.monitor.find_hung(hub.workers.values(), 0, now=timeout_s) is None
+    blamed, why = hub.monitor.find_hung(hub.workers.values(), 0, now=timeout_s + 0.5)
+    assert blamed.rank == 2 and "never reached the collective (phase compute)" in why
+
+
+def test_the_monitor_finds_a_survivor_silent_since_the_abort_order():
+    hub = FakeHub(world_size=3)
+    for w in hub.workers.values():
+        w.state = WorkerState.RUNNING
+    rec = sm.Recovery("recover-in-place", 1, frozenset({2}), 1, paused=frozenset({0}))
+    timeout_s = hub.cfg.hang.first_step_timeout_s
+    find = hub.monitor.find_silent_in_recovery
+    assert find(hub.workers.values(), 0, rec, ordered_t=10.0, now=10.0 + timeout_s) is None
+    assert find(hub.workers.values(), 0, rec, ordered_t=10.0, now=10.5 + timeout_s).rank == 1
+
+
+def test_every_attempt_gets_a_fresh_store_key_prefix_handed_out_over_the_control_plane():
+    hub = FakeHub()
+    agent = FakeConn()
+    hub.connections.agents[0] = agent
+    try:
+        hub.executor.execute([sm.StartAttempt(0), sm.RestartRanks(frozenset({1}), 1, 0)])
+        start, restart = agent.sent
+        assert start.store_prefix.startswith("rdzv-") and restart.store_prefix == start.store_prefix
+        hub.executor.execute([sm.StartAttempt(1)])
+        assert agent.sent[-1].store_prefix not in ("", start.store_prefix)
+    finally:
+        hub.executor.close()

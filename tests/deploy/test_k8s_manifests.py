@@ -195,7 +195,7 @@ def test_without_a_shared_claim_a_multi_node_job_writes_no_storage_tier():
 def test_shm_size_fits_the_memory_tier_and_is_not_oversized(tmp_path, state, nproc):
     """A tmpfs of the rendered sizeLimit passes unbroken's own check before step 0; 16 MiB less
     does not (the size is what the check needs, not a guess)."""
-    from unbroken.checkpoint.shm_files import check_shm_capacity
+    from unbroken.checkpoint.capacity import check_shm_capacity
     from unbroken.errors import ShmCapacityError
 
     values = _values(procPerNode=nproc, **{"memoryTier.stateBytesPerRank": state, "memoryTier.extraBytes": "0"})

@@ -100,7 +100,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(tmp_path, reference
 @pytest.mark.timeout(200)
 def test_two_agents_on_loopback_recover_a_crash_on_the_second_node(tmp_path, reference):
     port = free_port()
-    env = dict(os.environ, UNBROKEN_JOB_SECRET="test-secret-" + "x" * 20)
+    env = dict(os.environ, UNBROKEN_JOB_SECRET="test-secret-0123456789-" + "x" * 20)  # strong enough (>= 10 distinct)
     out = tmp_path / "multinode.safetensors"
     procs = []
     for node in (0, 1):

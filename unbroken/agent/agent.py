@@ -25,9 +25,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
+import psutil
+
 from unbroken.agent.persister import Persister
 from unbroken.agent.placement import Placement
 from unbroken.checkpoint import shm_files
+from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
@@ -37,6 +40,7 @@ from unbroken.names import REPLACING_RUNGS
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05
+STATUS_EVERY = 5  # watch rounds between looks at the workers' process states (stopped, zombie)
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -50,6 +54,7 @@ class WorkerProc:
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
     state: str = "running"
+    process: str = "running"  # the OS's view, last reported: running | stopped | zombie
 
 
 class Agent:
@@ -69,7 +74,8 @@ class Agent:
         self._spare: subprocess.Popen | None = None
         self._use_spare = bool(REPLACING_RUNGS & set(cfg.recover_strategy))
         ckpt = cfg.checkpoint
-        self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks, self._report_persisted) \
+        self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks, self._report_persisted,
+                                    run_id=run_id(cfg.secret, cfg.job_id)) \
             if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id else None
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
@@ -157,7 +163,7 @@ class Agent:
         env = dict(os.environ)
         env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt,
                               controller=self.controller, store_host=host, store_port=port, gen=gen,
-                              world_size=self._placement.world_size))
+                              world_size=self._placement.world_size, store_prefix=self._placement.store_prefix))
         argv = [self.cfg.script, *self.cfg.script_args]
         popen = self._take_spare(env, argv) if gen > 0 else None
         if popen is None:
@@ -178,7 +184,10 @@ class Agent:
         if not self._use_spare or self._spare is not None:
             return
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.omp_num_threads), PYTHONUNBUFFERED="1")
-        self._spare = subprocess.Popen([sys.executable, "-u", "-m", "unbroken.agent.spare"], env=env,
+        # -P: the working directory is not put on sys.path, so a folder named `unbroken` there
+        # cannot shadow the installed package; the spare then sets sys.path[0] to the script's
+        # folder, as `python script.py` does for a worker started without it.
+        self._spare = subprocess.Popen([sys.executable, "-u", "-P", "-m", "unbroken.agent.spare"], env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -217,7 +226,11 @@ class Agent:
         proc.popen.stdout.close()
 
     def _watch_loop(self) -> None:
+        rounds = 0
         while not self._stop.wait(WATCH_INTERVAL_S):
+            rounds += 1
+            if rounds % STATUS_EVERY == 0:
+                self._report_process_states()
             with self._lock:
                 exited = [p for p in self._procs.values() if p.state == "running" and p.popen.poll() is not None]
                 for p in exited:
@@ -229,6 +242,17 @@ class Agent:
                 self._send(m.WorkerExited(rank=p.rank, pid=p.popen.pid, attempt=p.attempt,
                                           exit_code=code if code >= 0 else None,
                                           signal=-code if code < 0 else None, last_lines=list(p.tail)))
+
+    def _report_process_states(self) -> None:
+        """Tell the controller when a running worker's process is stopped or a zombie (or runs
+        again): the hang monitor blames such a rank first (controller/hangs.py)."""
+        with self._lock:
+            procs = [p for p in self._procs.values() if p.state == "running"]
+        for p in procs:
+            status = _process_state(p.popen.pid)
+            if status != p.process:
+                p.process = status
+                self._send(m.WorkerStatus(rank=p.rank, pid=p.popen.pid, attempt=p.attempt, status=status))
 
     def _kill(self, rank: int, pid: int) -> None:
         with self._lock:
@@ -277,6 +301,19 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: the agent's own clean-up still stops workers
         pass
+
+
+def _process_state(pid: int) -> str:
+    """running | stopped (SIGSTOP, a debugger) | zombie, as /proc says (psutil)."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "zombie"  # gone: the watcher reports its exit
+    except psutil.Error:
+        return "running"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "stopped"
+    return "zombie" if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "running"
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -2,13 +2,16 @@
 
 :func:`run_job` prepares the run directory, starts the controller (node 0 only) and the
 agent, blocks until the job ends, and returns a :class:`JobResult`. Ctrl-C stops every
-worker and ends the job with exit code 130.
+worker and ends the job with exit code 130; SIGTERM, which the CLI turns into
+:class:`Terminated`, does the same with exit code 143. Either way every worker gets SIGTERM,
+then SIGKILL after the stop grace period, and this node's shared-memory files are removed.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import signal
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +23,20 @@ from unbroken.controller.eventlog import EventLog
 from unbroken.controller.machine import Failure
 from unbroken.controller.server import Controller
 from unbroken.errors import ConfigError
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when `unbroken run` gets SIGTERM (Kubernetes, Slurm): the job
+    stops as on Ctrl-C. A KeyboardInterrupt, so every clean-up that Ctrl-C runs runs too."""
+
+    signum = signal.SIGTERM
+
+
+def _interruption(exc: KeyboardInterrupt) -> tuple[int, str]:
+    """Exit code and reason of a job stopped by Ctrl-C or a signal (128 + its number)."""
+    if isinstance(exc, Terminated):
+        return 128 + exc.signum, f"terminated ({signal.Signals(exc.signum).name})"
+    return 130, "interrupted (Ctrl-C)"
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,16 @@ def _prepare_run_dir(cfg: LaunchConfig) -> None:
         f.write(cfg.to_json() + "\n")
 
 
+def _log_checkpoint_dirs(cfg: LaunchConfig, events: EventLog) -> None:
+    """Event `checkpoint_dirs`: where this launch resumes from and saves to, and the notes."""
+    from unbroken.checkpoint.launch_dirs import check_launch_dirs
+
+    ckpt = cfg.checkpoint
+    if ckpt.save_dir or ckpt.load_dir:
+        events.emit("checkpoint_dirs", save_dir=ckpt.save_dir, load_dir=ckpt.load_dir,
+                    notes=check_launch_dirs(ckpt.save_dir, ckpt.load_dir))
+
+
 def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
             on_controller: Callable[[Controller], None] | None = None) -> JobResult:
     """Run this node's part of a job to its end. ``cfg`` must come from :func:`resolve`."""
@@ -57,6 +84,7 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     try:
         if cfg.node_rank == 0 and not cfg.standby:
             events = EventLog(cfg.run_dir)
+            _log_checkpoint_dirs(cfg, events)
             controller = Controller(cfg, host=cfg.master_addr, port=cfg.master_port, events=events)
             controller.start()
             if on_controller is not None:
@@ -67,10 +95,10 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
         agent = Agent(cfg, host, port, output=output)
         try:
             code, reason = agent.run()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            code, reason = _interruption(exc)
             if controller is not None:
-                threading.Thread(target=controller.abort, args=("interrupted (Ctrl-C)",), daemon=True).start()
-            code, reason = 130, "interrupted (Ctrl-C)"
+                threading.Thread(target=controller.abort, args=(reason, code), daemon=True).start()
         failure = controller.first_failure if controller is not None else None
         if controller is not None:
             outcome = controller.wait(timeout_s=0)

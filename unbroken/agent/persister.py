@@ -60,7 +60,7 @@ class DutyCycle:
 class Persister:
     def __init__(self, ckpt: CheckpointConfig, job_id: str, world_size: int, ranks: Callable[[], list[int]],
                  report: Callable[[int, list[int], float, str], None], poll_s: float = 0.2,
-                 duty: float = DUTY) -> None:
+                 duty: float = DUTY, run_id: str | None = None) -> None:
         self._ckpt = ckpt
         self._job_id = job_id
         self._world_size = world_size
@@ -70,8 +70,9 @@ class Persister:
         self._stop = threading.Event()
         self._pace = DutyCycle(duty, self._stop)
         self._copier = _Copier()
-        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, pace=self._pace)
+        self._storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, pace=self._pace, run_id=run_id)
         self._last = -1
+        self._failing = False  # the last persist failed: later failures are not reported again
         self._buffer: Any = None  # the tensors of the last snapshot read, reused for the next
         self._ranks_at_stop: list[int] = []
         self._thread = threading.Thread(target=self._loop, name="unbroken-persister", daemon=True)
@@ -99,7 +100,11 @@ class Persister:
         while not self._stop.wait(self._poll_s):
             ranks = self._ranks()
             self._ranks_at_stop = ranks or self._ranks_at_stop  # the workers may be gone at stop()
-            step = self._due_step(ranks)
+            try:
+                step = self._due_step(ranks)
+            except (CheckpointError, OSError) as exc:  # e.g. the shm dir went away: try again later
+                log.debug("persister: cannot list the snapshots: %s", exc)
+                continue
             if step is not None:
                 self._persist(step, ranks)
 
@@ -128,15 +133,37 @@ class Persister:
                 state, meta = self._copier.load(reader, step, self._buffer)
                 self._buffer = state
                 # Copied out: the writer may use the slot again while the (paced) write goes on.
-                shm_files.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
+                self._mark(step, rank)
                 self._storage.save_rank(step, rank, self._world_size, state, meta)
         except (CheckpointError, NoCheckpoint, OSError) as exc:
-            for rank in ranks:  # release the held snapshots; the next due step is tried instead
-                shm_files.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
-            log.warning("persisting step %d failed; the previous checkpoint stays the newest: %s", step, exc)
-            self._report(step, ranks, time.monotonic() - started, str(exc) or type(exc).__name__)
+            self._release(step, ranks)
+            self._failed(step, ranks, time.monotonic() - started, exc)
             return
+        self._failing = False
         self._report(step, ranks, time.monotonic() - started, "")
+
+    def _release(self, step: int, ranks: list[int]) -> None:
+        """Release the held snapshots after a failure, so the next due step is tried instead."""
+        for rank in ranks:
+            self._mark(step, rank)
+
+    def _mark(self, step: int, rank: int) -> None:
+        """mark_persisted; a full shm dir may refuse even this marker: the write to storage goes
+        on, the writer keeps holding one slot and the memory tier goes on in the other."""
+        try:
+            shm_files.mark_persisted(self._ckpt.shm_dir, self._job_id, rank, step)
+        except (CheckpointError, OSError) as exc:
+            log.debug("persister: cannot mark step %d of rank %d persisted: %s", step, rank, exc)
+
+    def _failed(self, step: int, ranks: list[int], seconds: float, exc: BaseException) -> None:
+        """Warn and report (event persist_failed) the first failure of a run of failures only."""
+        if self._failing:
+            log.info("persisting step %d failed again: %s", step, exc)
+            return
+        self._failing = True
+        log.warning("persisting step %d failed; the previous checkpoint stays the newest, training goes on "
+                    "(later failures are not reported until one succeeds): %s", step, exc)
+        self._report(step, ranks, seconds, str(exc) or type(exc).__name__)
 
 
 class _Copier:

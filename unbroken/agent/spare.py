@@ -1,7 +1,9 @@
 """A warm spare: a Python process that has already imported torch, waiting to become a worker.
 
 Importing torch costs about a second (FACTS.md), most of the time a replacement process
-needs before it can join the next generation. The agent keeps one spare per node when
+needs before it can join the next generation; the first ``torch.optim`` optimizer or
+``DistributedDataParallel`` a script builds imports ``torch._dynamo``, 1-5 s more on a loaded
+machine, so the spare imports that too. The agent keeps one spare per node when
 in-flight recovery is allowed; to replace a lost rank it sends the spare one JSON line on
 stdin: the worker's environment and command line. The spare then sets them and runs the
 training script as ``__main__``, exactly as ``python -u script.py args...`` would.
@@ -20,7 +22,9 @@ import sys
 
 def main() -> None:
     import torch  # noqa: F401  - the point of a warm spare
+    import torch._dynamo  # noqa: F401  - the first optimizer or DDP built imports it: 1-5 s otherwise
     import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
 
     import unbroken  # noqa: F401
 

@@ -21,6 +21,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from unbroken.checkpoint.step_checks import is_plain_name
 from unbroken.errors import CheckpointCorrupt, CheckpointError
 
 SPEC_FORMAT = "unbroken-tree"
@@ -163,6 +164,8 @@ class _Flattener:
 
     def _add(self, t: torch.Tensor, path: tuple) -> str:
         base = "/".join(str(p) for p in path) or ROOT_NAME
+        if not is_plain_name(base):  # e.g. a key ".." or "a\x00b": the spec maps a plain name
+            base = f"{ROOT_NAME}#t{len(self.tensors)}"
         name, n = base, 1
         while name in self.tensors:
             n += 1

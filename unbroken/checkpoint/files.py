@@ -49,6 +49,11 @@ class _LocalFiles:
             finally:
                 os.close(fd)
             os.rename(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.filename is None:  # os.write/fsync name no file: say which one it was
+                raise OSError(exc.errno, exc.strerror, str(path)) from exc
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -108,6 +113,10 @@ class _LocalFiles:
 
     def remove_tree(self, path: Path) -> None:
         shutil.rmtree(path)
+
+    def remove_dir(self, path: Path) -> None:
+        """Remove the empty directory `path` (OSError if it is not empty)."""
+        os.rmdir(path)
 
 
 @dataclass(frozen=True)
@@ -217,6 +226,12 @@ class _FsspecFiles:
 
     def remove_tree(self, path: _ObjectPath) -> None:
         self._fs.rm(path.fs_path, recursive=True)
+
+    def remove_dir(self, path: _ObjectPath) -> None:
+        try:
+            self._fs.rmdir(path.fs_path)
+        except (FileNotFoundError, NotImplementedError):
+            pass  # object stores have no directories to remove
 
 
 def open_root(root: str | os.PathLike) -> tuple[_AnyPath, _LocalFiles | _FsspecFiles]:

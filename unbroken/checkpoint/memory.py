@@ -46,7 +46,8 @@ import xxhash
 from unbroken.checkpoint.codec import flatten_state
 from unbroken.checkpoint.capacity import (  # noqa: F401  (the slot sizes, reachable as memory.*)
     CHUNK_BYTES, GROW_ROUND_BYTES, GROWTH, HEADER_BYTES, MIN_HEADROOM_BYTES, grown_slot_bytes, headroom_bytes)
-from unbroken.checkpoint.shm_files import check_dir, open_slot, persisted_path, read_persisted, slot_path
+from unbroken.checkpoint.shm_files import (check_dir, open_ours, open_slot, persisted_path, read_ours,
+                                           read_persisted, slot_path)
 from unbroken.errors import CheckpointError, ConfigError
 from unbroken.units import round_up
 
@@ -96,12 +97,9 @@ class SlotHeader(NamedTuple):
 
 
 def read_header(path: Path) -> SlotHeader | None:
-    """The valid header of the slot file at `path`, or None (missing, foreign, torn)."""
-    try:
-        with open(path, "rb") as f:
-            return SlotHeader.unpack(f.read(HEADER.size))
-    except OSError:
-        return None
+    """The valid header of the slot file at `path`, or None (missing, not ours, torn)."""
+    raw = read_ours(path, HEADER.size)
+    return None if raw is None else SlotHeader.unpack(raw)
 
 
 def hashed_ranges(h: SlotHeader) -> list[tuple[int, int]]:
@@ -310,7 +308,7 @@ class SnapshotWriter:
                     f"cannot grow {self.paths[slot]} from {size} to {new_size} bytes: "
                     f"{exc.strerror or exc}; enlarge {self.dir} or snapshot less state") from exc
             size = new_size
-        m = _Mapping(self.paths[slot], size)
+        m = _Mapping(self.paths[slot], size, fd)
         m.buf[HEADER_BYTES:].zero_()  # pre-touch: the page faults happen here, not in the copy
         if SlotHeader.unpack(m.mm[:HEADER.size]) is None:  # a new file
             m.mm[:HEADER.size] = SlotHeader(SlotState.EMPTY, 0, -1, 0, 0, 0, 0, 0, 0, 0).pack()
@@ -319,7 +317,10 @@ class SnapshotWriter:
 
     def _check_capacity(self, slot: int, size: int, new_size: int) -> None:
         """CheckpointError unless both slots can reach `new_size` bytes with headroom left."""
-        other = self.paths[1 - slot].stat().st_size if self.paths[1 - slot].exists() else 0
+        try:
+            other = os.lstat(self.paths[1 - slot]).st_size
+        except FileNotFoundError:
+            other = 0
         add = (new_size - size) + max(0, new_size - other)
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
@@ -339,9 +340,15 @@ class SnapshotWriter:
 class _Mapping:
     """One slot file mapped shared and writable; `buf` is a uint8 tensor over all of it."""
 
-    def __init__(self, path: Path, size: int) -> None:
+    def __init__(self, path: Path, size: int, locked_fd: int) -> None:
         # Its own open file: mmap keeps a dup of the fd, which must not share the writer's flock.
-        fd = os.open(path, os.O_RDWR)
+        # It must be the very file `locked_fd` holds, not one put in its place meanwhile.
+        fd = open_ours(path, os.O_RDWR)
+        if fd is None or not os.path.samestat(os.fstat(fd), os.fstat(locked_fd)):
+            if fd is not None:
+                os.close(fd)
+            raise CheckpointError(f"{path} was replaced while this rank wrote it: another "
+                                  f"process interferes with {path.parent}; use a private --shm-dir")
         try:
             self.mm, self.capacity = mmap.mmap(fd, size), size
         finally:

@@ -32,7 +32,7 @@ import xxhash
 from unbroken.checkpoint.codec import unflatten_state
 from unbroken.checkpoint.memory import (HASH, HEADER, HEADER_BYTES, META_FORMAT, VERSION, SlotState, SlotHeader,
                                         hashed_ranges, read_header)
-from unbroken.checkpoint.shm_files import check_dir, slot_path
+from unbroken.checkpoint.shm_files import check_dir, open_ours, slot_path
 from unbroken.errors import CheckpointCorrupt, NoCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class SnapshotReader:
         """Per slot: slot, path, bytes, state (SlotState name, MISSING or INVALID), step, seq."""
         out = []
         for slot, path in enumerate(self.paths):
-            size, h = (path.stat().st_size if path.exists() else None), read_header(path)
+            size, h = (os.lstat(path).st_size if os.path.lexists(path) else None), read_header(path)
             state = SlotState(h.state).name if h else "MISSING" if size is None else "INVALID"
             out.append({"slot": slot, "path": path, "bytes": size, "state": state,
                         "step": h.step if h else None, "seq": h.seq if h else None})
@@ -148,9 +148,8 @@ class SnapshotReader:
                 time.sleep(_PIN_RETRY_S)
                 continue
             seq, slot = max(found)
-            try:
-                fd = os.open(self.paths[slot], os.O_RDONLY)
-            except FileNotFoundError:
+            fd = open_ours(self.paths[slot])  # never a file planted in our name
+            if fd is None:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

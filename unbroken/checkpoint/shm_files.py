@@ -9,15 +9,24 @@ One job's files on a node (``shm_dir``, /dev/shm by default)::
 The node's agent claims a job's files, removes them when the job ends, and sweeps the files
 of jobs whose owner is gone; it never touches a live job's files or names that are not ours.
 
+Anyone on the host may create entries in a shared tmpfs directory, so no file is opened by
+following a link: a new file is created exclusively (O_CREAT|O_EXCL|O_NOFOLLOW), an existing one
+is used only when it is a regular file of this user with one link and mode 0600 (`open_slot`,
+`open_ours`). An entry with one of our names that fails this (a symlink planted by another user,
+a hard link, a file of another user) is removed, which never touches what it points to, and
+replaced by our own file, with a warning; when it cannot be removed, CheckpointError says so.
+
 How much room the files need is :mod:`unbroken.checkpoint.capacity`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +56,10 @@ def persisted_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int) ->
 
 
 def read_persisted(path: Path) -> int:
+    raw = read_ours(path)
     try:
-        return int(path.read_text() or -1)
-    except (FileNotFoundError, ValueError):
+        return int(raw or -1)
+    except ValueError:
         return -1
 
 
@@ -57,7 +67,7 @@ def mark_persisted(shm_dir: str | os.PathLike | None, job_id: str, rank: int, st
     """Tell `rank`'s writer that `step` is in storage: its held snapshot may be overwritten."""
     path = persisted_path(shm_dir, job_id, rank)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_slot(tmp, truncate=True)
     try:
         os.write(fd, str(step).encode())
     finally:
@@ -78,7 +88,7 @@ def claim_job(shm_dir: str | os.PathLike | None, job_id: str, pid: int) -> Path:
         started = psutil.Process(pid).create_time()
     except psutil.Error:
         started = None
-    fd = open_slot(path, os.O_TRUNC)  # a torn write reads as unreadable: never swept
+    fd = open_slot(path, truncate=True)  # a torn write reads as unreadable: never swept
     try:
         os.write(fd, json.dumps({"pid": pid, "create_time": started}).encode())
     finally:
@@ -122,17 +132,102 @@ def sweep_stale(shm_dir: str | os.PathLike | None) -> list[str]:
     return swept
 
 
-def open_slot(path: Path, flags: int = 0) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o600)
-    os.fchmod(fd, 0o600)  # umask-proof
+def open_slot(path: Path, *, truncate: bool = False) -> int:
+    """A read-write fd of our file at `path`, created 0600 if missing; never through a link.
+
+    An entry that is not ours (see the module docstring) is removed and replaced, with a
+    warning; CheckpointError when it cannot be removed or keeps coming back.
+    """
+    for _ in range(_OPEN_ATTEMPTS):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600)
+            except FileExistsError:  # created meanwhile: look at it again
+                continue
+            os.fchmod(fd, 0o600)  # umask-proof
+            return fd
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            _remove_foreign(path, "it is a symbolic link")
+            continue
+        problem = _foreign(os.fstat(fd))
+        if problem is None:
+            if truncate:
+                os.ftruncate(fd, 0)
+            return fd
+        os.close(fd)
+        _remove_foreign(path, problem)
+    raise CheckpointError(f"{path} is replaced by a file that is not ours each time it is removed "
+                          f"({_OPEN_ATTEMPTS} attempts): another user interferes with "
+                          f"{path.parent}; use a private --shm-dir (mode 0700)")
+
+
+def open_ours(path: Path, flags: int = os.O_RDONLY) -> int | None:
+    """An fd of the existing file at `path` if it is ours (see the module docstring), else None
+    (missing, a link, another user's file: never read, never removed)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    if _foreign(os.fstat(fd)) is not None:
+        os.close(fd)
+        return None
     return fd
+
+
+def read_ours(path: Path, max_bytes: int = 1 << 16) -> bytes | None:
+    """The first `max_bytes` of our file at `path` (open_ours), None if it is missing or not ours."""
+    fd = open_ours(path)
+    if fd is None:
+        return None
+    try:
+        return os.read(fd, max_bytes)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+_OPEN_ATTEMPTS = 3
+
+
+def _foreign(st: os.stat_result) -> str | None:
+    """Why a file with this stat is not one of ours, or None if it is."""
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_nlink != 1:
+        return f"it has {st.st_nlink} hard links"
+    if st.st_mode & 0o077:
+        return f"its mode is {stat.S_IMODE(st.st_mode):o}, not 600"
+    return None
+
+
+def _remove_foreign(path: Path, problem: str) -> None:
+    """Unlink the entry at `path` (a link is removed, never its target)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise CheckpointError(
+            f"{path} is not a file of this job ({problem}) and cannot be removed "
+            f"({exc.strerror or exc}); remove it as its owner or root, or start the job with "
+            f"another --rdzv-id or a private --shm-dir") from exc
+    logger.warning("removed %s: %s, not a file of this job (planted by another user?); "
+                   "what it pointed to is untouched", path, problem)
 
 
 def _owner(path: Path) -> tuple[int, bool] | None:
     """(pid, alive) from an owner file, None if unreadable. Alive: the pid runs and started
     when the owner did (a recycled pid is another process)."""
     try:
-        owner = json.loads(path.read_bytes())
+        owner = json.loads(read_ours(path) or b"")
         pid, recorded = owner["pid"], owner.get("create_time")
         if type(pid) is not int:
             return None

@@ -5,7 +5,8 @@
 
     root/step_00000030/rank_00000.safetensors  tensors (header metadata carries the spec too)
     root/step_00000030/rank_00000.json         rank record: step, rank, spec, bytes, crc32, meta
-    root/step_00000030/MANIFEST.json           written LAST: the only commit point
+    root/step_00000030/MANIFEST.json           written LAST: the only commit point; the crc32 of
+                                               every rank's two files, and of itself
     root/latest                                "step_00000030", replaced atomically
 
 Every file is written to a temporary name in its final directory, fsynced, renamed, and
@@ -13,11 +14,14 @@ the directory fsynced, so a crash or a full disk leaves either the old file or t
 Object stores have no atomic rename or fsync: there a file is a temporary object moved to
 its final name, which is still all-or-nothing per object. A step is committed iff its
 MANIFEST.json (written last) parses and is ours; nothing is ever loaded before its size and
-crc32 match the manifest.
+crc32 match the manifest. Every file of a step is covered by a crc32 (unbroken.checkpoint.
+step_checks): a changed rank record or manifest is as corrupt as a changed tensor file.
+Version 1 steps (no record or manifest checksum) are still read.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -31,12 +35,15 @@ import safetensors.torch
 from unbroken.checkpoint.codec import flatten_state, unflatten_state
 from unbroken.checkpoint.files import _AnyPath, open_root
 from unbroken.checkpoint.safetensors_stream import SafetensorsStream
+from unbroken.checkpoint.step_checks import (MANIFEST_CRC_FIELD, check_agreement, check_bytes, check_format,
+                                             check_manifest, check_record, manifest_crc, safetensors_names)
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "unbroken-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest holds the crc32 of each rank record and of itself
+_READABLE_VERSIONS = (1, 2)
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -58,15 +65,6 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _require(obj: Any, path: _AnyPath, kind: str, **types: type) -> None:
-    """CheckpointCorrupt naming `path` unless `obj` is a dict whose fields have `types`."""
-    for key, expected in types.items():
-        value = obj.get(key) if isinstance(obj, dict) else None
-        if type(value) is not expected:
-            raise CheckpointCorrupt(f"{path}: malformed {kind}: field {key!r} should be "
-                                    f"{expected.__name__}, found {type(value).__name__}")
-
-
 def _to_json(obj: Any, what: str, indent: int | None = None) -> bytes:
     try:
         return json.dumps(obj, allow_nan=False, indent=indent).encode()
@@ -85,10 +83,14 @@ class StorageTier:
     its own files and one process commits a step. Holds no state beyond its settings.
     """
 
-    def __init__(self, root: str | os.PathLike, keep: int = 3, pace: Callable[[], None] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, keep: int = 3, pace: Callable[[], None] | None = None,
+                 run_id: str | None = None) -> None:
         _check_int("keep (number of committed checkpoints to retain)", keep, 1)
         self.root, self._files = open_root(root)
         self.keep = keep
+        # Written into every record and manifest; with it set, retention deletes only steps of
+        # this run and own_steps() lists them (unbroken.checkpoint.launch_dirs.run_id).
+        self.run_id = run_id
         self._pace = pace  # called between the pieces of a tensor file: a background writer's throttle
 
     # ---- writing -------------------------------------------------------------------
@@ -110,6 +112,7 @@ class StorageTier:
         data = SafetensorsStream(tensors, header, self._pace)
         tensor_name, record_name = rank_file_names(rank)
         step_dir = self._step_dir(step)
+        self._refuse_another_runs_step(step)
         try:
             self._files.make_dir(step_dir)
             # Rewriting a step (after resuming from an older one) uncommits it first.
@@ -120,12 +123,38 @@ class StorageTier:
             info = {"file": tensor_name, "bytes": data.nbytes, "crc32": data.crc32}
             record = {"format": FORMAT, "version": VERSION, "step": step, "rank": rank,
                       "world_size": world_size, **info, "created_unix": time.time(),
-                      "meta": meta, "spec": spec}
+                      "run_id": self.run_id, "meta": meta, "spec": spec}
             self._files.write_atomic(step_dir / record_name,  # rank done
                                      _to_json(record, f"meta of rank {rank} step {step}"))
         except OSError as exc:
+            self._remove_partial(step_dir, (tensor_name, record_name))
             raise self._write_failed(exc, step, f"rank {rank}") from exc
         return info
+
+    def _refuse_another_runs_step(self, step: int) -> None:
+        """CheckpointError if `step` is committed by another run (with a run_id set): a run
+        never writes over checkpoints it did not write; its own of that step is skipped."""
+        if self.run_id is None or self._files.size(self._step_dir(step) / MANIFEST) is None:
+            return
+        if not self._written_by_this_run(step):
+            raise CheckpointError(
+                f"not saving step {step}: {self._step_dir(step)} is a committed checkpoint of another "
+                "run, kept as it is (this run never writes over or deletes checkpoints it did not "
+                "write); its next steps are saved as usual")
+
+    def _remove_partial(self, step_dir: _AnyPath, names: tuple[str, ...]) -> None:
+        """After a failed save: remove this rank's files of the step, and the step directory
+        once nothing is left in it (other ranks' files are theirs to remove)."""
+        for name in names:
+            try:
+                self._files.remove(step_dir / name)
+            except OSError:
+                pass
+        try:
+            if not self._files.list_dir(step_dir):
+                self._files.remove_dir(step_dir)
+        except OSError:
+            pass  # another rank wrote meanwhile, or it is gone already
 
     def commit(self, step: int, world_size: int, meta: dict | None = None) -> None:
         """Commit `step` once every rank saved: MANIFEST.json, then `latest`, then retention.
@@ -153,10 +182,12 @@ class StorageTier:
                     f"{'missing' if found is None else f'{found} bytes'}, its record says "
                     f"{record['bytes']} bytes")
             ranks.append({"rank": rank, "file": tensor_name, "bytes": record["bytes"],
-                          "crc32": record["crc32"]})
+                          "crc32": record["crc32"], "record_crc32": record["_crc32"]})
         manifest = {"format": FORMAT, "version": VERSION, "step": step,
                     "world_size": world_size, "ranks": ranks, "created_unix": time.time(),
-                    "meta": dict(meta or {})}
+                    "run_id": self.run_id, "meta": dict(meta or {})}
+        _to_json(manifest, f"commit meta of step {step}")  # fail before the checksum
+        manifest[MANIFEST_CRC_FIELD] = manifest_crc(manifest)
         manifest_bytes = _to_json(manifest, f"commit meta of step {step}", indent=1)
         try:
             self._files.write_atomic(step_dir / MANIFEST, manifest_bytes)  # commit point
@@ -174,12 +205,14 @@ class StorageTier:
         self._apply_retention()
 
     def _apply_retention(self) -> None:
-        """Delete committed steps beyond `keep`, and incomplete steps older than the newest."""
-        committed = self.committed_steps()
+        """Delete committed steps beyond `keep`, and incomplete steps older than the newest;
+        with a run_id, only steps this run wrote (another run's are the user's data)."""
+        committed = [s for s in self.committed_steps() if self._written_by_this_run(s)]
         if not committed:
             return
         doomed = set(committed[self.keep:])
-        doomed.update(s for s in self._step_dirs() if s < committed[0] and s not in committed)
+        doomed.update(s for s in self._step_dirs() if s < committed[0] and s not in committed
+                      and not self._is_committed(s) and self._written_by_this_run(s))
         for step in sorted(doomed):
             path = self._step_dir(step)
             foreign = [n for n in self._files.list_dir(path) if not _OWN_FILE_RE.match(n)]
@@ -192,6 +225,27 @@ class StorageTier:
                 self._files.remove_tree(path)
             except OSError as exc:
                 logger.warning("retention: could not delete %s: %s", path, exc)
+
+    def _written_by_this_run(self, step: int) -> bool:
+        """True without a run_id; else when the step's manifest, or all its rank records if it
+        has none, carry this run's id."""
+        if self.run_id is None:
+            return True
+        try:
+            return self._read_manifest(step).get("run_id") == self.run_id
+        except CheckpointCorrupt:
+            pass
+        names = [n for n in self._files.list_dir(self._step_dir(step)) if re.match(r"^rank_\d{5,}\.json$", n)]
+        try:
+            return bool(names) and all(
+                json.loads(self._files.read_bytes(self._step_dir(step) / n)).get("run_id") == self.run_id
+                for n in names)
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def own_steps(self, steps: list[int]) -> list[int]:
+        """The steps of `steps` this run committed (all of them without a run_id)."""
+        return [s for s in steps if self._written_by_this_run(s)]
 
     # ---- reading -------------------------------------------------------------------
 
@@ -214,9 +268,14 @@ class StorageTier:
     def verify_rank(self, step: int, rank: int) -> None:
         """Raise CheckpointCorrupt, naming the file and the problem, unless `rank` of `step`
         is committed and its file's size and crc32 match the manifest."""
-        path, entry, _ = self._check_metadata(step, rank)
-        self._check_bytes(path, entry, found_bytes=self._files.size(path),
+        path, entry, record = self._check_metadata(step, rank)
+        check_bytes(path, entry, found_bytes=self._files.size(path),
                           crc=lambda: self._files.crc32(path))
+        with self._files.open_read(path) as f:
+            missing = sorted(record["_names"] - safetensors_names(f, path))
+        if missing:
+            raise CheckpointCorrupt(f"{self._step_dir(step) / rank_file_names(rank)[1]}: names "
+                                    f"tensor(s) {missing[:5]} that {path.name} does not hold")
 
     def load_rank(self, step: int, rank: int) -> tuple[Any, dict]:
         """Verify, then return (state tree, meta saved with it). Nothing is returned half-way."""
@@ -225,7 +284,7 @@ class StorageTier:
             data = self._files.read_bytes(path)
         except OSError as exc:
             raise CheckpointCorrupt(f"{path}: cannot read ({exc})") from exc
-        self._check_bytes(path, entry, found_bytes=len(data), crc=lambda: zlib.crc32(data))
+        check_bytes(path, entry, found_bytes=len(data), crc=lambda: zlib.crc32(data))
         try:
             tensors = safetensors.torch.load(data)
             state = unflatten_state(tensors, record["spec"])
@@ -310,45 +369,30 @@ class StorageTier:
             return False
 
     def _read_json(self, path: _AnyPath, kind: str) -> dict:
-        """Parse one of our JSON files; CheckpointCorrupt naming the path if it is not ours."""
+        """Parse one of our JSON files; CheckpointCorrupt naming the path if it is not ours.
+        The crc32 of its bytes is added as `_crc32`."""
         try:
-            obj = json.loads(self._files.read_bytes(path))
+            raw = self._files.read_bytes(path)
+            obj = json.loads(raw)
         except FileNotFoundError as exc:
             raise CheckpointCorrupt(f"{path}: missing ({kind})") from exc
         except (OSError, ValueError) as exc:
             raise CheckpointCorrupt(f"{path}: unreadable {kind} ({exc})") from exc
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-            found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
-            raise CheckpointCorrupt(f"{path}: not an unbroken checkpoint (format {found!r}, "
-                                    f"expected {FORMAT!r})")
-        if obj.get("version") != VERSION:
-            raise CheckpointCorrupt(f"{path}: unsupported {kind} version {obj.get('version')!r} "
-                                    f"(this unbroken reads version {VERSION})")
+        check_format(obj, path, kind, FORMAT, _READABLE_VERSIONS)
+        obj["_crc32"] = zlib.crc32(raw)
         return obj
 
     def _read_manifest(self, step: int) -> dict:
         path = self._step_dir(step) / MANIFEST
         manifest = self._read_json(path, "manifest, so the step is not committed")
-        _require(manifest, path, "manifest", step=int, world_size=int, ranks=list)
-        if manifest["step"] != step or len(manifest["ranks"]) != manifest["world_size"]:
-            raise CheckpointCorrupt(f"{path}: malformed manifest (step {manifest['step']}, "
-                                    f"{len(manifest['ranks'])} ranks for world_size "
-                                    f"{manifest['world_size']}; expected step {step})")
-        for rank, entry in enumerate(manifest["ranks"]):
-            _require(entry, path, f"manifest entry {rank}", rank=int, file=str, bytes=int,
-                     crc32=int)
-            if entry["rank"] != rank or entry["file"] != rank_file_names(rank)[0]:
-                raise CheckpointCorrupt(f"{path}: malformed manifest entry {rank}: {entry}")
+        del manifest["_crc32"]
+        check_manifest(manifest, path, step, lambda rank: rank_file_names(rank)[0])
         return manifest
 
     def _read_record(self, step: int, rank: int) -> dict:
         path = self._step_dir(step) / rank_file_names(rank)[1]
         record = self._read_json(path, f"record of rank {rank}")
-        _require(record, path, "rank record", step=int, rank=int, world_size=int, file=str,
-                 bytes=int, crc32=int, spec=dict)
-        if (record["step"], record["rank"]) != (step, rank):
-            raise CheckpointCorrupt(f"{path}: describes rank {record['rank']} of step "
-                                    f"{record['step']}, expected rank {rank} of step {step}")
+        record["_names"] = check_record(record, path, step, rank)
         return record
 
     def _check_metadata(self, step: int, rank: int) -> tuple[_AnyPath, dict, dict]:
@@ -360,24 +404,8 @@ class StorageTier:
         entry = manifest["ranks"][rank]
         record = self._read_record(step, rank)
         path = self._step_dir(step) / entry["file"]
-        if (record["file"], record["bytes"], record["crc32"]) != \
-                (entry["file"], entry["bytes"], entry["crc32"]):
-            raise CheckpointCorrupt(f"{path}: rank record {rank_file_names(rank)[1]} disagrees "
-                                    f"with {MANIFEST} (file, bytes or crc32)")
+        check_agreement(entry, record, path, self._step_dir(step) / rank_file_names(rank)[1])
         return path, entry, record
-
-    @staticmethod
-    def _check_bytes(path: _AnyPath, entry: dict, found_bytes: int | None, crc) -> None:
-        expected = entry["bytes"]
-        if found_bytes is None:
-            raise CheckpointCorrupt(f"{path}: missing (the manifest lists {expected} bytes)")
-        if found_bytes != expected:
-            what = "truncated" if found_bytes < expected else "wrong size"
-            raise CheckpointCorrupt(f"{path}: {what}: expected {expected} bytes, found {found_bytes}")
-        got = crc()
-        if got != entry["crc32"]:
-            raise CheckpointCorrupt(
-                f"{path}: crc32 mismatch: expected {entry['crc32']:#010x}, got {got:#010x}")
 
     def _check_rank_args(self, step: int, rank: int, world_size: int) -> None:
         _check_int("step", step, 0)
@@ -387,10 +415,13 @@ class StorageTier:
             raise ConfigError(f"rank {rank} is out of range for world_size {world_size}")
 
     def _write_failed(self, exc: OSError, step: int, what: str) -> CheckpointError:
+        cause = errno.errorcode.get(exc.errno, f"errno {exc.errno}") if exc.errno else type(exc).__name__
+        hint = " (the disk is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        where = f" writing {exc.filename}" if exc.filename else ""
         return CheckpointError(
-            f"saving step {step} ({what}) to {self.root} failed: {exc.strerror or exc} "
-            f"(errno {exc.errno}, file {exc.filename or '?'}); the step is not committed and "
-            "earlier checkpoints are kept. Free space there or lower the `keep` setting.")
+            f"saving step {step} ({what}) to {self.root} failed{where}: {exc.strerror or exc} "
+            f"({cause}){hint}; what it wrote is removed, the step is not committed and earlier "
+            f"checkpoints are kept. Free space in {self.root} or save elsewhere (--save).")
 
 
 def describe(root: str | os.PathLike) -> list[dict]:

@@ -25,8 +25,30 @@ EXPORT_FORMATS = ("safetensors", "torch", "dcp")
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 
 
+def check_dir(root: str | os.PathLike, flag: str = "DIR", *, missing_ok: bool = True) -> None:
+    """ConfigError naming `flag` unless a local `root` is a readable directory (or, with
+    `missing_ok`, does not exist yet). URLs are left to their filesystem."""
+    text = os.fspath(root)
+    if "://" in str(text):
+        return
+    path = Path(text)
+    if not path.exists():
+        if missing_ok:
+            return
+        raise ConfigError(f"{flag} {text}: no such directory")
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {text}: not a directory ({_kind(path)}); give a checkpoint directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ConfigError(f"{flag} {text}: the directory cannot be read by this user; fix its permissions")
+
+
+def _kind(path: Path) -> str:
+    return "a device or special file" if not path.is_file() else "a file"
+
+
 def list_steps(root: str | os.PathLike) -> list[dict]:
     """`describe(root)` (newest first) with `latest: bool` marking the step loads pick."""
+    check_dir(root)
     latest = StorageTier(root).latest_step()
     return [{**row, "latest": row["step"] == latest} for row in describe(root)]
 
@@ -34,6 +56,7 @@ def list_steps(root: str | os.PathLike) -> list[dict]:
 def show_step(root: str | os.PathLike, step: int | None = None) -> dict:
     """What a committed step holds: meta, and per rank its file, bytes, crc32, meta and
     tensors (name, dtype, shape, bytes), read from headers without loading the data."""
+    check_dir(root)
     tier = StorageTier(root)
     step = _resolve_step(tier, step)
     manifest = tier._read_manifest(step)
@@ -51,12 +74,15 @@ def show_step(root: str | os.PathLike, step: int | None = None) -> dict:
 
 def verify(root: str | os.PathLike, step: int | None = None) -> list[str]:
     """Problems in `step`, or in every committed step when None; empty means all OK."""
+    check_dir(root)
     tier = StorageTier(root)
     if not tier._files.is_dir(tier.root):
         return [f"{root}: no such checkpoint directory"]
     if step is not None:
         return tier.verify_step(step)
-    steps = tier.committed_steps()
+    # every step with a manifest: a damaged manifest is a problem to report, not a step to skip
+    steps = sorted((s for s in tier._step_dirs() if tier._files.size(tier._step_dir(s) / "MANIFEST.json")
+                    is not None), reverse=True)
     if not steps:
         return [f"{root}: no committed checkpoint (no step_XXXXXXXX/MANIFEST.json of ours)"]
     return [problem for s in steps for problem in tier.verify_step(s)]
@@ -74,6 +100,8 @@ def export(root: str | os.PathLike, out_path: str | os.PathLike, step: int | Non
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"export format {fmt!r} is not supported; use one of {EXPORT_FORMATS}")
     out = Path(out_path)
+    check_dir(root)
+    _check_out(root, out, fmt)
     if fmt == "dcp":
         _check_new_dir(out)  # before any loading: never touch a user's directory
     tier = StorageTier(root)
@@ -100,6 +128,25 @@ def export(root: str | os.PathLike, out_path: str | os.PathLike, step: int | Non
         tmp.unlink(missing_ok=True)
     return {"path": str(out), "step": step, "rank": rank, "tensors": len(tensors),
             "bytes": out.stat().st_size}
+
+
+def _check_out(root: str | os.PathLike, out: Path, fmt: str) -> None:
+    """ConfigError unless `out` can be written: its directory exists, and it is not the
+    checkpoint directory, `latest`, or anything inside a step directory of it."""
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise ConfigError(f"export --out {out}: directory {parent} does not exist; create it first "
+                          "or pick another path")
+    if fmt != "dcp" and out.is_dir():
+        raise ConfigError(f"export --out {out}: is a directory; give a file path (or --format dcp)")
+    if "://" in os.fspath(root):
+        return
+    base, target = Path(root).resolve(), out.resolve()
+    inside = target == base or target == base / "latest" or (
+        target.is_relative_to(base) and target.relative_to(base).parts[0].startswith("step_"))
+    if inside:
+        raise ConfigError(f"export --out {out}: is part of the checkpoint {root} itself; export "
+                          "never overwrites a checkpoint's files: write outside its step directories")
 
 
 def _check_new_dir(out: Path) -> None:

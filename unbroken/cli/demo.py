@@ -18,6 +18,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from unbroken.agent.launcher import JobResult, resolve, run_job
@@ -66,7 +67,7 @@ def _run(console: Console, title: str, cfg: LaunchConfig, live: bool) -> tuple[J
             stop.set()
             viewer.join()
     console.print()
-    console.print(f"{title}: exit {result.exit_code} in {time.monotonic() - started:.1f} s ({result.reason})")
+    console.print(f"{title}: exit {result.exit_code} in {time.monotonic() - started:.1f} s ({escape(result.reason)})")
     return result, holder["c"].snapshot() if "c" in holder else {"workers": []}
 
 
@@ -130,9 +131,9 @@ def _timeline(console: Console, run_dir: Path) -> None:
     try:
         path = write_png(events, run_dir / "timeline.png", title="unbroken demo: 4 ranks, kill + memory fault + "
                          "NaN + hang; step progress per rank, recovery phases shaded")
-        console.print(f"timeline picture: {path}  (again: unbroken report {run_dir} --plot out.png)")
+        console.print(escape(f"timeline picture: {path}  (again: unbroken report {run_dir} --plot out.png)"))
     except ConfigError as exc:
-        console.print(f"no timeline picture: {exc}")
+        console.print(escape(f"no timeline picture: {exc}"))
 
 
 def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, live: bool = True) -> int:
@@ -143,12 +144,12 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
     common = dict(script=str(EXAMPLE), nproc_per_node=nproc, max_restarts=3, omp_num_threads=1)
     args = ("--steps", str(steps), "--step-sleep-s", "0.02")
     console.rule("[bold]unbroken demo")
-    console.print(f"{nproc} ranks, example GPT, {steps} steps. Run directory: {root}")
+    console.print(f"{nproc} ranks, example GPT, {steps} steps. Run directory: {escape(str(root))}")
     ref = resolve(LaunchConfig(**common, script_args=args + ("--out", str(root / "reference.safetensors")),
                                run_dir=root / "reference"))
     ref_result, _ = _run(console, "reference run (no faults)", ref, live)
     if ref_result.exit_code != 0:
-        console.print(f"[red]the reference run failed: {ref_result.reason}")
+        console.print(f"[red]the reference run failed: {escape(ref_result.reason)}")
         return 1
     plan = (f"kill:rank={min(2, nproc - 1)}:step={kill_step},"
             f"corrupt:rank={min(3, nproc - 1)}:step={corrupt_step}:what=optimizer,"

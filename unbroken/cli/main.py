@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -187,10 +188,27 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
                             persist_every_steps=persist or 0, keep=args.keep_checkpoints, shm_dir=args.shm_dir)
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (what Kubernetes and Slurm send) stops the job like Ctrl-C: the main thread gets
+    :class:`~unbroken.agent.launcher.Terminated`; a second SIGTERM during that clean-up is ignored."""
+    from unbroken.agent.launcher import Terminated
+
+    def on_sigterm(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from unbroken.agent.launcher import resolve, run_job
 
+    from unbroken.checkpoint.launch_dirs import check_launch_dirs
+
     cfg = resolve(launch_config(args))
+    for note in check_launch_dirs(cfg.checkpoint.save_dir, cfg.checkpoint.load_dir):  # before any worker
+        print(f"unbroken: {note}", file=sys.stderr)
+    _stop_on_sigterm()
     result = run_job(cfg, output=sys.stdout)
     if result.exit_code == 0:
         print(f"unbroken: job finished: {result.reason} (run dir {result.run_dir})")
@@ -234,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UnbrokenError as exc:
         print(f"unbroken: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM outside a running job (its start, its end)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"unbroken: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def _rank_table(status: dict[str, Any]) -> Table:
 def cmd_status(args: argparse.Namespace) -> int:
     if not args.run_dir and not args.address:
         raise ConfigError("unbroken status: give a RUN_DIR or --address HOST:PORT")
-    console = Console(width=150)
+    console = Console(width=150, markup=False)  # prints run dirs, reasons, faults: never markup
     status = live_status(args.run_dir, args.address)
     if status is not None:
         if args.json:
@@ -131,7 +131,7 @@ def goodput_table(bd: goodput.Breakdown) -> Table:
 def cmd_report(args: argparse.Namespace) -> int:
     events = _events(args.run_dir)
     bd = goodput.breakdown(events)
-    console = Console(width=150)
+    console = Console(width=150, markup=False)  # prints run dirs, reasons, faults: never markup
     if args.json:
         print(json.dumps(bd.to_json()))
     else:

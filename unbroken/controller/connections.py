@@ -151,6 +151,7 @@ def _worker_started(self: Connections, agent: int, msg: m.WorkerStarted) -> None
     now = time.monotonic()
     w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
     w.step, w.phase, w.state, w.steps_in_attempt = None, Phase.STARTING, WorkerState.STARTING, 0
+    w.process = "running"
     w.compute_s.clear()
     self._ctl.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
 
@@ -168,6 +169,15 @@ def _worker_exited(self: Connections, agent: int, msg: m.WorkerExited) -> None:
     ctl.apply(sm.RankExited(msg.rank, msg.attempt, msg.exit_code, msg.signal, w.step, tuple(msg.last_lines)))
 
 
+def _worker_status(self: Connections, agent: int, msg: m.WorkerStatus) -> None:
+    """The agent saw a worker's process stop (SIGSTOP, a debugger), turn zombie or run again:
+    evidence for the hang monitor (hangs.py). A report of another process of the rank is stale."""
+    w = self._ctl.workers.get(msg.rank)
+    if w is not None and w.pid == msg.pid and w.attempt == msg.attempt:
+        w.process = msg.status
+        self._ctl.events.emit("worker_status", rank=msg.rank, pid=msg.pid, status=msg.status)
+
+
 def _workers_stopped(self: Connections, agent: int, msg: m.WorkersStopped) -> None:
     self._ctl.events.emit("workers_stopped", node_rank=agent, attempt=msg.attempt)
     self._ctl.apply(sm.AgentStopped(agent, msg.attempt))
@@ -181,7 +191,8 @@ def _persisted(self: Connections, agent: int, msg: m.Persisted) -> None:
 
 
 AGENT_HANDLERS: dict[type, AgentHandler] = {
-    m.WorkerStarted: _worker_started, m.WorkerExited: _worker_exited, m.WorkersStopped: _workers_stopped,
+    m.WorkerStarted: _worker_started, m.WorkerExited: _worker_exited, m.WorkerStatus: _worker_status,
+    m.WorkersStopped: _workers_stopped,
     m.Persisted: _persisted, m.Heartbeat: lambda self, agent, msg: None,
 }
 

@@ -3,7 +3,8 @@ into messages to agents or workers, event-log lines and timing marks.
 
 Owned by the :class:`~unbroken.controller.server.Controller`; runs under its lock, in
 whichever thread applied the event (actions only send small messages). Owns the job's
-TCPStore, a fresh one per attempt (no stale rendezvous keys survive a restart).
+TCPStore, a fresh one per attempt (no stale rendezvous keys survive a restart), and the
+attempt's random key prefix, handed to workers only over the control plane (rendezvous.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.controller import machine as sm
+from unbroken.controller import machine as sm, rendezvous
 from unbroken.controller.hub import Hub
 from unbroken.controller.views import Outcome
 from unbroken.errors import CheckpointError
@@ -29,6 +30,7 @@ class Executor:
     def __init__(self, ctl: Hub) -> None:
         self._ctl = ctl
         self.store: dist.TCPStore | None = None
+        self.store_prefix = ""  # the current attempt's rendezvous key prefix (rendezvous.py)
         self._table: dict[type, Callable[[Any], None]] = {
             sm.StartAttempt: self._start_attempt, sm.StopAttempt: self._stop_attempt, sm.KillRank: self._kill,
             sm.Decide: self._decide, sm.CommitStep: self._commit_step, sm.AbortGeneration: self._abort,
@@ -49,8 +51,9 @@ class Executor:
     def _start_attempt(self, action: sm.StartAttempt) -> None:
         ctl = self._ctl
         # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts);
-        # the previous attempt's store goes: all its workers are dead.
-        self.store = dist.TCPStore(ctl.host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        # the previous attempt's store goes: all its workers are dead. Its keys live under a
+        # prefix only the control plane hands out.
+        self.store, self.store_prefix = rendezvous.open_store(ctl.host), rendezvous.new_prefix()
         for w in ctl.workers.values():
             w.state, w.steps_in_attempt = WorkerState.STARTING, 0
         ctl.events.emit("attempt_started", attempt=action.attempt, store_port=self.store.port)
@@ -58,7 +61,7 @@ class Executor:
             ranks = [r for r in range(ctl.cfg.world_size) if ctl.state.agent_of(r) == agent]
             ctl.connections.send_to_agent(agent, m.StartWorkers(
                 attempt=action.attempt, store_host=ctl.host, store_port=self.store.port,
-                world_size=ctl.cfg.world_size, ranks=ranks))
+                store_prefix=self.store_prefix, world_size=ctl.cfg.world_size, ranks=ranks))
 
     def _stop_attempt(self, action: sm.StopAttempt) -> None:
         self._ctl.events.emit("stop_workers", attempt=action.attempt, reason=action.reason)
@@ -79,7 +82,8 @@ class Executor:
             ctl.events.emit("restart_worker", rank=rank, gen=action.gen, agent=action.agent)
             ctl.connections.send_to_agent(action.agent, m.RestartWorker(
                 rank=rank, attempt=ctl.state.attempt, gen=action.gen, store_host=ctl.host,
-                store_port=self.store.port if self.store else 0, world_size=ctl.cfg.world_size))
+                store_port=self.store.port if self.store else 0, store_prefix=self.store_prefix,
+                world_size=ctl.cfg.world_size))
 
     def _finish(self, action: sm.Finish) -> None:
         ctl = self._ctl

@@ -58,12 +58,7 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if isinstance(event, AgentJoined):
         return _on_agent_joined(state, event)
     if isinstance(event, WorkerHung):
-        # One hang-kill at a time: the ranks blocked on the hung one in a collective look
-        # hung too, but fail by themselves (gloo sees the kill in milliseconds).
-        if event.attempt != state.attempt or state.phase is not JobPhase.RUNNING or state.hung_ranks:
-            return state, []
-        reason = f"rank {event.rank} made no step progress for {event.silent_s:.1f} s"
-        return _replace(state, hung_ranks=state.hung_ranks | {event.rank}), [KillRank(event.rank, reason)]
+        return _on_worker_hung(state, event)
     if isinstance(event, RankExited):
         return _on_worker_exited(state, event)
     if isinstance(event, AgentStopped):
@@ -94,6 +89,24 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if isinstance(event, (WorkerPaused, ReplacementJoined, WorkerResumed, RecoveryTimeout)):
         return _on_recovery_event(state, event)
     raise TypeError(f"unknown event {event!r}")
+
+
+def _on_worker_hung(state: JobState, event: WorkerHung) -> tuple[JobState, list[Action]]:
+    """Kill a hung rank; its exit then takes the ladder. While running: one hang-kill at a
+    time (the ranks blocked on the hung one in a collective look hung too, but fail by
+    themselves: gloo sees the kill in milliseconds). During a recovery: a survivor that did
+    not answer the abort order (pause) is hung itself, once the ranks killed before are out."""
+    rec = state.recovery
+    if event.attempt != state.attempt:
+        return state, []
+    if state.phase is JobPhase.RUNNING and not state.hung_ranks:
+        reason = f"rank {event.rank} made no step progress for {event.silent_s:.1f} s"
+    elif (state.phase is JobPhase.RECOVERING and rec is not None and not rec.regrouped
+          and event.rank not in rec.replaced | rec.paused | state.hung_ranks and state.hung_ranks <= rec.replaced):
+        reason = f"rank {event.rank} did not answer the abort of generation {rec.gen} for {event.silent_s:.1f} s"
+    else:
+        return state, []
+    return _replace(state, hung_ranks=state.hung_ranks | {event.rank}), [KillRank(event.rank, reason)]
 
 
 def _on_agent_joined(state: JobState, event: AgentJoined) -> tuple[JobState, list[Action]]:
@@ -184,7 +197,8 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     dead = (recovery.replaced if recovery else frozenset()) | failed
     tries = recovery.tries + 1 if recovery else 1
     in_flight, why = in_flight_feasible(state, dead)
-    in_flight = in_flight and tries <= state.max_recovery_tries
+    if in_flight and tries > state.max_recovery_tries:
+        in_flight, why = False, f"in-flight recovery tried {state.max_recovery_tries} times"
     own_agents = {state.agent_of(r) for r in failed}
     feasible = {Rung.RETRY: in_flight and failure.kind in RETRY_KINDS and recovery is None,
                 Rung.RECOVER_IN_PLACE: in_flight and own_agents <= state.agents,
@@ -226,14 +240,21 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     if state.recovery is not None:
         state = _replace(state, recovery=None)
     if rung == GIVE_UP:
-        return _fail(state, failure, f"restart budget spent ({state.restarts_used} of --max-restarts "
-                                     f"{state.max_restarts} used)")
+        return _fail(state, failure, _why_give_up(state, why))
     in_flight_rungs = IN_FLIGHT_RUNGS & set(state.allowed)
     not_in_flight = f" ({', '.join(sorted(in_flight_rungs))}: no; {why})" if in_flight_rungs else ""
     decision = Decide(rung, failure, f"{failure.describe()}; restart {state.restarts_used + 1} "
                                      f"of {state.max_restarts}{not_in_flight}")
     stop = StopAttempt(state.attempt, f"{rung}: {failure.describe()}")
     return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [decision, stop]
+
+
+def _why_give_up(state: JobState, in_flight_why: str) -> str:
+    """Why no allowed rung can handle a fault (the reason the job fails with)."""
+    if Rung.EXIT in state.allowed:
+        return f"restart budget spent ({state.restarts_used} of --max-restarts {state.max_restarts} used)"
+    return (f"none of the allowed strategies ({', '.join(state.allowed)}; --recover-strategy) can handle this "
+            f"fault ({in_flight_why}); add 'exit' to restart the job from its newest checkpoint")
 
 
 def _fail(state: JobState, failure: Failure, why: str) -> tuple[JobState, list[Action]]:

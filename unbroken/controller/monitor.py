@@ -2,8 +2,9 @@
 
 Owned by the :class:`~unbroken.controller.server.Controller`; its methods run under the
 controller's lock, from the connection threads (progress reports) and from the hang-monitor
-thread (:meth:`Monitor.find_hung`, every ``MONITOR_INTERVAL_S``). No I/O: it answers, the
-controller acts.
+thread (:meth:`Monitor.find_hung` while running, :meth:`Monitor.find_silent_in_recovery`
+during an in-flight recovery, every ``MONITOR_INTERVAL_S``). No I/O: it answers, the
+controller acts; who is blamed for a hang is the pure rule of :mod:`unbroken.controller.hangs`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections import deque
 from collections.abc import Iterable
 
 from unbroken.config import HangConfig
-from unbroken.controller import health
+from unbroken.controller import hangs, health
+from unbroken.controller.api import Recovery
 from unbroken.controller.views import WorkerView
 from unbroken.names import LIVE_WORKER_STATES, Phase
 
@@ -55,17 +57,28 @@ class Monitor:
         w.steps_in_attempt += 1
         return True
 
-    def find_hung(self, workers: Iterable[WorkerView], attempt: int, now: float) -> WorkerView | None:
-        """The rank to blame for a hang, if any rank of ``attempt`` made no progress in time.
+    def progress(self, workers: Iterable[WorkerView], attempt: int, now: float,
+                 since_t: float | None = None) -> list[hangs.RankProgress]:
+        """Every live rank of ``attempt``, silent since its last step (or since ``since_t``)."""
+        return [hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
+                                   self.hang_timeout_s(w), w.process)
+                for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
 
-        Ranks blocked in a collective ('sync') are usually waiting for the hung one: the
-        others are suspected first, the longest silent first.
-        """
-        live = [w for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
-        hung = [w for w in live if now - w.last_progress_t > self.hang_timeout_s(w)]
-        if not hung:
-            return None
-        return min(hung, key=lambda v: (v.phase == Phase.SYNC, v.last_progress_t))
+    def find_hung(self, workers: Iterable[WorkerView], attempt: int,
+                  now: float) -> tuple[hangs.RankProgress, str] | None:
+        """The rank to blame for a hang and the evidence, once some rank of ``attempt`` is past
+        its hang timeout. Who is blamed is decided among all live ranks (:mod:`.hangs`): the
+        ranks blocked in the collective are usually waiting for the one that is not progressing."""
+        ranks = self.progress(workers, attempt, now)
+        blamed = hangs.blame_hang(ranks)
+        return None if blamed is None else (blamed, hangs.why(blamed, ranks))
+
+    def find_silent_in_recovery(self, workers: Iterable[WorkerView], attempt: int, rec: Recovery,
+                                ordered_t: float, now: float) -> hangs.RankProgress | None:
+        """A survivor of recovery ``rec`` that has not answered its abort order (given at
+        ``ordered_t``) within its hang timeout; the replaced ranks are not asked."""
+        ranks = [r for r in self.progress(workers, attempt, now, since_t=ordered_t) if r.rank not in rec.replaced]
+        return hangs.silent_in_recovery(ranks, rec.paused)
 
     def new_stragglers(self, workers: Iterable[WorkerView]) -> list[tuple[int, str]]:
         """(rank, why) of ranks the straggler rule (``--straggler-factor``) finds slow, each once."""

@@ -8,7 +8,8 @@ guards them, and the pieces that each do one job:
   messages in (a message-type -> handler table), turned into events;
 * :class:`~unbroken.controller.executor.Executor` -- the machine's actions out, as messages
   (it owns the job's TCPStore, a fresh one per attempt);
-* :class:`~unbroken.controller.monitor.Monitor` -- step times, the hang and straggler rules;
+* :class:`~unbroken.controller.monitor.Monitor` -- step times, the hang and straggler rules
+  (who a hang is blamed on: :mod:`unbroken.controller.hangs`);
 * :class:`~unbroken.controller.timing.RecoveryTiming` -- how long each recovery took;
 * the event log (``events.jsonl``), the live status/metrics (:class:`~unbroken.ops.monitor.JobMonitor`,
   fed by the log and by completed steps) and the storage tier the persisted steps commit into.
@@ -24,12 +25,14 @@ import threading
 import time
 from typing import Any
 
+from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import LaunchConfig
 from unbroken.controller import machine as sm
 from unbroken.controller.connections import Connections
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.executor import Executor
+from unbroken.controller.hangs import RankProgress
 from unbroken.controller.monitor import MONITOR_INTERVAL_S, Monitor
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
@@ -60,12 +63,15 @@ class Controller:
         self.done = threading.Event()
         self.recovery_deadline: tuple[int, float] | None = None  # (generation, monotonic deadline)
         ckpt = cfg.checkpoint
-        self.storage = StorageTier(ckpt.save_dir, keep=ckpt.keep) if ckpt.save_dir else None
+        self.storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=run_id(cfg.secret, cfg.job_id)) \
+            if ckpt.save_dir else None
         self.timing = RecoveryTiming()
         self.monitor = Monitor(cfg.hang, cfg.straggler_factor)
         self.connections = Connections(self)
         self._executor = Executor(self)
-        self._server = Server(host, port, cfg.secret.encode(), self.connections.serve)
+        self._server = Server(host, port, cfg.secret.encode(), self.connections.serve,
+                              on_failed_handshakes=lambda count, last: self.events.emit(
+                                  "handshakes_failed", count=count, last=last))
         self._monitor_thread = threading.Thread(target=self._monitor_loop, name="unbroken-hang-monitor",
                                                 daemon=True)
         self.live = JobMonitor(run_dir=cfg.run_dir, job_id=cfg.job_id, world_size=cfg.world_size, events=events,
@@ -158,19 +164,35 @@ class Controller:
                 now = time.monotonic()
                 if self.state.phase is sm.JobPhase.RUNNING and not self.state.hung_ranks:
                     self._check_hangs(now)
+                elif self.state.phase is sm.JobPhase.RECOVERING:
+                    self._check_recovery_silence(now)
                 if self.recovery_deadline and now > self.recovery_deadline[1]:
                     gen, self.recovery_deadline = self.recovery_deadline[0], None
                     self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.worker.recovery_timeout_s)
                     self.apply(sm.RecoveryTimeout(self.state.attempt, gen))
 
     def _check_hangs(self, now: float) -> None:
-        w = self.monitor.find_hung(self.workers.values(), self.state.attempt, now)
-        if w is None:
+        """Some rank is past its hang timeout: blame the one not progressing (hangs.py)."""
+        found = self.monitor.find_hung(self.workers.values(), self.state.attempt, now)
+        if found is not None:
+            blamed, why = found
+            w = self.workers[blamed.rank]
+            # The hang began when its progress stopped, not when we noticed.
+            self.timing.fault_began(w.last_progress_t, self.workers.values())
+            self._hung(w, blamed, why, during="step")
+
+    def _check_recovery_silence(self, now: float) -> None:
+        """A survivor that does not answer the abort order within its hang timeout is hung too."""
+        rec, ordered_t, hung = self.state.recovery, self.timing.decided_t, self.state.hung_ranks
+        if rec is None or rec.regrouped or ordered_t is None:
             return
-        silent = now - w.last_progress_t
-        # The hang began when its progress stopped, not when we noticed.
-        self.timing.fault_began(w.last_progress_t, self.workers.values())
-        self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(silent, 3),
-                         timeout_s=round(self.monitor.hang_timeout_s(w), 3),
-                         median_step_s=self.monitor.median_step_s(), attempt=w.attempt)
-        self.apply(sm.WorkerHung(w.rank, w.attempt, w.step, silent))
+        blamed = self.monitor.find_silent_in_recovery(self.workers.values(), self.state.attempt, rec, ordered_t, now)
+        if blamed is not None and blamed.rank not in hung and hung <= rec.replaced:
+            why = f"no answer to the abort of generation {rec.gen}; process {blamed.process}"
+            self._hung(self.workers[blamed.rank], blamed, why, during="recovery")
+
+    def _hung(self, w: WorkerView, blamed: RankProgress, why: str, during: str) -> None:
+        self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(blamed.silent_s, 3),
+                         timeout_s=round(blamed.timeout_s, 3), median_step_s=self.monitor.median_step_s(),
+                         attempt=w.attempt, process=w.process, why=why, during=during)
+        self.apply(sm.WorkerHung(w.rank, w.attempt, w.step, blamed.silent_s))

@@ -35,6 +35,11 @@ class RecoveryTiming:
     def decided(self, t: float) -> None:
         self._milestones = {"decide": t}
 
+    @property
+    def decided_t(self) -> float | None:
+        """When the in-flight recovery in progress was ordered (its abort sent), if one was."""
+        return self._milestones.get("decide")
+
     def mark(self, milestone: str, t: float, *, first: bool = False) -> None:
         """Note ``milestone`` ("joined", "regroup") at ``t`` (``first``: keep an earlier one)."""
         if first:

@@ -29,6 +29,7 @@ class WorkerView:
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))
     state: WorkerState = WorkerState.STARTING
     conn: Connection | None = None
+    process: str = "running"  # as its agent sees the process: running | stopped | zombie (hangs.py)
 
 
 @dataclass

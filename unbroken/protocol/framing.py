@@ -20,6 +20,7 @@ import msgpack
 from unbroken.errors import ConnectionClosed, ProtocolError
 
 MAX_FRAME_BYTES = 1 << 20
+MAX_DEPTH = 32  # nesting of maps and arrays in one frame; ours nest a few levels
 WAKE_S = 0.5  # a blocked read re-checks whether its connection was closed this often
 
 _HEADER = struct.Struct(">I")
@@ -58,7 +59,22 @@ def unpack_payload(payload: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         kind = type(obj).__name__
         raise ProtocolError(f"malformed control frame: payload is a msgpack {kind}, not a map")
+    _check_depth(obj)
     return obj
+
+
+def _check_depth(obj: Any) -> None:
+    """ProtocolError if maps and arrays nest deeper than MAX_DEPTH. Iterative, so no frame can
+    make anything after it (the handshake's MAC input, message checks) recurse too deep."""
+    todo = [(obj, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"malformed control frame: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            todo.extend((v, depth + 1) for v in value.values() if isinstance(v, (dict, list)))
+        elif isinstance(value, list):
+            todo.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
 
 
 class FrameReader:

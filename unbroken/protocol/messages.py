@@ -44,6 +44,17 @@ class WorkerExited(Message):
     last_lines: list[str]
 
 
+@message("worker_status")
+class WorkerStatus(Message):
+    """The agent saw a worker's process change state: running | stopped (SIGSTOP, a
+    debugger) | zombie. Evidence for the hang monitor (controller/hangs.py)."""
+
+    rank: int
+    pid: int
+    attempt: int
+    status: str
+
+
 @message("workers_stopped")
 class WorkersStopped(Message):
     node_rank: int
@@ -60,6 +71,7 @@ class StartWorkers(Message):
     store_port: int
     world_size: int
     ranks: list[int] = dataclasses.field(default_factory=list)  # empty: this node's own ranks
+    store_prefix: str = ""  # the attempt's secret rendezvous key prefix (controller/rendezvous.py)
 
 
 @message("stop_workers")
@@ -199,6 +211,7 @@ class RestartWorker(Message):
     store_host: str = ""
     store_port: int = 0
     world_size: int = 0  # the job's (a standby agent does not know it from its own flags)
+    store_prefix: str = ""
 
 
 # the storage tier, written by agents from the memory tier

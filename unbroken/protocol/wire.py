@@ -230,6 +230,7 @@ class Server:
         secret: bytes,
         on_connection: Callable[[Connection], None],
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        on_failed_handshakes: Callable[[int, str], None] | None = None,
     ) -> None:
         _check_secret(secret)
         if not host:
@@ -240,6 +241,7 @@ class Server:
         self._secret = secret
         self._on_connection = on_connection
         self._handshake_timeout_s = handshake_timeout_s
+        self._failures = _FailureLog(self, on_failed_handshakes)
         self._listener = _listen(host, port)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
@@ -280,6 +282,7 @@ class Server:
         self._listener.close()
         for conn in live:
             conn.close()
+        self._failures.flush()
 
     def _accept_loop(self) -> None:
         while not self._closing:
@@ -314,9 +317,7 @@ class Server:
                 server_handshake(conn, self._secret, self._handshake_timeout_s)
             except (ProtocolError, OSError) as exc:
                 if not self._closing:
-                    logger.warning(
-                        "control connection from %s failed the handshake: %s", conn.peer, exc
-                    )
+                    self._failures.add(f"{conn.peer}: {str(exc)[:500]}")
                 return
             except Exception as exc:  # a bug of ours: still only this connection is lost
                 logger.warning(
@@ -344,6 +345,50 @@ class Server:
                 "control connection from %s (role %r) dropped: handler raised %s: %s",
                 conn.peer, conn.role, type(exc).__name__, exc, exc_info=True,
             )
+
+
+class _FailureLog:
+    """Failed handshakes of one Server, rate-limited: the first is logged at WARNING, then one
+    summary (count, last failure) at most every SUMMARY_S, so a flood of connections cannot
+    flood the job's output. `report(count, last)` is called with each line logged (the
+    controller counts them in its event log). Called from the connection threads."""
+
+    SUMMARY_S = 30.0
+
+    def __init__(self, server: Server, report: Callable[[int, str], None] | None) -> None:
+        self._server, self._report = server, report
+        self._lock = threading.Lock()
+        self._pending, self._last, self._logged_at = 0, "", None
+
+    def add(self, what: str) -> None:
+        with self._lock:
+            self._pending, self._last = self._pending + 1, what
+            now = time.monotonic()
+            if self._logged_at is not None and now - self._logged_at < self.SUMMARY_S:
+                return
+            first, self._logged_at = self._logged_at is None, now
+        self._emit(first)
+
+    def flush(self) -> None:
+        if self._pending:
+            self._emit(False)
+
+    def _emit(self, first: bool) -> None:
+        with self._lock:
+            count, last, self._pending = self._pending, self._last, 0
+        if not count:
+            return
+        if first:
+            logger.warning("control connection from %s failed the handshake (further failures are "
+                           "summarised every %.0f s)", last, self.SUMMARY_S)
+        else:
+            logger.warning("%d control connection(s) to port %d failed the handshake in the last "
+                           "%.0f s at most; the last from %s", count, self._server.port, self.SUMMARY_S, last)
+        if self._report is not None:
+            try:
+                self._report(count, last)
+            except Exception:  # an event log that fails must not break the server
+                logger.debug("reporting failed handshakes raised", exc_info=True)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -29,9 +29,10 @@ import torch
 
 from unbroken.checkpoint.capacity import check_shm_capacity, estimate_snapshot_bytes
 from unbroken.checkpoint.memory import SnapshotWriter
+from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import WorkerConfig
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, ShmCapacityError
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
 from unbroken.worker.tracked import TrackedState
@@ -53,21 +54,37 @@ class Checkpointer:
         self._all_min, self._event = all_min, event
         self._metrics = metrics  # the session's progress metrics: the memory tier's size goes there
         ckpt = cfg.checkpoint
-        self.storage = StorageTier(ckpt.resume_dir, keep=ckpt.keep) if ckpt.resume_dir else None
+        # Where this run saves; its run id lets retention delete only this run's steps and a
+        # restart resume only from them (--load's directory is restore's, see RestoreSources).
+        self.storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=run_id(cfg.secret, cfg.job_id)) \
+            if ckpt.save_dir else None
         self.memory_tier = managed and bool(cfg.job_id) and ckpt.every_steps > 0
         self._snapshots: SnapshotWriter | None = None  # built at the first snapshot
         self._warned_save_failure = False
 
-    def check_capacity(self) -> None:
-        """Before the first step: ShmCapacityError unless the memory-tier slots of every rank on
-        this node fit in the shm dir, with the optimizers' state as after their first step."""
+    def check_capacity(self, step: int) -> None:
+        """Before the first step (``step`` steps restored): ShmCapacityError unless the memory-tier
+        slots of every rank on this node fit in the shm dir, with the optimizers' state as after
+        their first step.
+
+        Only a new launch (attempt 0) fails on it, before training. A job restart mid-run degrades
+        instead: the memory tier is off for this attempt (storage checkpoints go on), said once."""
         if not self.memory_tier:
             return
         cfg, ckpt = self._cfg, self._cfg.checkpoint
         optimizers = [o for o in self._tracked.objects.values() if isinstance(o, torch.optim.Optimizer)]
         snapshot_bytes = estimate_snapshot_bytes(self._tracked.tree(), optimizers)
-        needed = check_shm_capacity(ckpt.shm_dir, cfg.job_id, rank=cfg.rank, snapshot_bytes=snapshot_bytes,
-                                    local_world_size=cfg.local_world_size)
+        try:
+            needed = check_shm_capacity(ckpt.shm_dir, cfg.job_id, rank=cfg.rank, snapshot_bytes=snapshot_bytes,
+                                        local_world_size=cfg.local_world_size)
+        except ShmCapacityError as exc:
+            if cfg.attempt == 0:
+                raise
+            self.memory_tier = False
+            self._event("memory_tier_off", step=step, reason=str(exc))
+            log.warning("rank %d: the memory tier is off for this attempt (%d), storage checkpoints go on: %s",
+                        cfg.rank, cfg.attempt, exc)
+            return
         log.info("rank %d: memory tier fits in %s: about %d bytes per snapshot, %d bytes for the node's "
                  "%d rank(s)", cfg.rank, ckpt.shm_dir, snapshot_bytes, needed, cfg.local_world_size)
 

@@ -5,9 +5,12 @@ once per process (a replacement process of an in-flight recovery does not come h
 receives its state from replicas, see :mod:`unbroken.worker.inflight`). It sees only narrow
 collaborators: :class:`RestoreSources` (tiers, controller link, all-reduce) and the tracked state.
 
-Sources of a rank, fastest first: its own node's shared-memory snapshots (the memory
-tier, under `unbroken run`), then the storage tier. A step is restorable only when every
-rank's part of it is committed in some tier (DESIGN.md section 8). Who decides:
+Sources of a rank, by the resume rule (README "Resuming: --load and --save"): a new launch
+(attempt 0) resumes only from `--load DIR`; a job-level restart inside the run (attempt > 0)
+from the run's own checkpoints first, its node's shared-memory snapshots (the memory tier,
+under `unbroken run`) and the steps this run committed in `--save DIR`, then from --load's.
+A step is restorable only when every rank's part of it is committed in some source
+(DESIGN.md section 8). Who decides:
 
 * under `unbroken run` the controller: each rank offers the steps it can load
   (:class:`~unbroken.protocol.messages.RestoreOffer`), the controller picks the newest
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.storage import StorageTier
+from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, FatalError, JobFailed, NoCheckpoint
 from unbroken.worker.control import ControlClient
 from unbroken.worker.tracked import TrackedState
@@ -38,22 +42,52 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class StoredSteps:
+    """A storage directory restore may load from; ``own_run_only``: only the steps this run
+    committed count (the run's --save directory on a restart), else all of them (--load's)."""
+
+    tier: StorageTier
+    own_run_only: bool
+
+    def steps(self, steps: list[int]) -> list[int]:
+        """The steps of `steps` (newest first) restore may take from this directory."""
+        return self.tier.own_steps(steps) if self.own_run_only else steps
+
+
+@dataclass(frozen=True)
 class RestoreSources:
-    """What one rank restores from and with whom it agrees (the session builds it)."""
+    """What one rank restores from and with whom it agrees (the session builds it by the
+    resume rule: memory and the run's own --save steps only on a restart, attempt > 0)."""
 
     rank: int
     attempt: int
     recovery_timeout_s: float
     memory: SnapshotReader | None  # this node's shared-memory snapshots (under `unbroken run`)
-    storage: StorageTier | None
+    stores: tuple[StoredSteps, ...]  # in the order restore prefers them
     control: ControlClient | None  # the controller decides the step; None: the ranks agree by all_min
     all_min: Callable[[int], int]  # an all-reduce MIN over every rank
+
+
+def build_sources(cfg: WorkerConfig, *, own_storage: StorageTier | None, control: ControlClient | None,
+                  all_min: Callable[[int], int]) -> RestoreSources:
+    """The sources of rank ``cfg.rank`` by the resume rule: a new launch (attempt 0) only
+    --load's directory; a job-level restart inside the run this node's shared-memory
+    snapshots (under `unbroken run`) and this run's own steps in `own_storage` (--save's)
+    first, then --load's."""
+    own_run = cfg.attempt > 0
+    ckpt = cfg.checkpoint
+    memory = SnapshotReader(ckpt.shm_dir, cfg.job_id, cfg.rank) if own_run and control is not None and cfg.job_id \
+        else None
+    stores = ([StoredSteps(own_storage, own_run_only=True)] if own_run and own_storage is not None else []) \
+        + ([StoredSteps(StorageTier(ckpt.load_dir), own_run_only=False)] if ckpt.load_dir else [])
+    return RestoreSources(rank=cfg.rank, attempt=cfg.attempt, recovery_timeout_s=cfg.worker.recovery_timeout_s,
+                          memory=memory, stores=tuple(stores), control=control, all_min=all_min)
 
 
 def restore(src: RestoreSources, tracked: TrackedState, event: Callable[..., None]) -> int:
     """Agree on the step to resume from, load it into the tracked state; return the step
     (0 when there is nothing to restore)."""
-    if src.memory is None and src.storage is None:
+    if src.memory is None and not src.stores:
         return 0
     started = time.monotonic()
     bound: int | None = None  # the newest step this rank may still offer
@@ -71,11 +105,11 @@ def restore(src: RestoreSources, tracked: TrackedState, event: Callable[..., Non
             break
         bound = agreed if loaded else agreed - 1  # someone could not load it: go older
         round_ += 1
-    state, tier = loaded
+    state, tier, where = loaded
     tracked.load_tree(state)
     seconds = time.monotonic() - started
-    log.info("rank %d: restored step %d from %s in %.3f s", src.rank, agreed, tier, seconds)
-    event("restored", step=agreed, tier=tier, seconds=seconds)
+    log.info("rank %d: restored step %d from %s (%s) in %.3f s", src.rank, agreed, tier, where, seconds)
+    event("restored", step=agreed, tier=tier, dir=where, seconds=seconds)
     return agreed
 
 
@@ -87,7 +121,9 @@ def _agree(src: RestoreSources, round_: int, bound: int | None) -> int:
         if src.memory is not None else []
     # Listed by metadata only (cheap); a file that rotted in place fails its checksum at
     # load, and the next round goes older.
-    storage_steps = src.storage.loadable_steps(src.rank, at_or_below=bound) if src.storage is not None else []
+    storage_steps = sorted({s for store in src.stores
+                            for s in store.steps(store.tier.loadable_steps(src.rank, at_or_below=bound))},
+                           reverse=True)
     timeout_s = src.recovery_timeout_s
     step = src.control.restore_at(round_, memory_steps, storage_steps, timeout_s)
     if step is None:
@@ -100,24 +136,38 @@ def _agree(src: RestoreSources, round_: int, bound: int | None) -> int:
 
 def _newest_available(src: RestoreSources, bound: int | None) -> int:
     steps = [s for s, _ in src.memory.committed()] if src.memory is not None else []
-    stored = src.storage.newest_loadable_step(src.rank, at_or_below=bound) if src.storage else None
-    candidates = [s for s in steps if bound is None or s <= bound] + ([stored] if stored is not None else [])
-    return max(candidates, default=-1)
+    for store in src.stores:  # newest first; the tensor files' checksums are verified here
+        stored = next((s for s in store.steps(store.tier.loadable_steps(src.rank, at_or_below=bound))
+                       if _verifies(store.tier, s, src.rank)), None)
+        steps += [stored] if stored is not None else []
+    return max((s for s in steps if bound is None or s <= bound), default=-1)
 
 
-def _load_step(src: RestoreSources, tracked: TrackedState, step: int) -> tuple[dict, str] | None:
-    """(state, tier) of ``step`` for this rank, memory first, else storage; None if neither loads it."""
+def _verifies(tier: StorageTier, step: int, rank: int) -> bool:
+    try:
+        tier.verify_rank(step, rank)
+        return True
+    except CheckpointError as exc:
+        log.warning("skipping checkpoint step %d for rank %d: %s", step, rank, exc)
+        return False
+
+
+def _load_step(src: RestoreSources, tracked: TrackedState, step: int) -> tuple[dict, str, str] | None:
+    """(state, tier, directory) of ``step`` for this rank, memory first, else the stores in
+    order; None if none loads it."""
     if src.memory is not None:
         try:
             # Straight into the tensors of the freshly built model and optimizer: no new
             # allocation (page faults). If it fails, another step is loaded over them.
-            return src.memory.load(step, into=tracked.tree())[0], "memory"
+            return src.memory.load(step, into=tracked.tree())[0], "memory", str(src.memory.dir)
         except (NoCheckpoint, CheckpointError) as exc:
             if not isinstance(exc, NoCheckpoint):
                 log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", src.rank, step, exc)
-    if src.storage is not None:
+    for store in src.stores:
+        if not store.steps([step]):
+            continue
         try:
-            return src.storage.load_rank(step, src.rank)[0], "storage"
+            return store.tier.load_rank(step, src.rank)[0], "storage", str(store.tier.root)
         except CheckpointError as exc:
-            log.warning("rank %d: checkpoint of step %d unusable: %s", src.rank, step, exc)
+            log.warning("rank %d: checkpoint of step %d in %s unusable: %s", src.rank, step, store.tier.root, exc)
     return None

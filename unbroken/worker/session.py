@@ -27,7 +27,6 @@ from typing import Any, Iterator, NoReturn
 import torch
 import torch.distributed as dist
 
-from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.comm import wait_all
 from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_env
 from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalError
@@ -120,9 +119,11 @@ class Job:
         timeout = timedelta(seconds=self.cfg.worker.pg_timeout_s)
         store = None
         if self.cfg.mode == "managed":
-            # The store lives in the controller, one per attempt; generations get a prefix.
-            store = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
-                                  is_master=False, timeout=timeout)
+            # The store lives in the controller, one per attempt; every key under the attempt's
+            # secret prefix (controller/rendezvous.py), each generation under its own below it.
+            tcp = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
+                                is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"{self.cfg.store_prefix}/", tcp)
             if self.cfg.replacement:
                 return store, None
         if dist.is_initialized():  # the script built it: the script destroys it
@@ -165,7 +166,7 @@ class Job:
             raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
         self._step = self._inflight.join() if self._inflight.needs_state else self._restore()
         self._restored = self._tracked.frozen = True
-        self._ckpt.check_capacity()
+        self._ckpt.check_capacity(self._step)
         while self._step < total:
             if self._control is not None and self._inflight.pending:
                 self._step = self._survive()
@@ -403,18 +404,14 @@ class Job:
     def _restore(self) -> int:
         """Agree with every rank on the newest step all can load, load it; return the step.
 
-        Sources, fastest first: this node's shared-memory snapshots (a job-level restart of
-        the same job), then the storage tier. Every rank must load the same step: under
+        Sources by the resume rule (restore.build_sources). Every rank must load the same step: under
         `unbroken run` the controller decides it, elsewhere an all-reduce (see restore.py).
         """
         if self._restored:
             return self._step
         self._restored = True
-        memory = SnapshotReader(self.cfg.checkpoint.shm_dir, self.cfg.job_id, self.rank) \
-            if self._control is not None and self.cfg.job_id else None
-        sources = restore.RestoreSources(rank=self.rank, attempt=self.attempt,
-                                         recovery_timeout_s=self.cfg.worker.recovery_timeout_s, memory=memory,
-                                         storage=self._ckpt.storage, control=self._control, all_min=self._all_min)
+        sources = restore.build_sources(self.cfg, own_storage=self._ckpt.storage, control=self._control,
+                                        all_min=self._all_min)
         return restore.restore(sources, self._tracked, self._event)
 
 

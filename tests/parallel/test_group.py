@@ -1,0 +1,106 @@
+"""SurvivingGroup and its works, on real gloo groups inside one process (fast).
+
+Two ranks are two threads of this process, each with its own SurvivingGroup over a
+HashStore; the default process group is never touched.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unbroken.errors import CollectiveAborted
+from unbroken.parallel.fabric import reconfigure_available
+from unbroken.parallel.group import AbortSignal, DetachedCollective, SurvivingGroup
+
+
+def _pair(store: dist.Store, gen: int, signals: list[AbortSignal], graveyard: list) -> list[SurvivingGroup]:
+    """Two SurvivingGroups (ranks 0 and 1) attached to generation ``gen``'s gloo groups."""
+    groups = [SurvivingGroup(r, 2, [0, 1], "g0", signals[r], graveyard) for r in range(2)]
+    backends: list = [None, None]
+
+    def build(rank: int) -> None:
+        backends[rank] = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{gen}/g0/", store), rank, 2,
+                                               timedelta(seconds=20))
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for rank in range(2):
+        groups[rank]._attach(gen, backends[rank])
+    return groups
+
+
+def _opts() -> dist.distributed_c10d.AllreduceOptions:
+    opts = dist.distributed_c10d.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    return opts
+
+
+def test_detached_group_completes_broadcast_and_allgather_locally_and_refuses_reductions():
+    group = SurvivingGroup(1, 4, [0, 1, 2, 3], "g0", AbortSignal(), [])
+    t = torch.arange(3.0)
+    work = group.broadcast([t], dist.distributed_c10d.BroadcastOptions())
+    assert work.is_completed() and work.wait()
+    assert torch.equal(t, torch.arange(3.0))
+    out = torch.zeros(12)
+    group._allgather_base(out, t, dist.distributed_c10d.AllgatherOptions()).wait()
+    assert torch.equal(out, torch.arange(3.0).repeat(4))
+    with pytest.raises(DetachedCollective, match="allreduce on group 'g0' before this rank joined"):
+        group.allreduce([t], _opts())
+
+
+def test_collectives_follow_the_group_to_the_next_generation_and_the_object_stays():
+    store, graveyard = dist.HashStore(), []
+    signals = [AbortSignal(), AbortSignal()]
+    groups = _pair(store, 0, signals, graveyard)
+    first_ids = [id(g) for g in groups]
+    for gen in (0, 1):
+        if gen:
+            again = _pair(store, 1, signals, graveyard)
+            for old, new in zip(groups, again):
+                old._attach(1, new.backend)  # the same objects move to generation 1
+        tensors = [torch.full((4,), float(r + 1 + 10 * gen)) for r in range(2)]
+        works = [groups[r].allreduce([tensors[r]], _opts()) for r in range(2)]
+        for w in works:
+            w.wait()
+        assert all(torch.equal(t, torch.full((4,), 3.0 + 20 * gen)) for t in tensors)
+        assert all(g.generation == gen for g in groups)
+    assert [id(g) for g in groups] == first_ids
+    assert len(graveyard) == 2  # generation 0's backends, kept referenced, never destroyed early
+
+
+def test_abort_signal_ends_a_blocked_collective_at_once_and_keeps_its_work_in_the_graveyard():
+    store, graveyard = dist.HashStore(), []
+    signals = [AbortSignal(), AbortSignal()]
+    groups = _pair(store, 0, signals, graveyard)
+    t = torch.ones(8)
+    work = groups[0].allreduce([t], _opts())  # rank 1 never joins it: it blocks (until the gloo timeout)
+    failed_future = work.get_future()
+    started = time.monotonic()
+    threading.Timer(0.2, signals[0].fire, args=("test order",)).start()
+    with pytest.raises(CollectiveAborted):
+        work.wait()
+    left_s = time.monotonic() - started
+    assert 0.15 < left_s < 2.0, left_s
+    assert work.is_completed() and not work.is_success()
+    with pytest.raises(RuntimeError, match="CollectiveAborted"):
+        failed_future.wait()  # the future torch's C++ callers (DDP's reducer) wait on fails too
+    assert any(w is work._inner for w in graveyard)
+    with pytest.raises(CollectiveAborted, match="issued after the abort order"):
+        groups[0].allreduce([t], _opts()).wait()
+    # Let rank 1 match the pending op so the test leaves no blocked gloo thread behind.
+    groups[1].backend.allreduce([torch.ones(8)], _opts()).wait()
+
+
+def test_reconfigure_feature_check_matches_the_installed_torch():
+    major_minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    assert reconfigure_available() == (major_minor >= (2, 14) and hasattr(dist, "_reconfigure"))
+    if major_minor <= (2, 13):
+        assert not reconfigure_available()

@@ -1,0 +1,61 @@
+"""Which rank a hang is blamed on. Pure: the server feeds it what it knows of every rank.
+
+In synchronous training a rank that stops progressing makes its peers block in the step's
+collective (phase ``sync``); they then look as silent as the culprit, and the ones that
+entered ``sync`` earliest cross the hang timeout first. So the timeout only says *that*
+something hangs; *who* is decided among all live ranks, by evidence, strongest first:
+
+1. the agent sees the rank's process stopped (SIGSTOP, a debugger) or a zombie;
+2. the rank never reached the step's collective (its phase is not ``sync``) while others wait in it;
+3. the rank silent the longest; then the lowest rank (deterministic).
+
+During a recovery every survivor must answer the abort order (pause) within its hang
+timeout; one that does not is hung itself (:func:`silent_in_recovery`), and is handled
+like any hang, not left to the recovery deadline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from unbroken.names import Phase
+
+#: Process states, as the agent reports them (from /proc via psutil).
+NOT_RUNNING = ("stopped", "zombie")
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """One live rank as the controller sees it when it looks for a hang."""
+
+    rank: int
+    phase: str  # the last phase it reported (compute, sync, update, done, starting, ...)
+    silent_s: float  # since its last step progress
+    timeout_s: float  # its hang timeout now
+    process: str = "running"  # as its agent sees it: running | stopped | zombie
+
+
+def blame_hang(ranks: Sequence[RankProgress]) -> RankProgress | None:
+    """The rank to blame, or ``None`` while no rank is past its hang timeout."""
+    if not any(r.silent_s > r.timeout_s for r in ranks):
+        return None
+    return min(ranks, key=lambda r: (r.process not in NOT_RUNNING, r.phase == Phase.SYNC, -r.silent_s, r.rank))
+
+
+def why(rank: RankProgress, others: Iterable[RankProgress]) -> str:
+    """The evidence against ``rank``, for the event log."""
+    if rank.process in NOT_RUNNING:
+        return f"its process is {rank.process}"
+    waiting = sorted(o.rank for o in others if o.rank != rank.rank and o.phase == Phase.SYNC)
+    if rank.phase != Phase.SYNC and waiting:
+        return f"it never reached the collective (phase {rank.phase}) while ranks {waiting} wait in sync"
+    return f"silent the longest ({rank.silent_s:.1f} s)"
+
+
+def silent_in_recovery(ranks: Sequence[RankProgress], answered: Iterable[int]) -> RankProgress | None:
+    """A survivor that has not answered the abort order within its hang timeout (``silent_s``
+    counted from the order), a stopped one first; ``None`` if every one answered or has time left."""
+    done = set(answered)
+    late = [r for r in ranks if r.rank not in done and r.silent_s > r.timeout_s]
+    return min(late, key=lambda r: (r.process not in NOT_RUNNING, -r.silent_s, r.rank)) if late else None

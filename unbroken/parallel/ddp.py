@@ -1,0 +1,72 @@
+"""Keeping a stock ``DistributedDataParallel`` consistent across a generation switch.
+
+DDP built on a :class:`~unbroken.parallel.group.SurvivingGroup` keeps working when the
+group moves to a new generation; two pieces of its reducer's state need care:
+
+* **after an aborted step** (survivors): the reducer may be left mid-backward (hooks
+  expected, finalize pending). :func:`reset_after_abort` uses the reducer's own reset
+  (``Reducer._reset_state``, the call DDP's ``_update_process_group`` makes), which also
+  makes every rank rebuild its buckets at the same iteration, together with the replacement;
+* **the bucket layout** (replacement): after its first iteration DDP rebuilds its buckets in
+  the order gradients became ready; a fresh DDP starts in parameter order. A flat bucket laid
+  out differently on one rank would sum the wrong elements together, silently. So a survivor
+  sends :func:`bucket_layout` with the state, and the replacement calls :func:`adopt_layout`,
+  which builds its reducer with the survivors' layout. Each rank then rebuilds at the
+  iteration after the redone step (rank 0's layout, the same as before: the order is
+  deterministic), so no rank's collectives go out of step.
+
+Private torch APIs used (torch 2.13): ``Reducer._reset_state``, ``DDP._has_rebuilt_buckets``,
+``DDP._get_ddp_logging_data()['rebuilt_per_bucket_param_indices']``, the ``dist.Reducer``
+constructor as DDP's ``_ddp_init_helper`` calls it, ``DDP._comm_hooks``.
+
+Runs in the training thread of one rank.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+Layout = list[list[int]]
+
+
+def reset_after_abort(ddp: DistributedDataParallel) -> None:
+    """A survivor: forget the aborted step's reduction and rebuild buckets with the others."""
+    ddp.reducer._reset_state()
+    ddp._has_rebuilt_buckets = False
+
+
+def bucket_layout(ddp: DistributedDataParallel) -> Layout | None:
+    """The parameter indices of each bucket after DDP's rebuild; None before it (parameter order)."""
+    data = ddp._get_ddp_logging_data()
+    text = data.get("rebuilt_per_bucket_param_indices", "") if data.get("has_rebuilt_buckets") else ""
+    if not text:
+        return None
+    return [[int(i) for i in bucket.split()] for bucket in text.split(",") if bucket.strip()]
+
+
+def adopt_layout(ddp: DistributedDataParallel, layout: Layout | None) -> None:
+    """A replacement: lay its buckets out as ``layout`` (a survivor's :func:`bucket_layout`).
+
+    Replaces the reducer of a DDP that has not run a step yet; its comm hooks are registered
+    again on the new one. ``None`` (the survivors have not rebuilt either) changes nothing.
+    """
+    if layout is None:
+        return
+    parameters, expect_sparse = ddp._build_params_for_reducer()
+    _, limits_for_rebuilding = ddp._bucket_config.compute_bucket_size_limits(
+        static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters)
+    ddp.reducer._remove_autograd_hooks()
+    ddp.reducer = dist.Reducer(
+        parameters, layout, [ddp.bucket_bytes_cap] * len(layout), ddp.process_group, expect_sparse,
+        ddp.bucket_bytes_cap, ddp.find_unused_parameters, ddp.gradient_as_bucket_view,
+        ddp._build_debug_param_to_name_mapping(parameters), ddp._bucket_config.first_bucket_bytes_cap,
+        ddp.skip_all_reduce_unused_params, ddp._use_python_reducer, limits_for_rebuilding,
+        ddp.batched_grad_copy)
+    ddp.logger = dist.Logger(ddp.reducer)
+    ddp.reducer.set_logger(ddp.logger)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+    for hook, state in ddp._comm_hooks:
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    ddp._has_rebuilt_buckets = False

@@ -1,0 +1,122 @@
+"""The generations of one job's process groups inside one process.
+
+A :class:`Fabric` owns every :class:`~unbroken.parallel.group.SurvivingGroup` of the job in
+this process (the world group and every sub-group torch creates on it: ``new_group``,
+``DeviceMesh`` dimensions), the job's :class:`~unbroken.parallel.group.AbortSignal` and the
+graveyard of abandoned backends and works. :meth:`Fabric.switch` moves every group, in
+creation order (the same on every rank), to generation ``g``'s gloo groups on the store
+prefix ``gen<g>/<group key>/``; the group objects the wrappers hold stay the same.
+
+torch is told about our groups through a backend plugin registered under a name unique to
+this fabric (``Backend.register_backend``; torch's plugin table is process-wide, so two jobs
+in one process get two names and share nothing). ``init_world()`` makes the default group
+ours, so ``dist.new_group`` and ``init_device_mesh`` build SurvivingGroups too, and torch's
+own bookkeeping (group names, global-rank maps, the functional-collective registry) is filled
+by torch itself.
+
+torch 2.14+ has an in-place reconfigure of a real group (``init_process_group(...,
+enable_reconfigure=True)``, ``dist._reconfigure``): :func:`reconfigure_available` reports
+whether the installed torch has it. This module does not use it yet (2.13 has no such API and
+it cannot be tested here); where it exists, a generation switch could reconfigure each
+backend in place instead of building a new one, keeping everything above unchanged.
+
+Runs in the training thread of one rank (``switch`` included: it is a collective of the
+whole job); the abort signal may be fired from any thread.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from unbroken.errors import ConfigError
+from unbroken.parallel.group import AbortSignal, SurvivingGroup
+
+WORLD_PREFIX = "unbroken-world/"
+
+
+def reconfigure_available() -> bool:
+    """True where the installed torch has the experimental in-place group reconfigure (2.14+)."""
+    init_params = inspect.signature(dist.init_process_group).parameters
+    return hasattr(dist, "_reconfigure") and "enable_reconfigure" in init_params
+
+
+class Fabric:
+    """Every SurvivingGroup of one job in this process, and the generation they are on.
+
+    Not thread-safe except :attr:`signal`: build, switch and close from the training thread.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float = 30.0,
+                 name: str | None = None) -> None:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is outside the world of {world_size} ranks (allowed: 0..{world_size - 1})")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s={timeout_s} must be > 0 (it bounds how long an abandoned op holds memory)")
+        self._store, self.rank, self.world_size = store, rank, world_size
+        self.timeout = timedelta(seconds=timeout_s)
+        self.signal = AbortSignal()
+        self.graveyard: list[Any] = []
+        self.groups: list[SurvivingGroup] = []
+        self._gen = -1
+        self.backend_name = f"unbroken_{name or uuid.uuid4().hex[:12]}"
+        dist.Backend.register_backend(self.backend_name, self._create, extended_api=True, devices=["cpu"])
+
+    @property
+    def generation(self) -> int:
+        """The generation every group is on; -1 before the first :meth:`switch` (detached)."""
+        return self._gen
+
+    def init_world(self) -> SurvivingGroup:
+        """Make the default process group a SurvivingGroup (detached until :meth:`switch`)."""
+        dist.init_process_group(backend=self.backend_name, store=dist.PrefixStore(WORLD_PREFIX, self._store),
+                                rank=self.rank, world_size=self.world_size, timeout=self.timeout)
+        world = dist.group.WORLD
+        assert isinstance(world, SurvivingGroup), world
+        return world
+
+    def _create(self, opts: Any, _backend_options: Any) -> SurvivingGroup:
+        """torch's plugin hook: a new group of ``opts.group_size`` ranks (``new_group``, a mesh dim)."""
+        ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+        group = SurvivingGroup(opts.group_rank, opts.group_size, ranks, f"g{opts.group_id}",
+                               self.signal, self.graveyard)
+        self.groups.append(group)
+        if self._gen >= 0:  # created after the job joined a generation: every member builds it now
+            group._attach(self._gen, self._backend_for(group, self._gen))
+        return group
+
+    def _backend_for(self, group: SurvivingGroup, gen: int) -> Any:  # a ProcessGroupGloo (a Backend)
+        store = dist.PrefixStore(f"gen{gen}/{group.key}/", self._store)
+        return dist.ProcessGroupGloo(store, group.rank(), group.size(), self.timeout)
+
+    def switch(self, gen: int) -> float:
+        """Move every group to generation ``gen`` (a collective of every rank of the job).
+
+        Blocks until every member of each group has connected (gloo builds its mesh), at most
+        the fabric's timeout. Clears the abort signal once the new backends are in place.
+        Returns the seconds it took.
+        """
+        if gen <= self._gen:
+            raise ConfigError(f"generation {gen} is not newer than the current one ({self._gen}): "
+                              "each generation's store prefix may be used once")
+        started = time.monotonic()
+        for group in self.groups:
+            group._attach(gen, self._backend_for(group, gen))
+        self._gen = gen
+        self.signal.clear()
+        return time.monotonic() - started
+
+    def prune_graveyard(self) -> int:
+        """Drop abandoned works that have ended; returns how many are still pending."""
+        self.graveyard[:] = [w for w in self.graveyard if not isinstance(w, dist.Work) or not w.is_completed()]
+        return sum(1 for w in self.graveyard if isinstance(w, dist.Work))
+
+    def close(self) -> None:
+        """Tear the default group down; abandoned backends stay referenced by the caller's fabric."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

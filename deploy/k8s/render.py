@@ -277,7 +277,7 @@ def check_command(args: list[str], *, warn: Callable[[str], None] = _warn) -> No
         namespace = parser.parse_args(flags)
         # --nnodes > 1 needs the job secret in the environment: the pods get it from the Secret.
         saved = os.environ.get(ENV_SECRET)
-        os.environ[ENV_SECRET] = saved or "render-check"
+        os.environ[ENV_SECRET] = saved or "render-check-" + "0123456789abcdef" * 2  # strong enough for the multi-node rule
         try:
             launch_config(namespace)
         finally:

@@ -159,7 +159,7 @@ def test_every_pod_runs_unbroken_run_with_flags_its_parser_accepts(monkeypatch):
     if "--metrics-port" not in run_flags.format_help():  # issue 16's metrics work adds it; checked once there
         i = args.index("--metrics-port")
         del args[i:i + 2]
-    monkeypatch.setenv("UNBROKEN_JOB_SECRET", "from-the-secret")
+    monkeypatch.setenv("UNBROKEN_JOB_SECRET", "from-the-secret-" + "0123456789abcdef" * 2)
     cfg = launch_config(build_parser().parse_args(args[1:]))
     assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node) == (3, 2, 2)
     # --master-addr is the headless Service, which selects node 0's pod and carries the control port.

@@ -57,7 +57,7 @@ class NoCheckpoint(CheckpointError):
 
 class ShmCapacityError(FatalError):
     """The memory tier's slots of this node's ranks would not fit in the shared-memory
-    directory with headroom (checked before the first step; see ``check_shm_capacity``)."""
+    directory with headroom (checked before the first step; see ``unbroken.checkpoint.capacity``)."""
 
 
 class InjectedFault(UnbrokenError):

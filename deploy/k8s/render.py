@@ -182,7 +182,7 @@ def shm_size_bytes(values: dict[str, Any]) -> int:
     rank of the pod, plus what unbroken's capacity check keeps free (max(256 MiB, 10% of the
     free bytes)), plus ``memoryTier.extraBytes``; rounded up to MiB."""
     from unbroken.checkpoint.memory import MIN_HEADROOM_BYTES
-    from unbroken.checkpoint.shm_files import shm_slots_bytes
+    from unbroken.checkpoint.capacity import shm_slots_bytes
 
     extra = parse_quantity("memoryTier.extraBytes", values["memoryTier"]["extraBytes"])
     if not values["memoryTier"]["everySteps"]:
@@ -277,7 +277,7 @@ def check_command(args: list[str], *, warn: Callable[[str], None] = _warn) -> No
         namespace = parser.parse_args(flags)
         # --nnodes > 1 needs the job secret in the environment: the pods get it from the Secret.
         saved = os.environ.get(ENV_SECRET)
-        os.environ[ENV_SECRET] = saved or "render-check"
+        os.environ[ENV_SECRET] = saved or "render-check-" + "0123456789abcdef" * 2  # strong enough for the multi-node rule
         try:
             launch_config(namespace)
         finally:

@@ -13,7 +13,7 @@ from torch import nn
 from tests.conftest import mounted_tmpfs
 from unbroken.checkpoint import memory, shm_files
 from unbroken.checkpoint.memory import SnapshotWriter
-from unbroken.checkpoint.shm_files import check_shm_capacity, estimate_snapshot_bytes, shm_slots_bytes
+from unbroken.checkpoint.capacity import check_shm_capacity, estimate_snapshot_bytes, shm_slots_bytes
 from unbroken.errors import FatalError, ShmCapacityError
 from unbroken.optim import ShardedOptimizer
 

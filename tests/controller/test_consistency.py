@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from unbroken.recovery.consistency import PHASES, Direction, InconsistentReports, Position, decide
+from unbroken.names import STEP_PHASES as PHASES
+from unbroken.recovery.consistency import Direction, InconsistentReports, Position, decide
 
 COMMITTED = 9  # the newest committed step in these cases
 

@@ -45,7 +45,7 @@ def test_a_step_commits_only_when_every_rank_reported_its_reduction():
 def test_dead_rank_the_only_one_synced_means_roll_back():
     state, _ = commit(start(), 4)
     state, _ = run(state, sm.StepSynced(2, 0, 0, 5))  # only rank 2 finished the reduction of step 5
-    state, actions = run(state, sm.WorkerExited(2, 0, None, 9, step=5))
+    state, actions = run(state, sm.RankExited(2, 0, None, 9, step=5))
     assert kinds(actions) == ["Decide", "AbortGeneration", "RestartRanks"]
     assert actions[0].rung == "recover-in-place" and actions[2] == sm.RestartRanks(frozenset({2}), 1, 0)
     state, actions = run(state, *(sm.WorkerPaused(r, 0, 5, "sync") for r in (0, 1, 3)),
@@ -60,7 +60,7 @@ def test_dead_rank_the_only_one_synced_means_roll_back():
 
 def test_crash_after_commit_rolls_forward():
     state, _ = commit(start(), 5)
-    state, _ = run(state, sm.WorkerExited(1, 0, None, 9, step=5))
+    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
     state, actions = run(state, sm.WorkerPaused(0, 0, 5, "update"), sm.WorkerPaused(2, 0, 6, "sync"),
                          sm.WorkerPaused(3, 0, 6, "compute"), sm.ReplacementJoined(1, 0, 1))
     assert actions[0].resume_step == 6
@@ -68,19 +68,19 @@ def test_crash_after_commit_rolls_forward():
 
 def test_a_second_fault_during_recovery_starts_the_next_generation():
     state = start()
-    state, _ = run(state, sm.WorkerExited(2, 0, None, 9), sm.WorkerPaused(0, 0, 0, "sync"))
-    state, actions = run(state, sm.WorkerExited(0, 0, None, 9))  # a source dies while recovering
+    state, _ = run(state, sm.RankExited(2, 0, None, 9), sm.WorkerPaused(0, 0, 0, "sync"))
+    state, actions = run(state, sm.RankExited(0, 0, None, 9))  # a source dies while recovering
     assert kinds(actions) == ["Decide", "AbortGeneration", "RestartRanks"]
     assert state.recovery.gen == 2 and state.recovery.replaced == {0, 2} and state.recovery.paused == frozenset()
     state, actions = run(state, sm.WorkerPaused(1, 0, 0, "sync"), sm.WorkerPaused(3, 0, 0, "sync"),
                          sm.ReplacementJoined(2, 0, 2), sm.ReplacementJoined(0, 0, 2))
-    assert kinds(actions) == ["Regroup"] and actions[0].gen == 2
+    assert kinds(actions) == ["OrderRegroup"] and actions[0].gen == 2
 
 
 def test_no_live_replica_falls_to_exit_and_restarts_the_job():
     state = start(replicas=2)  # N = 2 over 4 ranks: shard 0 on ranks {0, 2}
-    state, _ = run(state, sm.WorkerExited(0, 0, None, 9))
-    state, actions = run(state, sm.WorkerExited(2, 0, None, 9))
+    state, _ = run(state, sm.RankExited(0, 0, None, 9))
+    state, actions = run(state, sm.RankExited(2, 0, None, 9))
     assert kinds(actions) == ["Decide", "StopAttempt"] and actions[0].rung == "exit"
     assert "no live replica of optimizer shard 0" in actions[0].reason
     state, actions = run(state, sm.AgentStopped(0, 0))
@@ -89,28 +89,28 @@ def test_no_live_replica_falls_to_exit_and_restarts_the_job():
 
 def test_two_ranks_in_different_blocks_are_replaced_in_flight():
     state = start(replicas=2)
-    state, _ = run(state, sm.WorkerExited(0, 0, None, 9))
-    state, actions = run(state, sm.WorkerExited(3, 0, None, 9))
+    state, _ = run(state, sm.RankExited(0, 0, None, 9))
+    state, actions = run(state, sm.RankExited(3, 0, None, 9))
     assert actions[0].rung == "recover-in-place" and state.recovery.replaced == {0, 3}
 
 
 def test_without_a_step_loop_everywhere_only_exit_is_feasible():
     state = sm.JobState(world_size=2, nnodes=1, max_restarts=1, allowed=("recover-in-place", "exit"))
     state, _ = run(state, sm.AgentJoined(0), sm.SessionReady(0, 0, 0))
-    state, actions = run(state, sm.WorkerExited(1, 0, 1, None))
+    state, actions = run(state, sm.RankExited(1, 0, 1, None))
     assert actions[0].rung == "exit" and "do not run an unbroken step loop" in actions[0].reason
 
 
 def test_no_replica_restore_forbids_in_flight():
     state = start(replicas_allowed=False)
-    state, actions = run(state, sm.WorkerExited(1, 0, None, 9))
+    state, actions = run(state, sm.RankExited(1, 0, None, 9))
     assert actions[0].rung == "exit" and "--no-replica-restore" in actions[0].reason
 
 
 def test_recover_moves_the_rank_to_a_standby_agent():
     state = start(allowed=("recover", "exit"))
     state, _ = run(state, sm.StandbyJoined(1))
-    state, actions = run(state, sm.WorkerExited(2, 0, None, 9))
+    state, actions = run(state, sm.RankExited(2, 0, None, 9))
     assert actions[0].rung == "recover" and actions[2] == sm.RestartRanks(frozenset({2}), 1, 1)
     assert state.agent_of(2) == 1 and state.standbys == frozenset()
 
@@ -127,7 +127,7 @@ def test_a_lost_node_recovers_onto_a_standby_or_fails():
 
 def test_recovery_timeout_falls_to_exit():
     state = start()
-    state, _ = run(state, sm.WorkerExited(2, 0, None, 9))
+    state, _ = run(state, sm.RankExited(2, 0, None, 9))
     state, actions = run(state, sm.RecoveryTimeout(0, 1))
     assert actions[0].rung == "exit" and state.phase is sm.JobPhase.STOPPING
 
@@ -135,15 +135,15 @@ def test_recovery_timeout_falls_to_exit():
 def test_hang_kills_one_rank_at_a_time():
     state = start()
     state, actions = run(state, sm.WorkerHung(1, 0, 7, 6.0), sm.WorkerHung(2, 0, 7, 6.0))
-    assert actions == [sm.KillWorker(1, "rank 1 made no step progress for 6.0 s")]
-    state, actions = run(state, sm.WorkerExited(1, 0, None, 9, step=7))
+    assert actions == [sm.KillRank(1, "rank 1 made no step progress for 6.0 s")]
+    state, actions = run(state, sm.RankExited(1, 0, None, 9, step=7))
     assert actions[0].failure.kind == "hang"
 
 
 def test_restart_budget_spent_reports_the_first_failure():
     state = start(allowed=("exit",), max_restarts=1)
-    state, _ = run(state, sm.WorkerExited(3, 0, 2, None, step=4), sm.AgentStopped(0, 0))
-    state, actions = run(state, sm.WorkerExited(1, 1, None, 9, step=1))
+    state, _ = run(state, sm.RankExited(3, 0, 2, None, step=4), sm.AgentStopped(0, 0))
+    state, actions = run(state, sm.RankExited(1, 1, None, 9, step=1))
     assert actions[-1] == sm.Finish(1, "restart budget spent (1 of --max-restarts 1 used); root cause: "
                                        "rank 3 exited (exit code 2) at step 4, attempt 0")
     assert state.phase is sm.JobPhase.FAILED
@@ -151,21 +151,21 @@ def test_restart_budget_spent_reports_the_first_failure():
 
 def test_events_of_an_older_attempt_are_ignored():
     state = start(allowed=("exit",))
-    state, _ = run(state, sm.WorkerExited(0, 0, 1, None), sm.AgentStopped(0, 0))
+    state, _ = run(state, sm.RankExited(0, 0, 1, None), sm.AgentStopped(0, 0))
     before = dataclasses.replace(state)
-    state, actions = run(state, sm.WorkerExited(2, 0, 1, None), sm.StepSynced(1, 0, 0, 3))
+    state, actions = run(state, sm.RankExited(2, 0, 1, None), sm.StepSynced(1, 0, 0, 3))
     assert actions == [] and state == before
 
 
 def test_all_ranks_finishing_ends_the_job():
     state = start(world=2)
-    state, actions = run(state, sm.WorkerExited(0, 0, 0, None), sm.WorkerExited(1, 0, 0, None))
+    state, actions = run(state, sm.RankExited(0, 0, 0, None), sm.RankExited(1, 0, 0, None))
     assert actions == [sm.Finish(0, "all 2 ranks finished")]
 
 
 def test_a_fatal_exit_fails_the_job_at_once_without_a_restart():
     state = start(max_restarts=5)
-    state, actions = run(state, sm.WorkerExited(1, 0, EXIT_FATAL, None, last_lines=(
+    state, actions = run(state, sm.RankExited(1, 0, EXIT_FATAL, None, last_lines=(
         "loading data", "unbroken: rank 1: fatal error: ShmCapacityError: does not fit in /dev/shm")))
     assert state.phase is sm.JobPhase.FAILED and state.restarts_used == 0 and state.recovery is None
     assert kinds(actions) == ["Decide", "StopAttempt", "Finish"]
@@ -177,22 +177,22 @@ def test_a_fatal_exit_fails_the_job_at_once_without_a_restart():
     assert "root cause: rank 1 exited with a fatal error (EXIT_FATAL: not restarted) (exit code 97) before its " \
            "first step, attempt 0" in finish.reason
     # The others exiting afterwards (stopped) changes nothing: no new attempt starts.
-    state, actions = run(state, sm.WorkerExited(0, 0, None, 15), sm.AgentStopped(0, 0))
+    state, actions = run(state, sm.RankExited(0, 0, None, 15), sm.AgentStopped(0, 0))
     assert actions == [] and state.phase is sm.JobPhase.FAILED
 
 
 def test_a_fatal_exit_during_an_in_flight_recovery_ends_it():
     state = start()
-    state, _ = run(state, sm.WorkerExited(2, 0, None, 9))
+    state, _ = run(state, sm.RankExited(2, 0, None, 9))
     assert state.phase is sm.JobPhase.RECOVERING
-    state, actions = run(state, sm.WorkerExited(0, 0, EXIT_FATAL, None, step=3))
+    state, actions = run(state, sm.RankExited(0, 0, EXIT_FATAL, None, step=3))
     assert state.phase is sm.JobPhase.FAILED and state.recovery is None
-    assert not {"StartAttempt", "RestartRanks", "AbortGeneration", "Regroup"} & set(kinds(actions))
+    assert not {"StartAttempt", "RestartRanks", "AbortGeneration", "OrderRegroup"} & set(kinds(actions))
     assert actions[-1].reason.startswith(f"rank 0 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not "
                                          "restarted): no output; root cause: rank 2 was killed by a signal")
 
 
 def test_an_exit_code_other_than_exit_fatal_still_restarts():
     state = start(allowed=("exit",))
-    _, actions = run(state, sm.WorkerExited(1, 0, EXIT_FATAL - 1, None))
+    _, actions = run(state, sm.RankExited(1, 0, EXIT_FATAL - 1, None))
     assert kinds(actions) == ["Decide", "StopAttempt"] and actions[0].rung == "exit"

@@ -14,7 +14,7 @@ RETRY_FIRST = ("retry", "recover-in-place", "exit")
 def test_a_retry_type_fault_is_repaired_in_place_without_a_restart(kind):
     state, _ = commit(start(allowed=RETRY_FIRST), 4)
     state, actions = run(state, sm.WorkerDamaged(1, 0, "what", kind, step=5))
-    assert kinds(actions) == ["Decide", "AbortGeneration"]  # no RestartRanks, no KillWorker
+    assert kinds(actions) == ["Decide", "AbortGeneration"]  # no RestartRanks, no KillRank
     assert actions[0].rung == "retry" and actions[0].failure.kind == kind
     assert state.recovery.replaced == frozenset({1})
 
@@ -22,7 +22,7 @@ def test_a_retry_type_fault_is_repaired_in_place_without_a_restart(kind):
 def test_retry_not_allowed_kills_the_damaged_rank_for_the_next_rung():
     state, _ = commit(start(allowed=("recover-in-place", "exit")), 4)
     state, actions = run(state, sm.WorkerDamaged(1, 0, "nan", "non-finite", step=5))
-    assert kinds(actions) == ["Decide", "KillWorker"] and actions[1].rank == 1
+    assert kinds(actions) == ["Decide", "KillRank"] and actions[1].rank == 1
 
 
 def test_a_second_rank_reporting_damage_before_the_regroup_is_repaired_too():
@@ -76,10 +76,10 @@ def test_the_same_failure_three_times_in_a_row_is_a_crash_loop():
     state = start(max_restarts=100, allowed=("exit",))
     boom = ("Traceback (most recent call last):", "ValueError: batch 7 is empty")
     for attempt in range(2):
-        state, actions = run(state, sm.WorkerExited(1, attempt, 1, None, step=7, last_lines=boom))
+        state, actions = run(state, sm.RankExited(1, attempt, 1, None, step=7, last_lines=boom))
         assert kinds(actions) == ["Decide", "StopAttempt"] and actions[0].rung == "exit"
         state, _ = run(state, sm.AgentStopped(0, attempt))
-    state, actions = run(state, sm.WorkerExited(1, 2, 1, None, step=7, last_lines=boom))
+    state, actions = run(state, sm.RankExited(1, 2, 1, None, step=7, last_lines=boom))
     assert state.phase is sm.JobPhase.FAILED
     (finish,) = [a for a in actions if isinstance(a, sm.Finish)]
     assert "crash loop" in finish.reason and "batch 7 is empty" in finish.reason
@@ -88,7 +88,7 @@ def test_the_same_failure_three_times_in_a_row_is_a_crash_loop():
 def test_different_failures_are_no_crash_loop():
     state = start(max_restarts=100, allowed=("exit",))
     for attempt, step in enumerate((7, 8, 9)):
-        state, actions = run(state, sm.WorkerExited(1, attempt, 1, None, step=step, last_lines=("ValueError",)))
+        state, actions = run(state, sm.RankExited(1, attempt, 1, None, step=step, last_lines=("ValueError",)))
         assert actions[0].rung == "exit"
         state, _ = run(state, sm.AgentStopped(0, attempt))
     assert state.phase is sm.JobPhase.RUNNING

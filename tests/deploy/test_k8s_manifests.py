@@ -159,7 +159,7 @@ def test_every_pod_runs_unbroken_run_with_flags_its_parser_accepts(monkeypatch):
     if "--metrics-port" not in run_flags.format_help():  # issue 16's metrics work adds it; checked once there
         i = args.index("--metrics-port")
         del args[i:i + 2]
-    monkeypatch.setenv("UNBROKEN_JOB_SECRET", "from-the-secret")
+    monkeypatch.setenv("UNBROKEN_JOB_SECRET", "from-the-secret-" + "0123456789abcdef" * 2)
     cfg = launch_config(build_parser().parse_args(args[1:]))
     assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node) == (3, 2, 2)
     # --master-addr is the headless Service, which selects node 0's pod and carries the control port.
@@ -195,7 +195,7 @@ def test_without_a_shared_claim_a_multi_node_job_writes_no_storage_tier():
 def test_shm_size_fits_the_memory_tier_and_is_not_oversized(tmp_path, state, nproc):
     """A tmpfs of the rendered sizeLimit passes unbroken's own check before step 0; 16 MiB less
     does not (the size is what the check needs, not a guess)."""
-    from unbroken.checkpoint.shm_files import check_shm_capacity
+    from unbroken.checkpoint.capacity import check_shm_capacity
     from unbroken.errors import ShmCapacityError
 
     values = _values(procPerNode=nproc, **{"memoryTier.stateBytesPerRank": state, "memoryTier.extraBytes": "0"})

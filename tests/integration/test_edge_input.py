@@ -7,6 +7,7 @@ environment ends with EXIT_FATAL and one clear line, never a raw traceback or a 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,10 +15,11 @@ import sys
 import pytest
 
 from tests.conftest import EXAMPLE, REPO, run_cli
-from unbroken.config import LaunchConfig, check_secret_strength, worker_config_from_env
+from unbroken.config import LaunchConfig, WorkerSettings, check_secret_strength, worker_config_from_env
 from unbroken.errors import EXIT_FATAL, ConfigError
 
 STRONG = "0123456789abcdef" * 2  # 32 characters, 16 distinct
+WORKER_SETTINGS = {f.name for f in dataclasses.fields(WorkerSettings)}
 
 
 @pytest.mark.parametrize("field, value, flag", [
@@ -30,7 +32,10 @@ STRONG = "0123456789abcdef" * 2  # 32 characters, 16 distinct
 ])
 def test_launch_numbers_must_be_finite_and_in_range(field, value, flag):
     with pytest.raises(ConfigError, match=flag) as err:
-        LaunchConfig(script="x.py", **{field: value})
+        if field in WORKER_SETTINGS:  # a worker setting: a field of LaunchConfig.worker
+            LaunchConfig(script="x.py", worker=WorkerSettings(**{field: value}))
+        else:
+            LaunchConfig(script="x.py", **{field: value})
     if field != "straggler_factor":
         assert "(0, 86400]" in str(err.value)
 

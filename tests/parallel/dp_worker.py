@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from unbroken.comm import broadcast_state
 from unbroken.parallel import ddp as ddp_gen
 from unbroken.parallel.fabric import Fabric
-from unbroken.recovery.transfer import broadcast_state
 
 
 class StoreAbortWatcher(threading.Thread):

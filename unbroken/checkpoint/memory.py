@@ -12,8 +12,9 @@ tensors and meta together, 3-5x slower, and its slots read as invalid now.)
 A slot's state goes EMPTY -> WRITING -> COPIED -> COMMITTED -> WRITING ... WRITING is stored
 before the first byte of a snapshot, COPIED once tensors and meta are in place (the training
 step resumes there), COMMITTED only after the checksum table and the checksummed header are. The
-writer always writes the slot not holding the newest committed snapshot, so a crash at any
-point leaves that one intact. A reader pins the slot it reads (flock LOCK_SH); the writer
+writer writes the slot not holding the newest committed snapshot, unless the other slot is held
+for the persister: then it overwrites the newest, the held one staying committed meanwhile.
+Either way a crash at any point leaves a committed snapshot intact. A reader pins the slot it reads (flock LOCK_SH); the writer
 takes LOCK_EX from WRITING to COMMITTED and skips a snapshot whose slot is pinned rather than
 wait. The agent owns the files' lifetime; the writer never deletes them.
 
@@ -43,23 +44,22 @@ import torch
 import xxhash
 
 from unbroken.checkpoint.codec import flatten_state
-from unbroken.checkpoint.shm_files import (_check_dir, _open_slot, open_ours, persisted_path, read_ours,
+from unbroken.checkpoint.capacity import (  # noqa: F401  (the slot sizes, reachable as memory.*)
+    CHUNK_BYTES, GROW_ROUND_BYTES, GROWTH, HEADER_BYTES, MIN_HEADROOM_BYTES, grown_slot_bytes, headroom_bytes)
+from unbroken.checkpoint.shm_files import (check_dir, open_ours, open_slot, persisted_path, read_ours,
                                            read_persisted, slot_path)
 from unbroken.errors import CheckpointError, ConfigError
+from unbroken.units import round_up
 
 logger = logging.getLogger(__name__)
 
 MAGIC, VERSION, META_FORMAT = b"UNBRKSHM", 2, "unbroken-shm-snapshot"
-HEADER_BYTES = 4096  # tensor data starts on the second page
 ALIGN_BYTES = 64
-CHUNK_BYTES = 16 << 20  # checksum granularity: chunks verify (and copy) in parallel on load
-GROWTH, GROW_ROUND_BYTES = 1.25, 2 << 20  # a slot too small grows to needed * 1.25, once
-MIN_HEADROOM_BYTES = 256 << 20  # left free in shm_dir: max(this, 10% of the free bytes)
-# magic, version, state, then _Header's fields after state, then header_crc (over all of it
+# magic, version, state, then SlotHeader's fields after state, then header_crc (over all of it
 # but state and itself, so the state can change with one aligned 4-byte store).
-_HEADER = struct.Struct("<8sIIQqQQQQQQII")
+HEADER = struct.Struct("<8sIIQqQQQQQQII")
 _STATE, _STATE_OFFSET = struct.Struct("<I"), 12
-_HASH = struct.Struct("<Q")  # one checksum table entry: xxh3_64
+HASH = struct.Struct("<Q")  # one checksum table entry: xxh3_64
 
 
 class SlotState(enum.IntEnum):
@@ -69,7 +69,7 @@ class SlotState(enum.IntEnum):
     COMMITTED = 3
 
 
-class _Header(NamedTuple):
+class SlotHeader(NamedTuple):
     state: int
     seq: int  # write order of the rank's snapshots
     step: int
@@ -82,27 +82,27 @@ class _Header(NamedTuple):
     table_crc: int  # crc32 of the table
 
     def pack(self) -> bytes:
-        crc = zlib.crc32(_HEADER.pack(MAGIC, VERSION, 0, *self[1:], 0))
-        return _HEADER.pack(MAGIC, VERSION, self.state, *self[1:], crc)
+        crc = zlib.crc32(HEADER.pack(MAGIC, VERSION, 0, *self[1:], 0))
+        return HEADER.pack(MAGIC, VERSION, self.state, *self[1:], crc)
 
     @staticmethod
-    def unpack(raw: bytes) -> _Header | None:
+    def unpack(raw: bytes) -> SlotHeader | None:
         """The header in `raw`, or None unless it is ours, this version, and its crc matches."""
-        if len(raw) < _HEADER.size or raw[:8] != MAGIC:
+        if len(raw) < HEADER.size or raw[:8] != MAGIC:
             return None
-        _, _, state, *fields, _ = _HEADER.unpack_from(raw)
-        header = _Header(state, *fields)
-        ok = state in SlotState._value2member_map_ and header.pack() == raw[:_HEADER.size]
+        _, _, state, *fields, _ = HEADER.unpack_from(raw)
+        header = SlotHeader(state, *fields)
+        ok = state in SlotState._value2member_map_ and header.pack() == raw[:HEADER.size]
         return header if ok else None
 
 
-def _read_header(path: Path) -> _Header | None:
+def read_header(path: Path) -> SlotHeader | None:
     """The valid header of the slot file at `path`, or None (missing, not ours, torn)."""
-    raw = read_ours(path, _HEADER.size)
-    return None if raw is None else _Header.unpack(raw)
+    raw = read_ours(path, HEADER.size)
+    return None if raw is None else SlotHeader.unpack(raw)
 
 
-def _hashed_ranges(h: _Header) -> list[tuple[int, int]]:
+def hashed_ranges(h: SlotHeader) -> list[tuple[int, int]]:
     """The byte ranges of a slot its checksum table covers, in table order: CHUNK_BYTES
     chunks of the tensor bytes [data_off, meta_off), then the meta."""
     data = [(a, min(a + h.chunk_bytes, h.meta_off))
@@ -120,7 +120,7 @@ class SnapshotWriter:
     """
 
     def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int, hold_every: int = 0) -> None:
-        self.dir, self.job_id, self.rank = _check_dir(shm_dir), job_id, rank
+        self.dir, self.job_id, self.rank = check_dir(shm_dir), job_id, rank
         self.paths = [slot_path(self.dir, job_id, rank, s) for s in (0, 1)]
         # Snapshots of steps divisible by hold_every are kept until the agent has persisted
         # them (mark_persisted): the writer then rotates through the other slot only.
@@ -130,19 +130,19 @@ class SnapshotWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.skipped_writes = 0  # snapshots skipped because a reader pinned the slot
-        headers = [_read_header(p) for p in self.paths]
+        headers = [read_header(p) for p in self.paths]
         self._seq = max((h.seq for h in headers if h), default=0)  # a restarted worker continues
         done = [(h.seq, s, h.step) for s, h in enumerate(headers)
                 if h and h.state == SlotState.COMMITTED]
         _, self._newest, self.committed_step = max(done) if done else (0, None, None)
 
     def write(self, step: int, state: Any, meta: dict | None = None) -> float:
-        """Copy `state` into the slot not holding the newest committed snapshot; return the
-        seconds the caller was blocked (the wait for the previous commit, and the copy).
+        """Copy `state` into a slot (see _target_slot); return the seconds the caller was
+        blocked (the wait for the previous commit, and the copy).
 
         A background thread commits the snapshot; `flush` waits for it. CheckpointError when
         the state or meta cannot be encoded, shm_dir lacks space, or the last commit failed;
-        the newest committed snapshot is never touched.
+        a committed snapshot is always left intact.
         """
         start = time.perf_counter()
         if type(step) is not int or step < 0:
@@ -151,7 +151,7 @@ class SnapshotWriter:
         sources, spec = _flatten_sources(state)
         index, cursor = {}, HEADER_BYTES
         for name, (host, _) in sources.items():
-            cursor, nbytes = _round_up(cursor, ALIGN_BYTES), host.numel() * host.element_size()
+            cursor, nbytes = round_up(cursor, ALIGN_BYTES), host.numel() * host.element_size()
             index[name] = {"dtype": str(host.dtype).removeprefix("torch."),
                            "shape": list(host.shape), "offset": cursor, "nbytes": nbytes}
             cursor += nbytes
@@ -164,8 +164,8 @@ class SnapshotWriter:
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"meta of rank {self.rank} step {step} is not JSON-serializable:"
                                   f" {exc}") from exc
-        meta_off = _round_up(cursor, ALIGN_BYTES)
-        table_off = _round_up(meta_off + len(meta_bytes), ALIGN_BYTES)
+        meta_off = round_up(cursor, ALIGN_BYTES)
+        table_off = round_up(meta_off + len(meta_bytes), ALIGN_BYTES)
         n_chunks = math.ceil((meta_off - HEADER_BYTES) / CHUNK_BYTES) + 1
         slot = self._target_slot()
         if slot is None:
@@ -181,11 +181,11 @@ class SnapshotWriter:
                            self.paths[slot])
             return time.perf_counter() - start
         try:
-            m = self._ensure(slot, fd, table_off + _HASH.size * n_chunks)
+            m = self._ensure(slot, fd, table_off + HASH.size * n_chunks)
             _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.WRITING)  # first store of a snapshot
-            header = _Header(SlotState.WRITING, self._seq, step, HEADER_BYTES, meta_off,
+            header = SlotHeader(SlotState.WRITING, self._seq, step, HEADER_BYTES, meta_off,
                              len(meta_bytes), table_off, CHUNK_BYTES, n_chunks, 0)
-            m.mm[:_HEADER.size] = header.pack()
+            m.mm[:HEADER.size] = header.pack()
             for name, (_, src) in sources.items():
                 e = index[name]
                 # On a GPU `src` is a CUDA tensor: one device-to-host copy into the pageable
@@ -195,7 +195,7 @@ class SnapshotWriter:
                 dst.view(src.dtype).view(src.shape).copy_(src)
             m.mm[meta_off:meta_off + len(meta_bytes)] = meta_bytes
             header = header._replace(state=SlotState.COPIED)
-            m.mm[:_HEADER.size] = header.pack()
+            m.mm[:HEADER.size] = header.pack()
             self._thread = threading.Thread(target=self._commit, args=(m, fd, slot, header),
                                             daemon=True, name=f"unbroken-snapshot-r{self.rank}")
             self._thread.start()
@@ -206,7 +206,7 @@ class SnapshotWriter:
 
     def _lock(self, slot: int) -> int | None:
         """An fd of ``slot`` holding its exclusive flock, or None while a reader pins it."""
-        fd = _open_slot(self.paths[slot])
+        fd = open_slot(self.paths[slot])
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -234,7 +234,7 @@ class SnapshotWriter:
         taken = read_persisted(self._persisted_path)
         due = []
         for path in self.paths:
-            h = _read_header(path)
+            h = read_header(path)
             ok = h is not None and h.state == SlotState.COMMITTED and h.step % self.hold_every == 0 and h.step > taken
             due.append(h.step if ok else -1)
         return due[slot] >= 0 and due[slot] == max(due)
@@ -254,14 +254,14 @@ class SnapshotWriter:
                     m.close()
             self._maps = [None, None]
 
-    def _commit(self, m: _Mapping, fd: int, slot: int, header: _Header) -> None:
+    def _commit(self, m: _Mapping, fd: int, slot: int, header: SlotHeader) -> None:
         """Commit thread: checksum table, checksummed header, the state COMMITTED, unpin."""
         try:
             with memoryview(m.mm) as view:
-                hashes = [xxhash.xxh3_64_intdigest(view[a:b]) for a, b in _hashed_ranges(header)]
+                hashes = [xxhash.xxh3_64_intdigest(view[a:b]) for a, b in hashed_ranges(header)]
             table = struct.pack(f"<{len(hashes)}Q", *hashes)
             m.mm[header.table_off:header.table_off + len(table)] = table
-            m.mm[:_HEADER.size] = header._replace(table_crc=zlib.crc32(table)).pack()
+            m.mm[:HEADER.size] = header._replace(table_crc=zlib.crc32(table)).pack()
             _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.COMMITTED)  # the commit point
             self._newest, self.committed_step = slot, header.step
         except BaseException as exc:  # re-raised in the training thread by _wait_commit
@@ -294,10 +294,10 @@ class SnapshotWriter:
             m.close()
             self._maps[slot] = None
         size = os.fstat(fd).st_size
-        if size >= _HEADER.size:  # it may hold the older snapshot: unlist it first
+        if size >= HEADER.size:  # it may hold the older snapshot: unlist it first
             os.pwrite(fd, _STATE.pack(SlotState.WRITING), _STATE_OFFSET)
         if size < needed:
-            new_size = _round_up(math.ceil(needed * GROWTH), GROW_ROUND_BYTES)
+            new_size = grown_slot_bytes(needed)
             self._check_capacity(slot, size, new_size)
             os.ftruncate(fd, new_size)
             try:
@@ -310,8 +310,8 @@ class SnapshotWriter:
             size = new_size
         m = _Mapping(self.paths[slot], size, fd)
         m.buf[HEADER_BYTES:].zero_()  # pre-touch: the page faults happen here, not in the copy
-        if _Header.unpack(m.mm[:_HEADER.size]) is None:  # a new file
-            m.mm[:_HEADER.size] = _Header(SlotState.EMPTY, 0, -1, 0, 0, 0, 0, 0, 0, 0).pack()
+        if SlotHeader.unpack(m.mm[:HEADER.size]) is None:  # a new file
+            m.mm[:HEADER.size] = SlotHeader(SlotState.EMPTY, 0, -1, 0, 0, 0, 0, 0, 0, 0).pack()
         self._maps[slot] = m
         return m
 
@@ -324,7 +324,7 @@ class SnapshotWriter:
         add = (new_size - size) + max(0, new_size - other)
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
-        headroom = max(free // 10, MIN_HEADROOM_BYTES)
+        headroom = headroom_bytes(free)
         if add + headroom > free:
             raise CheckpointError(
                 f"shared-memory snapshots of rank {self.rank} (job {self.job_id!r}) need {add} "
@@ -405,10 +405,6 @@ def _flatten_sources(state: Any) -> tuple[dict[str, tuple[torch.Tensor, torch.Te
     tensors, spec = flatten_state(swap(state))
     return {name: (t, origin.get(t.data_ptr(), t) if t.numel() else t)
             for name, t in tensors.items()}, spec
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _gib(n: int) -> str:

@@ -30,9 +30,9 @@ import torch
 import xxhash
 
 from unbroken.checkpoint.codec import unflatten_state
-from unbroken.checkpoint.memory import (_HASH, _HEADER, HEADER_BYTES, META_FORMAT, VERSION, SlotState, _Header,
-                                        _hashed_ranges, _read_header)
-from unbroken.checkpoint.shm_files import _check_dir, open_ours, slot_path
+from unbroken.checkpoint.memory import (HASH, HEADER, HEADER_BYTES, META_FORMAT, VERSION, SlotState, SlotHeader,
+                                        hashed_ranges, read_header)
+from unbroken.checkpoint.shm_files import check_dir, open_ours, slot_path
 from unbroken.errors import CheckpointCorrupt, NoCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -53,14 +53,14 @@ class SnapshotReader:
     """
 
     def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> None:
-        self.dir, self.job_id, self.rank = _check_dir(shm_dir), job_id, rank
+        self.dir, self.job_id, self.rank = check_dir(shm_dir), job_id, rank
         self.paths = [slot_path(self.dir, job_id, rank, s) for s in (0, 1)]
 
     def slots(self) -> list[dict]:
         """Per slot: slot, path, bytes, state (SlotState name, MISSING or INVALID), step, seq."""
         out = []
         for slot, path in enumerate(self.paths):
-            size, h = (os.lstat(path).st_size if os.path.lexists(path) else None), _read_header(path)
+            size, h = (os.lstat(path).st_size if os.path.lexists(path) else None), read_header(path)
             state = SlotState(h.state).name if h else "MISSING" if size is None else "INVALID"
             out.append({"slot": slot, "path": path, "bytes": size, "state": state,
                         "step": h.step if h else None, "seq": h.seq if h else None})
@@ -124,12 +124,12 @@ class SnapshotReader:
             f"rank {self.rank} of job {self.job_id!r} in {self.dir} (committed: "
             f"{[s for s, _ in self.committed()]})")
 
-    def _committed_headers(self) -> list[tuple[int, _Header]]:
+    def _committed_headers(self) -> list[tuple[int, SlotHeader]]:
         found = [(slot, h) for slot, p in enumerate(self.paths)
-                 if (h := _read_header(p)) is not None and h.state == SlotState.COMMITTED]
+                 if (h := read_header(p)) is not None and h.state == SlotState.COMMITTED]
         return sorted(found, key=lambda item: item[1].seq, reverse=True)
 
-    def _pin(self, step: int | None, skip: set[int]) -> tuple[int, int, _Header] | None:
+    def _pin(self, step: int | None, skip: set[int]) -> tuple[int, int, SlotHeader] | None:
         """Pin the newest committed slot (of `step`) not in `skip`: (slot, fd holding the pin,
         header), or None. Only the chosen slot is pinned (a pin on the older slot makes the
         writer rewrite the newest one meanwhile); its header is read again once pinned, so the
@@ -137,7 +137,7 @@ class SnapshotReader:
         empty_scans = 0
         for _ in range(_PIN_TRIES):
             found = [(h.seq, slot) for slot, path in enumerate(self.paths) if slot not in skip
-                     and (h := _read_header(path)) is not None and h.state == SlotState.COMMITTED
+                     and (h := read_header(path)) is not None and h.state == SlotState.COMMITTED
                      and step in (None, h.step)]
             if not found:
                 # The two headers are read one after the other: a scan can straddle the
@@ -153,7 +153,7 @@ class SnapshotReader:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                h = _Header.unpack(os.pread(fd, _HEADER.size, 0))
+                h = SlotHeader.unpack(os.pread(fd, HEADER.size, 0))
             except BlockingIOError:  # the writer took the slot since: look again
                 h = None
             if h is not None and h.state == SlotState.COMMITTED and h.seq == seq:
@@ -166,15 +166,15 @@ class SnapshotReader:
 # ---- helpers -----------------------------------------------------------------------
 
 
-def _read_slot(path: Path, fd: int, h: _Header, targets: Callable[[dict], dict]
+def _read_slot(path: Path, fd: int, h: SlotHeader, targets: Callable[[dict], dict]
                ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """Verify and read a pinned slot: (tensors, spec, meta). The table and the meta are
     checked first; the tensor bytes are checked as they are read into their destinations
     (`targets(spec)`, else new tensors), and nothing is returned unless all of them match."""
-    end = h.table_off + _HASH.size * h.n_chunks
+    end = h.table_off + HASH.size * h.n_chunks
     size = os.fstat(fd).st_size
     if size < end or not HEADER_BYTES <= h.data_off <= h.meta_off <= h.table_off \
-            or h.chunk_bytes <= 0 or h.n_chunks != len(_hashed_ranges(h)):
+            or h.chunk_bytes <= 0 or h.n_chunks != len(hashed_ranges(h)):
         raise CheckpointCorrupt(f"{path}: truncated or malformed: {size} bytes, its header "
                                 f"(step {h.step}) says {end}")
     table = os.pread(fd, end - h.table_off, h.table_off)
@@ -195,7 +195,7 @@ def _read_slot(path: Path, fd: int, h: _Header, targets: Callable[[dict], dict]
     return tensors, meta["spec"], meta["meta"]
 
 
-def _plan_reads(path: Path, index: dict, targets: dict[str, torch.Tensor], h: _Header
+def _plan_reads(path: Path, index: dict, targets: dict[str, torch.Tensor], h: SlotHeader
                 ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, memoryview | None]]]:
     """(tensors to return, regions): regions cover [data_off, meta_off) in order, each
     (offset, bytes, writable view of its destination, or None for alignment padding).
@@ -238,7 +238,7 @@ def _fits(t: Any, dtype: torch.dtype, shape: list[int]) -> bool:
         and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
-def _read_verified(path: Path, fd: int, h: _Header, regions: list, expected: tuple[int, ...]
+def _read_verified(path: Path, fd: int, h: SlotHeader, regions: list, expected: tuple[int, ...]
                    ) -> list[int]:
     """Read `regions` into their destinations and hash them, each CHUNK_BYTES chunk in one
     worker thread and PIECE_BYTES at a time (hashed while still in cache; pread and xxhash
@@ -305,7 +305,7 @@ def _into_targets(spec: dict, into: Any) -> dict[str, Any]:
     return out
 
 
-def _parse_meta(path: Path, raw: bytes, h: _Header) -> dict:
+def _parse_meta(path: Path, raw: bytes, h: SlotHeader) -> dict:
     """The meta JSON of a slot whose checksum matched; CheckpointCorrupt if it is not ours."""
     try:
         meta = json.loads(raw)

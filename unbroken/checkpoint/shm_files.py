@@ -11,13 +11,12 @@ of jobs whose owner is gone; it never touches a live job's files or names that a
 
 Anyone on the host may create entries in a shared tmpfs directory, so no file is opened by
 following a link: a new file is created exclusively (O_CREAT|O_EXCL|O_NOFOLLOW), an existing one
-is used only when it is a regular file of this user with one link and mode 0600 (`_open_slot`,
+is used only when it is a regular file of this user with one link and mode 0600 (`open_slot`,
 `open_ours`). An entry with one of our names that fails this (a symlink planted by another user,
 a hard link, a file of another user) is removed, which never touches what it points to, and
 replaced by our own file, with a warning; when it cannot be removed, CheckpointError says so.
 
-Before its first step a worker checks that the slots of every rank on its node will fit
-(:func:`check_shm_capacity`, with the snapshot size from :func:`estimate_snapshot_bytes`).
+How much room the files need is :mod:`unbroken.checkpoint.capacity`.
 """
 
 from __future__ import annotations
@@ -25,18 +24,15 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import re
 import stat
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
 
-from unbroken.errors import CheckpointError, ConfigError, ShmCapacityError
+from unbroken.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +44,7 @@ _OWNER_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})\.owner$")
 
 def slot_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int, slot: int) -> Path:
     """Path of slot file `slot` (0 or 1) of `rank` of `job_id`; shm_dir None means /dev/shm."""
-    _check_job_id(job_id)
+    check_job_id(job_id)
     if type(rank) is not int or rank < 0 or slot not in (0, 1):
         raise ConfigError(f"rank must be an int >= 0 and slot 0 or 1, got {rank!r}, {slot!r}")
     return Path(shm_dir or DEFAULT_SHM_DIR) / f"unbroken-{job_id}-r{rank:05d}-s{slot}"
@@ -56,7 +52,7 @@ def slot_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int, slot: i
 
 def persisted_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> Path:
     """The marker holding the newest step of `rank` the agent has persisted to storage."""
-    return _check_dir(shm_dir) / f"unbroken-{_check_job_id(job_id)}-r{rank:05d}.persisted"
+    return check_dir(shm_dir) / f"unbroken-{check_job_id(job_id)}-r{rank:05d}.persisted"
 
 
 def read_persisted(path: Path) -> int:
@@ -71,7 +67,7 @@ def mark_persisted(shm_dir: str | os.PathLike | None, job_id: str, rank: int, st
     """Tell `rank`'s writer that `step` is in storage: its held snapshot may be overwritten."""
     path = persisted_path(shm_dir, job_id, rank)
     tmp = path.with_name(path.name + ".tmp")
-    fd = _open_slot(tmp, truncate=True)
+    fd = open_slot(tmp, truncate=True)
     try:
         os.write(fd, str(step).encode())
     finally:
@@ -83,7 +79,7 @@ def mark_persisted(shm_dir: str | os.PathLike | None, job_id: str, rank: int, st
 def claim_job(shm_dir: str | os.PathLike | None, job_id: str, pid: int) -> Path:
     """Record `pid` (the node agent) as owner of `job_id`'s files; CheckpointError if another
     live process owns them."""
-    path = _check_dir(shm_dir) / f"unbroken-{_check_job_id(job_id)}.owner"
+    path = check_dir(shm_dir) / f"unbroken-{check_job_id(job_id)}.owner"
     current = _owner(path)
     if current is not None and current[0] != pid and current[1]:
         raise CheckpointError(f"job {job_id!r} is owned by live process {current[0]} ({path}); "
@@ -92,7 +88,7 @@ def claim_job(shm_dir: str | os.PathLike | None, job_id: str, pid: int) -> Path:
         started = psutil.Process(pid).create_time()
     except psutil.Error:
         started = None
-    fd = _open_slot(path, truncate=True)  # a torn write reads as unreadable: never swept
+    fd = open_slot(path, truncate=True)  # a torn write reads as unreadable: never swept
     try:
         os.write(fd, json.dumps({"pid": pid, "create_time": started}).encode())
     finally:
@@ -102,8 +98,8 @@ def claim_job(shm_dir: str | os.PathLike | None, job_id: str, pid: int) -> Path:
 
 def remove_job(shm_dir: str | os.PathLike | None, job_id: str) -> list[Path]:
     """Unlink every slot file and the owner file of `job_id`; return the paths removed."""
-    directory, removed = _check_dir(shm_dir), []
-    _check_job_id(job_id)
+    directory, removed = check_dir(shm_dir), []
+    check_job_id(job_id)
     for name in sorted(os.listdir(directory)):
         match = _SLOT_RE.match(name) or _OWNER_RE.match(name)
         if match and match.group("job") == job_id:
@@ -121,7 +117,7 @@ def sweep_stale(shm_dir: str | os.PathLike | None) -> list[str]:
     A job whose owner lives, or whose owner file is unreadable (warned), is left alone, and
     so is every file whose name is not one of ours.
     """
-    directory, swept = _check_dir(shm_dir), []
+    directory, swept = check_dir(shm_dir), []
     for name in sorted(os.listdir(directory)):
         match = _OWNER_RE.match(name)
         if not match:
@@ -136,7 +132,7 @@ def sweep_stale(shm_dir: str | os.PathLike | None) -> list[str]:
     return swept
 
 
-def _open_slot(path: Path, *, truncate: bool = False) -> int:
+def open_slot(path: Path, *, truncate: bool = False) -> int:
     """A read-write fd of our file at `path`, created 0600 if missing; never through a link.
 
     An entry that is not ours (see the module docstring) is removed and replaced, with a
@@ -244,7 +240,7 @@ def _owner(path: Path) -> tuple[int, bool] | None:
     return pid, not isinstance(recorded, (int, float)) or abs(started - recorded) < 0.01
 
 
-def _check_dir(shm_dir: str | os.PathLike | None) -> Path:
+def check_dir(shm_dir: str | os.PathLike | None) -> Path:
     path = Path(shm_dir or DEFAULT_SHM_DIR)
     if not path.is_dir():
         raise ConfigError(f"shared-memory directory {path} does not exist or is not a directory;"
@@ -252,127 +248,13 @@ def _check_dir(shm_dir: str | os.PathLike | None) -> Path:
     return path
 
 
-def _check_job_id(job_id: Any) -> str:
+def check_job_id(job_id: Any) -> str:
     if not isinstance(job_id, str) or not _JOB_RE.fullmatch(job_id):
         raise ConfigError(f"job id {job_id!r} is invalid: use 1-64 of A-Z a-z 0-9 _ . -")
     return job_id
 
 
-# ---- capacity, checked before the first step ---------------------------------------------
-
-# Parameter-sized tensors a torch.optim optimizer keeps per parameter once it has stepped
-# (before its first step `optimizer.state` is empty). Adam/AdamW with amsgrad, SGD and
-# RMSprop depend on their options (_state_tensors); an optimizer not listed counts as 2.
-_STATE_TENSORS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2,
-                  "Rprop": 2, "Adagrad": 1, "ASGD": 1, "Adafactor": 1, "SGD": 1, "RMSprop": 1}
-_UNKNOWN_STATE_TENSORS = 2
-_TENSOR_OVERHEAD_BYTES = 512  # per tensor: its alignment and its entries in the slot's JSON meta
-_LEAF_OVERHEAD_BYTES = 16  # per non-tensor value or container in the JSON meta, besides its text
-
-
-def estimate_snapshot_bytes(state: Any, optimizers: Iterable[Any] = ()) -> int:
-    """Bytes one memory-tier snapshot of `state` takes (tensors, their JSON meta), plus the
-    state `optimizers` will create at their first step for parameters that have none yet.
-
-    An upper estimate: tied tensors count twice, meta text is rounded up. Runs in the worker.
-    """
-    return _tree_bytes(state) + sum(_missing_optimizer_bytes(opt) for opt in optimizers)
-
-
-def shm_slots_bytes(snapshot_bytes: int) -> int:
-    """Bytes the two slots of one rank take for snapshots of `snapshot_bytes`: header and
-    checksum table added, then grown as SnapshotWriter grows a slot (GROWTH, rounded up)."""
-    from unbroken.checkpoint import memory as mem  # not at the top: memory imports this module
-
-    needed = mem.HEADER_BYTES + snapshot_bytes + 8 * (snapshot_bytes // mem.CHUNK_BYTES + 2)  # + xxh3 table
-    return 2 * _round_up(math.ceil(needed * mem.GROWTH), mem.GROW_ROUND_BYTES)
-
-
-def check_shm_capacity(shm_dir: str | os.PathLike | None, job_id: str, *, rank: int,
-                       snapshot_bytes: int, local_world_size: int) -> int:
-    """Return the bytes the memory tier of this node needs in `shm_dir`; ShmCapacityError if
-    they do not fit with headroom left free.
-
-    Needed: the two slots (shm_slots_bytes) of each of the node's `local_world_size` ranks,
-    all assumed as large as this rank's. Headroom: SnapshotWriter's own rule,
-    max(MIN_HEADROOM_BYTES, 10% of the free bytes), so a job that passes never fails the
-    writer's check later. Every local rank checks before any slot is grown, so each counts
-    them all; bytes this job's files already hold (a restarted job reuses them) count as free.
-    """
-    from unbroken.checkpoint import memory as mem  # not at the top: memory imports this module
-
-    directory = _check_dir(shm_dir)
-    slots = shm_slots_bytes(snapshot_bytes)
-    needed = slots * local_world_size
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize + _job_bytes(directory, _check_job_id(job_id))
-    headroom = max(mem.MIN_HEADROOM_BYTES, free // 10)
-    if needed + headroom > free:
-        raise ShmCapacityError(
-            f"the memory tier of job {job_id!r} does not fit in {directory}: a snapshot of rank {rank} "
-            f"takes about {_size(snapshot_bytes)} (its optimizer state after the first step included), "
-            f"2 slots of it per rank for {local_world_size} rank(s) on this node need {needed} bytes "
-            f"({_size(needed)}), and {headroom} bytes ({_size(headroom)}: max({_size(mem.MIN_HEADROOM_BYTES)}, "
-            f"10% of the free bytes)) must stay free, but only {free} bytes ({_size(free)}) are free in "
-            f"{directory}. Turn the memory tier off with `--ckpt-every-steps 0` (storage checkpoints "
-            f"go on with --save), give it a larger tmpfs (`mount -o remount,size=... {directory}`, "
-            "docker --shm-size, or --shm-dir DIR), or run fewer ranks per node (--nproc-per-node).")
-    return needed
-
-
-def _tree_bytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size() + _TENSOR_OVERHEAD_BYTES
-    if isinstance(x, dict):
-        return _LEAF_OVERHEAD_BYTES + sum(len(str(k)) + _LEAF_OVERHEAD_BYTES + _tree_bytes(v)
-                                          for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return _LEAF_OVERHEAD_BYTES + sum(_tree_bytes(v) for v in x)
-    if isinstance(x, bytes):
-        return _LEAF_OVERHEAD_BYTES + len(x) * 4 // 3 + 4  # base64 in the meta
-    return _LEAF_OVERHEAD_BYTES + len(repr(x))
-
-
-def _missing_optimizer_bytes(opt: Any) -> int:
-    """Bytes of the state `opt` creates at its first step for its parameters without state.
-
-    A ShardedOptimizer's parameter groups hold this rank's shard pieces and its state is the
-    wrapped optimizer's, so for it the count is exact for the shard.
-    """
-    name = _optimizer_name(opt)
-    total = 0
-    for group in opt.param_groups:
-        per_param = _state_tensors(name, group)
-        for p in group["params"]:
-            if not opt.state.get(p):  # state already there is counted with the state itself
-                # parameter-sized tensors of its dtype, plus scalars such as Adam's `step`
-                total += per_param * (p.numel() * p.element_size() + _TENSOR_OVERHEAD_BYTES) \
-                    + 2 * _TENSOR_OVERHEAD_BYTES
-    return total
-
-
-def _optimizer_name(opt: Any) -> str:
-    from unbroken.optim.sharded import ShardedOptimizer  # not at the top: the agent needs no optim
-
-    if isinstance(opt, ShardedOptimizer):
-        return str(opt.state_dict()["sharding"]["optimizer_class"])  # the wrapped optimizer's
-    for cls in type(opt).__mro__:  # a subclass of a torch optimizer keeps that one's state
-        if cls.__module__.startswith("torch.optim") and cls.__name__ in _STATE_TENSORS:
-            return cls.__name__
-    return type(opt).__qualname__
-
-
-def _state_tensors(name: str, group: dict) -> int:
-    if name in ("Adam", "AdamW") and group.get("amsgrad"):
-        return 3  # exp_avg, exp_avg_sq, max_exp_avg_sq
-    if name == "SGD":
-        return 1 if group.get("momentum") else 0  # momentum_buffer
-    if name == "RMSprop":
-        return 1 + bool(group.get("momentum")) + bool(group.get("centered"))
-    return _STATE_TENSORS.get(name, _UNKNOWN_STATE_TENSORS)
-
-
-def _job_bytes(directory: Path, job_id: str) -> int:
+def job_bytes(directory: Path, job_id: str) -> int:
     """Bytes allocated to `job_id`'s slot and marker files in `directory`."""
     total = 0
     for name in os.listdir(directory):
@@ -383,11 +265,3 @@ def _job_bytes(directory: Path, job_id: str) -> int:
             except FileNotFoundError:
                 pass
     return total
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

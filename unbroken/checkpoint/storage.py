@@ -21,24 +21,22 @@ Version 1 steps (no record or manifest checksum) are still read.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import logging
 import os
 import re
-import struct
 import time
 import zlib
 from typing import Any, Callable, Iterator
 
 import safetensors.torch
-import torch
 
 from unbroken.checkpoint.codec import flatten_state, unflatten_state
 from unbroken.checkpoint.files import _AnyPath, open_root
-from unbroken.checkpoint.step_checks import (MANIFEST_CRC_FIELD, check_manifest_crc, manifest_crc,
-                                             safetensors_names, spec_tensor_names)
+from unbroken.checkpoint.safetensors_stream import SafetensorsStream
+from unbroken.checkpoint.step_checks import (MANIFEST_CRC_FIELD, check_agreement, check_bytes, check_format,
+                                             check_manifest, check_record, manifest_crc, safetensors_names)
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -51,12 +49,6 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 # Names we write inside a step dir; a step dir holding anything else is never deleted.
 _OWN_FILE_RE = re.compile(r"^(MANIFEST\.json|rank_\d{5,}\.(safetensors|json))(\.tmp-[0-9a-f]+)?$")
-_CHUNK_BYTES = 4 << 20
-# torch dtype -> safetensors dtype name; flatten_state only emits these.
-_SAFETENSORS_DTYPES = {dtype: name for name, dtype in getattr(safetensors.torch, "_TYPES", {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool}).items()}
 
 
 def step_dir_name(step: int) -> str:
@@ -71,15 +63,6 @@ def rank_file_names(rank: int) -> tuple[str, str]:
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if type(value) is not int or value < minimum:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _require(obj: Any, path: _AnyPath, kind: str, **types: type) -> None:
-    """CheckpointCorrupt naming `path` unless `obj` is a dict whose fields have `types`."""
-    for key, expected in types.items():
-        value = obj.get(key) if isinstance(obj, dict) else None
-        if type(value) is not expected:
-            raise CheckpointCorrupt(f"{path}: malformed {kind}: field {key!r} should be "
-                                    f"{expected.__name__}, found {type(value).__name__}")
 
 
 def _to_json(obj: Any, what: str, indent: int | None = None) -> bytes:
@@ -126,7 +109,7 @@ class StorageTier:
         _to_json(meta, f"meta of rank {rank} step {step}")  # fail before writing anything
         header = {"format": FORMAT, "step": str(step), "rank": str(rank),
                   "spec": _to_json(spec, "state spec").decode()}
-        data = _SafetensorsStream(tensors, header, self._pace)
+        data = SafetensorsStream(tensors, header, self._pace)
         tensor_name, record_name = rank_file_names(rank)
         step_dir = self._step_dir(step)
         self._refuse_another_runs_step(step)
@@ -286,7 +269,7 @@ class StorageTier:
         """Raise CheckpointCorrupt, naming the file and the problem, unless `rank` of `step`
         is committed and its file's size and crc32 match the manifest."""
         path, entry, record = self._check_metadata(step, rank)
-        self._check_bytes(path, entry, found_bytes=self._files.size(path),
+        check_bytes(path, entry, found_bytes=self._files.size(path),
                           crc=lambda: self._files.crc32(path))
         with self._files.open_read(path) as f:
             missing = sorted(record["_names"] - safetensors_names(f, path))
@@ -301,7 +284,7 @@ class StorageTier:
             data = self._files.read_bytes(path)
         except OSError as exc:
             raise CheckpointCorrupt(f"{path}: cannot read ({exc})") from exc
-        self._check_bytes(path, entry, found_bytes=len(data), crc=lambda: zlib.crc32(data))
+        check_bytes(path, entry, found_bytes=len(data), crc=lambda: zlib.crc32(data))
         try:
             tensors = safetensors.torch.load(data)
             state = unflatten_state(tensors, record["spec"])
@@ -330,17 +313,7 @@ class StorageTier:
 
         Each skipped step (bad data, or a MANIFEST.json that is not ours) gets one warning.
         """
-        for step in sorted(self._step_dirs(), reverse=True):
-            if at_or_below is not None and step > at_or_below:
-                continue
-            if self._files.size(self._step_dir(step) / MANIFEST) is None:
-                continue  # never committed (or being written): not a candidate, not a fault
-            try:
-                self.verify_rank(step, rank)
-                return step
-            except CheckpointCorrupt as exc:
-                logger.warning("skipping checkpoint step %d for rank %d: %s", step, rank, exc)
-        return None
+        return next(self._steps_passing(rank, at_or_below, self.verify_rank), None)
 
     def loadable_steps(self, rank: int, at_or_below: int | None = None) -> list[int]:
         """Committed steps (<= at_or_below), newest first, whose file for `rank` is in place:
@@ -349,21 +322,28 @@ class StorageTier:
         Cheap: no tensor data is read, so a file whose bytes rotted in place is listed here
         and fails its crc32 in :meth:`load_rank`. Each skipped step gets one warning.
         """
-        steps = []
+        return list(self._steps_passing(rank, at_or_below, self._check_in_place))
+
+    def _steps_passing(self, rank: int, at_or_below: int | None,
+                       check: Callable[[int, int], None]) -> Iterator[int]:
+        """Committed steps (<= at_or_below), newest first, for which ``check(step, rank)`` passes."""
         for step in sorted(self._step_dirs(), reverse=True):
             if (at_or_below is not None and step > at_or_below) \
                     or self._files.size(self._step_dir(step) / MANIFEST) is None:
                 continue  # above the bound, or never committed: not a candidate, not a fault
             try:
-                path, entry, _ = self._check_metadata(step, rank)
-                found = self._files.size(path)
-                if found != entry["bytes"]:
-                    raise CheckpointCorrupt(f"{path}: {'missing' if found is None else f'{found} bytes'}, "
-                                            f"the manifest lists {entry['bytes']} bytes")
-                steps.append(step)
+                check(step, rank)
             except CheckpointCorrupt as exc:
                 logger.warning("skipping checkpoint step %d for rank %d: %s", step, rank, exc)
-        return steps
+                continue
+            yield step
+
+    def _check_in_place(self, step: int, rank: int) -> None:
+        path, entry, _ = self._check_metadata(step, rank)
+        found = self._files.size(path)
+        if found != entry["bytes"]:
+            raise CheckpointCorrupt(f"{path}: {'missing' if found is None else f'{found} bytes'}, "
+                                    f"the manifest lists {entry['bytes']} bytes")
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -398,13 +378,7 @@ class StorageTier:
             raise CheckpointCorrupt(f"{path}: missing ({kind})") from exc
         except (OSError, ValueError) as exc:
             raise CheckpointCorrupt(f"{path}: unreadable {kind} ({exc})") from exc
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-            found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
-            raise CheckpointCorrupt(f"{path}: not an unbroken checkpoint (format {found!r}, "
-                                    f"expected {FORMAT!r})")
-        if obj.get("version") not in _READABLE_VERSIONS:
-            raise CheckpointCorrupt(f"{path}: unsupported {kind} version {obj.get('version')!r} "
-                                    f"(this unbroken reads versions {_READABLE_VERSIONS})")
+        check_format(obj, path, kind, FORMAT, _READABLE_VERSIONS)
         obj["_crc32"] = zlib.crc32(raw)
         return obj
 
@@ -412,29 +386,13 @@ class StorageTier:
         path = self._step_dir(step) / MANIFEST
         manifest = self._read_json(path, "manifest, so the step is not committed")
         del manifest["_crc32"]
-        _require(manifest, path, "manifest", step=int, world_size=int, ranks=list)
-        if manifest["version"] >= 2:
-            check_manifest_crc(manifest, path)
-        if manifest["step"] != step or len(manifest["ranks"]) != manifest["world_size"]:
-            raise CheckpointCorrupt(f"{path}: malformed manifest (step {manifest['step']}, "
-                                    f"{len(manifest['ranks'])} ranks for world_size "
-                                    f"{manifest['world_size']}; expected step {step})")
-        for rank, entry in enumerate(manifest["ranks"]):
-            _require(entry, path, f"manifest entry {rank}", rank=int, file=str, bytes=int,
-                     crc32=int, **({"record_crc32": int} if manifest["version"] >= 2 else {}))
-            if entry["rank"] != rank or entry["file"] != rank_file_names(rank)[0]:
-                raise CheckpointCorrupt(f"{path}: malformed manifest entry {rank}: {entry}")
+        check_manifest(manifest, path, step, lambda rank: rank_file_names(rank)[0])
         return manifest
 
     def _read_record(self, step: int, rank: int) -> dict:
         path = self._step_dir(step) / rank_file_names(rank)[1]
         record = self._read_json(path, f"record of rank {rank}")
-        _require(record, path, "rank record", step=int, rank=int, world_size=int, file=str,
-                 bytes=int, crc32=int, spec=dict)
-        if (record["step"], record["rank"]) != (step, rank):
-            raise CheckpointCorrupt(f"{path}: describes rank {record['rank']} of step "
-                                    f"{record['step']}, expected rank {rank} of step {step}")
-        record["_names"] = spec_tensor_names(record["spec"], path)
+        record["_names"] = check_record(record, path, step, rank)
         return record
 
     def _check_metadata(self, step: int, rank: int) -> tuple[_AnyPath, dict, dict]:
@@ -445,30 +403,9 @@ class StorageTier:
                                     f"world_size {manifest['world_size']}, no rank {rank}")
         entry = manifest["ranks"][rank]
         record = self._read_record(step, rank)
-        if "record_crc32" in entry and record["_crc32"] != entry["record_crc32"]:
-            raise CheckpointCorrupt(
-                f"{self._step_dir(step) / rank_file_names(rank)[1]}: crc32 mismatch: expected "
-                f"{entry['record_crc32']:#010x}, got {record['_crc32']:#010x} (the rank record was "
-                "changed after the commit)")
         path = self._step_dir(step) / entry["file"]
-        if (record["file"], record["bytes"], record["crc32"]) != \
-                (entry["file"], entry["bytes"], entry["crc32"]):
-            raise CheckpointCorrupt(f"{path}: rank record {rank_file_names(rank)[1]} disagrees "
-                                    f"with {MANIFEST} (file, bytes or crc32)")
+        check_agreement(entry, record, path, self._step_dir(step) / rank_file_names(rank)[1])
         return path, entry, record
-
-    @staticmethod
-    def _check_bytes(path: _AnyPath, entry: dict, found_bytes: int | None, crc) -> None:
-        expected = entry["bytes"]
-        if found_bytes is None:
-            raise CheckpointCorrupt(f"{path}: missing (the manifest lists {expected} bytes)")
-        if found_bytes != expected:
-            what = "truncated" if found_bytes < expected else "wrong size"
-            raise CheckpointCorrupt(f"{path}: {what}: expected {expected} bytes, found {found_bytes}")
-        got = crc()
-        if got != entry["crc32"]:
-            raise CheckpointCorrupt(
-                f"{path}: crc32 mismatch: expected {entry['crc32']:#010x}, got {got:#010x}")
 
     def _check_rank_args(self, step: int, rank: int, world_size: int) -> None:
         _check_int("step", step, 0)
@@ -485,51 +422,6 @@ class StorageTier:
             f"saving step {step} ({what}) to {self.root} failed{where}: {exc.strerror or exc} "
             f"({cause}){hint}; what it wrote is removed, the step is not committed and earlier "
             f"checkpoints are kept. Free space in {self.root} or save elsewhere (--save).")
-
-
-class _SafetensorsStream:
-    """A safetensors file as the buffers to write in turn: its header, then each tensor's
-    bytes in _CHUNK_BYTES pieces read straight from the tensor; `crc32` of all of it is
-    complete once they were all taken (each piece is checksummed while still in cache).
-
-    The same bytes safetensors.torch.save makes, but for the order of the tensors (here by
-    element size, then name, so each starts aligned) and of the header's keys.
-    """
-
-    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                 pace: Callable[[], None] | None = None) -> None:
-        self._pace = pace
-        order = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
-        index: dict[str, Any] = {"__metadata__": metadata}
-        offset = 0
-        for name, t in order:
-            if t.dtype not in _SAFETENSORS_DTYPES:
-                raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors "
-                                      "cannot store")
-            nbytes = t.numel() * t.element_size()
-            index[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                           "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        head = json.dumps(index, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)  # the tensor bytes start 8-byte aligned
-        self.header = struct.pack("<Q", len(head)) + head
-        self.tensors = [t for _, t in order]
-        self.nbytes, self.crc32 = len(self.header) + offset, 0
-
-    def __iter__(self) -> Iterator[memoryview | bytes]:
-        self.crc32 = zlib.crc32(self.header)
-        yield self.header
-        for t in self.tensors:  # CPU and contiguous: flatten_state made them so
-            nbytes = t.numel() * t.element_size()
-            if not nbytes:
-                continue
-            view = memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
-            for a in range(0, nbytes, _CHUNK_BYTES):
-                piece = view[a:a + _CHUNK_BYTES]
-                self.crc32 = zlib.crc32(piece, self.crc32)
-                yield piece
-                if self._pace is not None:
-                    self._pace()
 
 
 def describe(root: str | os.PathLike) -> list[dict]:

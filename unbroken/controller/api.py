@@ -1,12 +1,24 @@
 """The controller's nouns: job phases, failures, the events it reacts to, the actions it
 orders, and the job state its pure state machine (:mod:`unbroken.controller.machine`)
 carries from one event to the next. All frozen dataclasses: no sockets, no threads.
+
+Each noun is declared once: where an event or an action is exactly a wire message
+(:class:`SessionReady`, :class:`StepSynced`, :class:`CommitStep`) the message *is* the noun;
+where the controller adds what it knows (the step a rank was at, a kill's pid), the names
+differ (:class:`RankExited` vs ``messages.WorkerExited``, :class:`KillRank` vs
+``messages.KillWorker``, :class:`OrderRegroup` vs ``messages.Regroup``).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from unbroken.names import Phase, Rung
+from unbroken.protocol.messages import CommitStep, SessionReady, StepSynced
+from unbroken.recovery.restore_point import RankOffer, RestorePoint
+
+__all__ = ["CommitStep", "SessionReady", "StepSynced"]  # the wire's nouns this module uses as its own
 
 
 class JobPhase(enum.Enum):
@@ -57,7 +69,9 @@ class AgentJoined:
 
 
 @dataclass(frozen=True)
-class WorkerExited:
+class RankExited:
+    """A rank's process exited (``step``: the steps it had completed, as last reported)."""
+
     rank: int
     attempt: int
     exit_code: int | None
@@ -93,32 +107,13 @@ class StandbyJoined:
 
 
 @dataclass(frozen=True)
-class SessionReady:
-    """A rank runs an unbroken step loop that can take part in in-flight recovery."""
-
-    rank: int
-    attempt: int
-    num_replicas: int  # 0: full replication (every rank holds all state)
-
-
-@dataclass(frozen=True)
-class StepSynced:
-    """A rank finished the gradient reduction of ``step`` and waits for its commit."""
-
-    rank: int
-    attempt: int
-    gen: int
-    step: int
-
-
-@dataclass(frozen=True)
 class WorkerPaused:
     """A survivor left the broken generation and waits for the regroup order."""
 
     rank: int
     attempt: int
     step: int
-    phase: str = "compute"
+    phase: str = Phase.COMPUTE
 
 
 @dataclass(frozen=True)
@@ -173,9 +168,29 @@ class RecoveryTimeout:
     gen: int
 
 
-Event = (AgentJoined | WorkerExited | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
+@dataclass(frozen=True)
+class RestoreOffered:
+    """At a (re)start, a rank offers the steps it can load in restore round ``round``."""
+
+    rank: int
+    attempt: int
+    round: int
+    offer: RankOffer
+
+
+@dataclass(frozen=True)
+class StepPersisted:
+    """An agent wrote its ranks' storage files of ``step`` (``error``: it failed)."""
+
+    step: int
+    ranks: tuple[int, ...]
+    seconds: float = 0.0
+    error: str = ""
+
+
+Event = (AgentJoined | RankExited | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
          | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped
-         | WorkerDegraded)
+         | WorkerDegraded | RestoreOffered | StepPersisted)
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -191,7 +206,9 @@ class StopAttempt:
 
 
 @dataclass(frozen=True)
-class KillWorker:
+class KillRank:
+    """Kill the current process of ``rank`` (its agent is told the pid)."""
+
     rank: int
     reason: str
 
@@ -212,12 +229,6 @@ class Finish:
 
 
 @dataclass(frozen=True)
-class CommitStep:
-    gen: int
-    step: int
-
-
-@dataclass(frozen=True)
 class AbortGeneration:
     """Tell every live worker of the attempt to leave generation ``gen - 1`` (abort its collectives)."""
 
@@ -233,7 +244,9 @@ class RestartRanks:
 
 
 @dataclass(frozen=True)
-class Regroup:
+class OrderRegroup:
+    """Every rank joins generation ``gen`` and resumes at ``resume_step``; ``replaced`` get state."""
+
     gen: int
     resume_step: int
     replaced: frozenset[int]
@@ -262,8 +275,46 @@ class CommitDump:
     step: int
 
 
-Action = (StartAttempt | StopAttempt | KillWorker | Decide | Finish | CommitStep | AbortGeneration
-          | RestartRanks | Regroup | Recovered | DumpOrder | CommitDump)
+@dataclass(frozen=True)
+class AnswerRestore:
+    """Tell ``rank`` again the step decided for its restore round (it offered twice)."""
+
+    rank: int
+    attempt: int
+    round: int
+    step: int
+
+
+@dataclass(frozen=True)
+class RestoreDecided:
+    """Every rank offered for ``round``: log the decision and tell every rank ``point.step``."""
+
+    attempt: int
+    round: int
+    point: RestorePoint
+    below: int | None
+
+
+@dataclass(frozen=True)
+class CommitPersisted:
+    """Every rank's files of ``step`` are in storage: write its manifest (the commit)."""
+
+    step: int
+    seconds: float
+
+
+Action = (StartAttempt | StopAttempt | KillRank | Decide | Finish | CommitStep | AbortGeneration
+          | RestartRanks | OrderRegroup | Recovered | DumpOrder | CommitDump | AnswerRestore | RestoreDecided
+          | CommitPersisted)
+
+
+@dataclass(frozen=True)
+class RestoreRounds:
+    """The restore at a (re)start of ``attempt``: offers of open rounds, and decided steps."""
+
+    attempt: int = -1
+    offers: tuple[tuple[int, int, RankOffer], ...] = ()  # (round, rank, offer)
+    decided: tuple[tuple[int, int], ...] = ()  # (round, step)
 
 
 @dataclass(frozen=True)
@@ -288,7 +339,7 @@ class JobState:
     world_size: int
     nnodes: int
     max_restarts: int
-    allowed: tuple[str, ...] = ("exit",)
+    allowed: tuple[str, ...] = (Rung.EXIT,)
     phase: JobPhase = JobPhase.STARTING
     attempt: int = 0
     restarts_used: int = 0
@@ -312,6 +363,8 @@ class JobState:
     sub_health_policy: str = "ignore"  # "grace-exit": a degraded rank -> dump, clean restart
     crash_loop_limit: int = 3  # the same failure this many times in a row fails the job (0: never)
     standbys: frozenset[int] = frozenset()
+    persisted: tuple[tuple[int, frozenset[int]], ...] = ()  # (step, ranks whose files are in storage)
+    restore: RestoreRounds = field(default_factory=RestoreRounds)
 
     @property
     def ranks(self) -> frozenset[int]:

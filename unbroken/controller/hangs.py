@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from unbroken.names import Phase
+
 #: Process states, as the agent reports them (from /proc via psutil).
 NOT_RUNNING = ("stopped", "zombie")
 
@@ -38,15 +40,15 @@ def blame_hang(ranks: Sequence[RankProgress]) -> RankProgress | None:
     """The rank to blame, or ``None`` while no rank is past its hang timeout."""
     if not any(r.silent_s > r.timeout_s for r in ranks):
         return None
-    return min(ranks, key=lambda r: (r.process not in NOT_RUNNING, r.phase == "sync", -r.silent_s, r.rank))
+    return min(ranks, key=lambda r: (r.process not in NOT_RUNNING, r.phase == Phase.SYNC, -r.silent_s, r.rank))
 
 
 def why(rank: RankProgress, others: Iterable[RankProgress]) -> str:
     """The evidence against ``rank``, for the event log."""
     if rank.process in NOT_RUNNING:
         return f"its process is {rank.process}"
-    waiting = sorted(o.rank for o in others if o.rank != rank.rank and o.phase == "sync")
-    if rank.phase != "sync" and waiting:
+    waiting = sorted(o.rank for o in others if o.rank != rank.rank and o.phase == Phase.SYNC)
+    if rank.phase != Phase.SYNC and waiting:
         return f"it never reached the collective (phase {rank.phase}) while ranks {waiting} wait in sync"
     return f"silent the longest ({rank.silent_s:.1f} s)"
 

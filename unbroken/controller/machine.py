@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from unbroken.controller import commits
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
-    JobPhase, Failure, AgentJoined, WorkerExited, WorkerHung, AgentStopped, AgentLost,
+    JobPhase, Failure, AgentJoined, RankExited, WorkerHung, AgentStopped, AgentLost,
     StandbyJoined, SessionReady, StepSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
-    WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, StartAttempt, StopAttempt, KillWorker, Decide,
-    Finish, CommitStep, AbortGeneration, RestartRanks, Regroup, Recovered, DumpOrder, CommitDump,
-    Recovery, JobState, Event, Action)
+    WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, StartAttempt,
+    StopAttempt, KillRank, Decide, Finish, CommitStep, AbortGeneration, RestartRanks, OrderRegroup, Recovered,
+    DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobState,
+    Event, Action)
 from unbroken.errors import EXIT_FATAL
-from unbroken.optim.replica_map import ReplicaMap
+from unbroken.recovery.replica_map import ReplicaMap
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
 from unbroken.recovery.ladder import GIVE_UP, choose_rung
+from unbroken.names import IN_FLIGHT_RUNGS, REPLACING_RUNGS, Rung
 
 
 
@@ -48,13 +51,15 @@ def _replace(state: JobState, **changes) -> JobState:
 
 def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     """Apply one event to the job state; return the new state and what to do."""
+    if isinstance(event, (RestoreOffered, StepPersisted)):  # in any phase: see unbroken.controller.commits
+        return commits.transition(state, event)
     if state.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED):
         return state, []
     if isinstance(event, AgentJoined):
         return _on_agent_joined(state, event)
     if isinstance(event, WorkerHung):
         return _on_worker_hung(state, event)
-    if isinstance(event, WorkerExited):
+    if isinstance(event, RankExited):
         return _on_worker_exited(state, event)
     if isinstance(event, AgentStopped):
         return _on_agent_stopped(state, event)
@@ -70,11 +75,11 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return _on_step_synced(state, event)
     if isinstance(event, WorkerDamaged):
         rec = state.recovery
-        if rec is not None and rec.rung == "retry" and not rec.regrouped and event.kind in RETRY_KINDS:
+        if rec is not None and rec.rung == Rung.RETRY and not rec.regrouped and event.kind in RETRY_KINDS:
             # Found by a second rank before the regroup: it receives its state from replicas too.
             return _replace(state, recovery=dataclasses.replace(rec, replaced=rec.replaced | {event.rank})), []
         if state.phase is not JobPhase.RUNNING:
-            return state, [KillWorker(event.rank, f"state damaged during a recovery: {event.what}")]
+            return state, [KillRank(event.rank, f"state damaged during a recovery: {event.what}")]
         kind = event.kind if event.kind in RETRY_KINDS else "memory-fault"
         return _recover(state, Failure(rank=event.rank, attempt=event.attempt, kind=kind, step=event.step))
     if isinstance(event, StepDumped):
@@ -101,7 +106,7 @@ def _on_worker_hung(state: JobState, event: WorkerHung) -> tuple[JobState, list[
         reason = f"rank {event.rank} did not answer the abort of generation {rec.gen} for {event.silent_s:.1f} s"
     else:
         return state, []
-    return _replace(state, hung_ranks=state.hung_ranks | {event.rank}), [KillWorker(event.rank, reason)]
+    return _replace(state, hung_ranks=state.hung_ranks | {event.rank}), [KillRank(event.rank, reason)]
 
 
 def _on_agent_joined(state: JobState, event: AgentJoined) -> tuple[JobState, list[Action]]:
@@ -111,7 +116,7 @@ def _on_agent_joined(state: JobState, event: AgentJoined) -> tuple[JobState, lis
     return state, []
 
 
-def _on_worker_exited(state: JobState, event: WorkerExited) -> tuple[JobState, list[Action]]:
+def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, list[Action]]:
     if event.attempt != state.attempt or state.phase not in (JobPhase.RUNNING, JobPhase.RECOVERING):
         return state, []  # a worker of an attempt that is already being stopped
     if event.exit_code == 0 and state.phase is JobPhase.RECOVERING:
@@ -195,32 +200,32 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     if in_flight and tries > state.max_recovery_tries:
         in_flight, why = False, f"in-flight recovery tried {state.max_recovery_tries} times"
     own_agents = {state.agent_of(r) for r in failed}
-    feasible = {"retry": in_flight and failure.kind in RETRY_KINDS and recovery is None,
-                "recover-in-place": in_flight and own_agents <= state.agents,
-                "recover": in_flight and bool(state.standbys),
-                "dump": in_flight and state.can_dump and (recovery is None or recovery.rung != "dump"),
-                "exit": state.restarts_used < state.max_restarts and state.hosts() <= state.agents}
+    feasible = {Rung.RETRY: in_flight and failure.kind in RETRY_KINDS and recovery is None,
+                Rung.RECOVER_IN_PLACE: in_flight and own_agents <= state.agents,
+                Rung.RECOVER: in_flight and bool(state.standbys),
+                Rung.DUMP: in_flight and state.can_dump and (recovery is None or recovery.rung != Rung.DUMP),
+                Rung.EXIT: state.restarts_used < state.max_restarts and state.hosts() <= state.agents}
     rung = choose_rung(state.allowed, feasible)
-    if failure.kind in RETRY_KINDS and rung != "retry":
+    if failure.kind in RETRY_KINDS and rung != Rung.RETRY:
         # Not repairable in place: the damaged process goes, and its exit takes the ladder on.
         return state, [Decide(rung, failure, f"{failure.describe()}; no retry ({why})"),
-                       KillWorker(failure.rank, f"state damaged in memory, not repairable in place ({why})")]
-    if rung == "retry":  # no process exits: the damaged rank receives its state from replicas
+                       KillRank(failure.rank, f"state damaged in memory, not repairable in place ({why})")]
+    if rung == Rung.RETRY:  # no process exits: the damaged rank receives its state from replicas
         gen = state.gen + 1
         reason = f"{failure.describe()}; {why}; repairing rank {failure.rank} from replicas"
         state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
                          recovery=Recovery(rung, gen, frozenset({failure.rank}), tries))
         return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
-    if rung == "dump":  # survivors write one consistent copy from replicas, then the job restarts
+    if rung == Rung.DUMP:  # survivors write one consistent copy from replicas, then the job restarts
         gen = (recovery.gen if recovery else state.gen) + 1
         reason = f"{failure.describe()}; {why}; survivors dump the state, then the job restarts"
         state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(), recovery=Recovery(rung, gen, dead, tries))
         return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
-    if rung in ("recover-in-place", "recover"):
+    if rung in REPLACING_RUNGS:
         gen = (recovery.gen if recovery else state.gen) + 1
         placement = tuple(state.agent_of(r) for r in range(state.world_size))
         restarts: list[Action] = []
-        if rung == "recover":  # the failed ranks move to a spare agent
+        if rung == Rung.RECOVER:  # the failed ranks move to a spare agent
             spare = min(state.standbys)
             placement = tuple(spare if r in failed else a for r, a in enumerate(placement))
             state = _replace(state, standbys=state.standbys - {spare}, agents=state.agents | {spare})
@@ -236,7 +241,7 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
         state = _replace(state, recovery=None)
     if rung == GIVE_UP:
         return _fail(state, failure, _why_give_up(state, why))
-    in_flight_rungs = {"retry", "recover-in-place", "recover", "dump"} & set(state.allowed)
+    in_flight_rungs = IN_FLIGHT_RUNGS & set(state.allowed)
     not_in_flight = f" ({', '.join(sorted(in_flight_rungs))}: no; {why})" if in_flight_rungs else ""
     decision = Decide(rung, failure, f"{failure.describe()}; restart {state.restarts_used + 1} "
                                      f"of {state.max_restarts}{not_in_flight}")
@@ -246,7 +251,7 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
 
 def _why_give_up(state: JobState, in_flight_why: str) -> str:
     """Why no allowed rung can handle a fault (the reason the job fails with)."""
-    if "exit" in state.allowed:
+    if Rung.EXIT in state.allowed:
         return f"restart budget spent ({state.restarts_used} of --max-restarts {state.max_restarts} used)"
     return (f"none of the allowed strategies ({', '.join(state.allowed)}; --recover-strategy) can handle this "
             f"fault ({in_flight_why}); add 'exit' to restart the job from its newest checkpoint")
@@ -287,14 +292,14 @@ def _writers(state: JobState, rec: Recovery) -> tuple[tuple[int, int], ...]:
 
 def _on_step_dumped(state: JobState, event: StepDumped) -> tuple[JobState, list[Action]]:
     rec = state.recovery
-    if rec is None or rec.rung != "dump" or event.step != rec.dump_step:
+    if rec is None or rec.rung != Rung.DUMP or event.step != rec.dump_step:
         return state, []
     failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="crash") if rec.replaced \
         else state.failures[-1]  # a sub-health dump: the degraded rank's report
     if event.error:  # no consistent copy: nothing is committed, the job restarts from the newest one
-        state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries, rung="dump"))
+        state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries, rung=Rung.DUMP))
         state, actions = _recover(state, dataclasses.replace(failure, kind="dump-failed"))
-        return state, [Decide("dump", failure, f"dump refused by rank {event.rank}: {event.error}"), *actions]
+        return state, [Decide(Rung.DUMP, failure, f"dump refused by rank {event.rank}: {event.error}"), *actions]
     rec = dataclasses.replace(rec, dumped=rec.dumped | set(event.ranks))
     if rec.dumped != state.ranks:
         return _replace(state, recovery=rec), []
@@ -325,12 +330,12 @@ def _on_worker_degraded(state: JobState, event: WorkerDegraded) -> tuple[JobStat
         reason = (f"{failure.describe()}: {event.reason}; every rank dumps its state, then the job restarts "
                   "(--sub-health-policy grace-exit)")
         state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
-                         recovery=Recovery("dump", gen, frozenset(), state.max_recovery_tries))
-        return state, [Decide("dump", failure, reason), AbortGeneration(gen, reason)]
+                         recovery=Recovery(Rung.DUMP, gen, frozenset(), state.max_recovery_tries))
+        return state, [Decide(Rung.DUMP, failure, reason), AbortGeneration(gen, reason)]
     reason = (f"{failure.describe()}: {event.reason}; clean restart {state.restarts_used + 1} of "
               f"{state.max_restarts} (no storage tier to dump to: --save)")
     return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [
-        Decide("exit", failure, reason), StopAttempt(state.attempt, f"exit: {failure.describe()}")]
+        Decide(Rung.EXIT, failure, reason), StopAttempt(state.attempt, f"exit: {failure.describe()}")]
 
 
 def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Action]]:
@@ -382,7 +387,7 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         return _replace(state, recovery=rec), []
     else:
         return state, []
-    needed = state.ranks - rec.replaced if rec.rung == "dump" else state.ranks  # a dump has no replacements
+    needed = state.ranks - rec.replaced if rec.rung == Rung.DUMP else state.ranks  # a dump has no replacements
     if not rec.regrouped and (rec.paused | rec.joined) >= needed:
         survivors = {rank: Position(step, phase) for rank, step, phase in rec.positions if rank in rec.paused}
         try:
@@ -390,13 +395,13 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         except (InconsistentReports, ValueError) as exc:  # a bug, never a normal fault: restart the job
             failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
             state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries))
-            actions = [Decide("recover-in-place", failure, f"inconsistent survivor reports: {exc}")]
+            actions = [Decide(Rung.RECOVER_IN_PLACE, failure, f"inconsistent survivor reports: {exc}")]
             state, more = _recover(state, failure)
             return state, actions + more
         rec = dataclasses.replace(rec, regrouped=True)
-        if rec.rung == "dump":
+        if rec.rung == Rung.DUMP:
             rec = dataclasses.replace(rec, dump_step=decision.resume_step)
             return _replace(state, recovery=rec), [DumpOrder(rec.gen, decision.resume_step, _writers(state, rec))]
-        return _replace(state, recovery=rec), [Regroup(rec.gen, decision.resume_step, rec.replaced,
+        return _replace(state, recovery=rec), [OrderRegroup(rec.gen, decision.resume_step, rec.replaced,
                                                        decision.direction.value, decision.reason)]
     return _replace(state, recovery=rec), []

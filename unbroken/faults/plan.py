@@ -33,6 +33,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from unbroken.names import FAULT_PHASES
 from unbroken.errors import ConfigError
 
 __all__ = [
@@ -45,8 +46,7 @@ __all__ = [
     "validate_plan",
 ]
 
-# Phases of a training step in which a fault can fire; the first is the default.
-FAULT_PHASES: tuple[str, ...] = ("compute", "sync", "update", "checkpoint", "restore")
+# Phases of a training step in which a fault can fire (unbroken.names); the first is the default.
 DEFAULT_PHASE = FAULT_PHASES[0]
 
 # What a `corrupt` fault may damage; the first is the default.

@@ -18,17 +18,29 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from unbroken.errors import ConfigError
 from unbroken.ops.timeline import CATEGORY_COLORS, STATE_COLORS, Timeline, build
 
-if TYPE_CHECKING:
-    from unbroken.ops.monitor import JobMonitor
-
 REFRESH_S = 2
+
+
+class _Exposition(Protocol):
+    def exposition(self) -> bytes: ...
+
+
+class JobMonitor(Protocol):
+    """What the server reads of :class:`unbroken.ops.monitor.JobMonitor` (not imported: it
+    imports this module)."""
+
+    metrics: _Exposition
+
+    def status(self) -> dict[str, Any]: ...
+
+    def timeline_events(self) -> list[dict[str, Any]]: ...
 
 
 class MetricsServer:

@@ -17,13 +17,10 @@ Invariants that the bit-exactness across ``num_replicas`` rests on:
 
 from __future__ import annotations
 
-from unbroken.optim.replica_map import check_layout
+from unbroken.recovery.replica_map import check_layout
+from unbroken.units import round_up
 
 DEFAULT_ALIGN = 64  # elements; a multiple of every SIMD width and of a 256-byte GPU line at fp32
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _split(start: int, end: int, size: int) -> list[tuple[int, int]]:
@@ -45,7 +42,7 @@ class FlatLayout:
         self.num_replicas = num_replicas
         self.num_shards = world_size // num_replicas
         self.align = align
-        self.bucket_numel = _round_up(bucket_numel, align)
+        self.bucket_numel = round_up(bucket_numel, align)
         self.param_offsets: list[list[int]] = []
         self.regions: list[tuple[int, int]] = []
         offset = 0
@@ -56,11 +53,11 @@ class FlatLayout:
                 offsets.append(offset)
                 offset += numel
             self.param_offsets.append(offsets)
-            offset = _round_up(offset, align)
+            offset = round_up(offset, align)
             self.regions.append((start, offset))
         self.numel = sum(sum(n) for n in group_numels)  # trainable elements, without padding
         self.used_numel = offset  # end of the last region
-        self.shard_numel = _round_up(max(self.used_numel, 1), self.num_shards * align) // self.num_shards
+        self.shard_numel = round_up(max(self.used_numel, 1), self.num_shards * align) // self.num_shards
         self.padded_numel = self.shard_numel * self.num_shards
 
     def shard_range(self, shard: int) -> tuple[int, int]:

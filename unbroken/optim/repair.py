@@ -1,6 +1,6 @@
 """Bringing a ShardedOptimizer back after ranks were lost: shards and parameters from live holders.
 
-:func:`recover` is a collective over the next generation's process group, run by every rank
+:meth:`ShardedOptimizer.recover` runs these steps, through the optimizer's public methods; it is a collective over the next generation's process group, run by every rank
 (survivors and replacements) in the same order. For every shard it picks one live holder
 (the lowest surviving rank that holds it, from the replica map) as the source, then:
 
@@ -15,18 +15,36 @@ Runs in the training thread of each rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from unbroken.errors import NoLiveReplica
-from unbroken.optim.comm import wait_all
-from unbroken.optim.replica_map import Piece
-from unbroken.recovery.transfer import broadcast_state
+from unbroken.comm.wait import wait_all
+from unbroken.optim.layout import FlatLayout
+from unbroken.recovery.replica_map import Piece, ReplicaMap
+from unbroken.comm.transfer import broadcast_state
 
-if TYPE_CHECKING:
-    from unbroken.optim.sharded import ShardedOptimizer
+
+
+class ShardedOptimizer(Protocol):
+    """What repair uses of :class:`unbroken.optim.ShardedOptimizer`: its public side only (not
+    imported: it imports this module)."""
+
+    rank: int
+    world_size: int
+    step_count: int
+    layout: FlatLayout
+    replica_map: ReplicaMap
+    process_group: dist.ProcessGroup
+    should_abort: Any
+    flat_param: torch.Tensor
+    abandoned_work: list
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 def shard_sources(opt: ShardedOptimizer, replaced: Iterable[int]) -> dict[int, int]:
@@ -44,33 +62,33 @@ def shard_sources(opt: ShardedOptimizer, replaced: Iterable[int]) -> dict[int, i
     return sources
 
 
-@torch.no_grad()
-def recover(opt: ShardedOptimizer, replaced: Iterable[int]) -> None:
-    replaced = set(replaced)
-    sources = shard_sources(opt, replaced)
-    if opt._gather_pending:  # committed and updated here; the gather below completes it
-        opt._gather_pending = False
-        opt.step_count += 1
-    group = opt.process_group
-    device = opt._flat_param.device
+def send_shards(opt: ShardedOptimizer, sources: dict[int, int], replaced: set[int]) -> None:
+    """Each replaced rank receives its shard's optimizer state (and step count) from the source."""
     for shard, src in sources.items():
         holders = set(opt.replica_map.holders(Piece("optimizer_shard", shard)))
         if not holders & replaced:
             continue
         state = opt.state_dict() if opt.rank == src else None
-        got = broadcast_state(state, src, group, device=device, should_abort=opt.should_abort,
-                              graveyard=opt.abandoned_work, what=f"transfer of optimizer shard {shard} from rank {src}")
+        got = broadcast_state(state, src, opt.process_group, device=opt.flat_param.device,
+                              should_abort=opt.should_abort, graveyard=opt.abandoned_work,
+                              what=f"transfer of optimizer shard {shard} from rank {src}")
         if opt.rank in replaced and opt.rank in holders:
             opt.load_state_dict(got)
+
+
+@torch.no_grad()
+def gather_params(opt: ShardedOptimizer, sources: dict[int, int]) -> None:
+    """Every rank receives each shard's parameter range from its source."""
     works = []
     for shard, src in sources.items():
         for a, b in opt.layout.gather_chunks(shard):
-            works.append(dist.broadcast(opt._flat_param[a:b], group=group, group_src=src, async_op=True))
+            works.append(dist.broadcast(opt.flat_param[a:b], group=opt.process_group, group_src=src, async_op=True))
     wait_all(works, opt.should_abort, opt.abandoned_work, "parameter gather from live holders")
-    # Every rank now has the same step count: the survivors' (completed) or the source's.
-    step = torch.tensor([opt.step_count], dtype=torch.int64, device=device)
-    wait_all([dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group, async_op=True)], opt.should_abort,
-             opt.abandoned_work, "step count agreement")
-    opt.step_count = int(step.item())
-    opt.zero_grad(set_to_none=True)
-    opt._validated = True
+
+
+def agree_step_count(opt: ShardedOptimizer) -> int:
+    """The step count every rank continues with: the survivors' (completed) or the source's."""
+    step = torch.tensor([opt.step_count], dtype=torch.int64, device=opt.flat_param.device)
+    wait_all([dist.all_reduce(step, op=dist.ReduceOp.MAX, group=opt.process_group, async_op=True)],
+             opt.should_abort, opt.abandoned_work, "step count agreement")
+    return int(step.item())

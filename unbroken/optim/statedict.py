@@ -8,6 +8,17 @@ Inside the sharded optimizer every group has one 1-D shard tensor, so its state 
 *flat* (a 1-D tensor the size of the shard: exp_avg, momentum_buffer) or *scalar*
 (0-dim tensors and Python values: step). In a plain torch state dict a flat entry has the
 shape of its parameter; a scalar entry is the same for every parameter of a group.
+
+Memory per parameter, bytes (the seeds' table, MindIO TFT docs, next to ours)::
+
+    optimizer                         seeds (bf16 mixed precision)   ours (fp32 AdamW)
+    plain, every rank holds all       20 (bf16) / 16 (fp32)          16 = 4 param + 4 grad + 8 state
+    distributed, no replica (N = 1)   4 + 16/d                       8 + 8/d
+    distributed, N replicas           4 + 16*N/d                     8 + 8*N/d
+
+Ours keeps fp32 parameters (4) and the averaged fp32 gradient (4) in full on every rank and
+shards only the optimizer state: k bytes per element (8 for AdamW's exp_avg + exp_avg_sq,
+4 for SGD's momentum) times N/d. :func:`memory_report` measures it.
 """
 
 from __future__ import annotations
@@ -22,7 +33,6 @@ from unbroken.optim.layout import FlatLayout
 
 if TYPE_CHECKING:
     from unbroken.optim.params import ParamGroup
-    from unbroken.optim.sharded import ShardedOptimizer
 
 
 def is_flat_state(value: Any) -> bool:
@@ -131,25 +141,26 @@ def _piece_state(g: int, group: ParamGroup, entries: list[dict[str, Any]], layou
     return out
 
 
-def memory_report(opt: ShardedOptimizer) -> dict[str, Any]:
-    """Measured optimizer memory of this rank, and the formula it should equal."""
-    layout = opt.layout
+def memory_report(layout: FlatLayout, piece_states: list[dict[str, Any]], *, shard_index: int,
+                  param_element_bytes: int) -> dict[str, Any]:
+    """Measured optimizer memory of this rank (``piece_states``: the state of each of its shard
+    pieces), and the formula it should equal."""
     flat_bytes = scalar_bytes = 0
     per_element = 0
-    for piece in opt._pieces:
-        for value in opt.state.get(piece, {}).values():
+    for state in piece_states:
+        for value in state.values():
             if is_flat_state(value):
                 flat_bytes += value.nbytes
             elif isinstance(value, torch.Tensor):
                 scalar_bytes += value.nbytes
         if not per_element:
-            per_element = sum(v.element_size() for v in opt.state.get(piece, {}).values() if is_flat_state(v))
-    start, end = layout.shard_range(opt.shard_index)
+            per_element = sum(v.element_size() for v in state.values() if is_flat_state(v))
+    start, end = layout.shard_range(shard_index)
     numel = layout.numel
-    n, d = opt.num_replicas, opt.world_size
-    param_bytes = numel * opt._flat_param.element_size()
+    n, d = layout.num_replicas, layout.world_size
+    param_bytes = numel * param_element_bytes
     return {
-        "world_size": d, "num_replicas": n, "num_shards": layout.num_shards, "shard_index": opt.shard_index,
+        "world_size": d, "num_replicas": n, "num_shards": layout.num_shards, "shard_index": shard_index,
         "num_params": numel,
         "shard_numel": end - start,
         "state_bytes_per_element": per_element,

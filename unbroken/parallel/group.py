@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from unbroken.comm import wait_all
 from unbroken.errors import CollectiveAborted, UnbrokenError
-from unbroken.optim.comm import wait_all
 
 
 class DetachedCollective(UnbrokenError):

@@ -21,15 +21,26 @@ import hashlib
 import hmac
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
 
 from unbroken.errors import AuthError, ProtocolError
 from unbroken.protocol.messages import PROTOCOL_VERSION
 
-if TYPE_CHECKING:
-    from unbroken.protocol.wire import Connection
+
+
+class Connection(Protocol):
+    """What the handshake needs of a :class:`unbroken.protocol.wire.Connection` (not imported:
+    the wire imports this module)."""
+
+    peer: str
+    role: str
+    ident: dict[str, Any]
+
+    def send_frame(self, obj: Any) -> None: ...
+
+    def recv_frame(self, timeout_s: float | None = None) -> Any: ...
 
 NONCE_BYTES = 32
 SECRET_HINT = "set UNBROKEN_JOB_SECRET to the job's secret"

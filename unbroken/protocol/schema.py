@@ -27,6 +27,7 @@ imported by both ends); unsupported annotations fail at import time with TypeErr
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from dataclasses import dataclass
@@ -164,6 +165,8 @@ def _convert(value: Any, annotation: Any, depth: int = 0) -> Any:
         if type(value) not in (int, float):
             raise _Mismatch(_type_name(value))
         return float(value)
+    if annotation is str and isinstance(value, enum.StrEnum):
+        return str(value)  # a name of unbroken.names travels as its plain value
     if annotation in (str, bool, bytes):
         if type(value) is not annotation:
             raise _Mismatch(_type_name(value))

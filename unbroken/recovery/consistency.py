@@ -23,8 +23,8 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping
 
-#: Phases a rank reports, in order within one step.
-PHASES = ("compute", "sync", "update", "done")
+from unbroken.names import STEP_PHASES, Phase
+
 
 
 class Direction(enum.Enum):
@@ -40,8 +40,8 @@ class Position:
     phase: str
 
     def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise ValueError(f"unknown phase {self.phase!r} (allowed: {', '.join(PHASES)})")
+        if self.phase not in STEP_PHASES:
+            raise ValueError(f"unknown phase {self.phase!r} (allowed: {', '.join(STEP_PHASES)})")
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,10 @@ def decide(committed_step: int, survivors: Mapping[int, Position]) -> Decision:
         if not committed_step <= pos.step <= resume:
             raise InconsistentReports(
                 f"rank {rank} reports step {pos.step} but the newest committed step is {committed_step}")
-        if pos.step == resume and pos.phase in ("update", "done"):
+        if pos.step == resume and pos.phase in (Phase.UPDATE, Phase.DONE):
             raise InconsistentReports(
                 f"rank {rank} reports phase {pos.phase!r} of uncommitted step {pos.step}")
-        if pos.step == committed_step and pos.phase in ("compute", "sync"):
+        if pos.step == committed_step and pos.phase in (Phase.COMPUTE, Phase.SYNC):
             raise InconsistentReports(
                 f"rank {rank} reports phase {pos.phase!r} of step {pos.step}, which committed only after "
                 "every rank finished its reduction")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-RUNGS = ("retry", "recover-in-place", "recover", "elastic", "dump", "exit")
+from unbroken.names import RUNGS
+
 GIVE_UP = "give-up"
 
 

@@ -1,8 +1,9 @@
 """Checkpoints a worker writes: shared-memory snapshots (the memory tier) and storage saves.
 
-Runs in the training thread of each rank, inside :meth:`unbroken.worker.session.Job.steps`
-(after each completed step, and the capacity check before the first) and
-:meth:`~unbroken.worker.session.Job.checkpoint`. Restoring them is :mod:`unbroken.worker.restore`.
+A :class:`Checkpointer` runs in the training thread of each rank, called from
+:meth:`unbroken.worker.session.Job.steps` (after each completed step, and the capacity check
+before the first), :meth:`~unbroken.worker.session.Job.checkpoint` and rung `dump`
+(:mod:`unbroken.worker.inflight`). Restoring them is :mod:`unbroken.worker.restore`.
 
 * the **memory tier** (under `unbroken run` with a job id and ``every_steps``): every
   ``every_steps`` steps the state is copied into this rank's shared-memory slot
@@ -21,111 +22,143 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from unbroken.checkpoint.capacity import check_shm_capacity, estimate_snapshot_bytes
 from unbroken.checkpoint.memory import SnapshotWriter
-from unbroken.checkpoint.shm_files import check_shm_capacity, estimate_snapshot_bytes
+from unbroken.checkpoint.launch_dirs import run_id
+from unbroken.checkpoint.storage import StorageTier
+from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, ShmCapacityError
-
-if TYPE_CHECKING:
-    from unbroken.worker.session import Job
+from unbroken.faults.inject import FaultInjector
+from unbroken.names import Phase
+from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
 
-
-def check_capacity(job: Job) -> None:
-    """Before the first step: ShmCapacityError unless the memory-tier slots of every rank on
-    this node fit in the shm dir, with the optimizers' state as after their first step.
-
-    Only a new launch (attempt 0) fails on it, before training. A job restart mid-run degrades
-    instead: the memory tier is off for this attempt (storage checkpoints go on), said once."""
-    ckpt = job.cfg.checkpoint
-    optimizers = [o for o in job._tracked.values() if isinstance(o, torch.optim.Optimizer)]
-    snapshot_bytes = estimate_snapshot_bytes(job._state(), optimizers)
-    try:
-        needed = check_shm_capacity(ckpt.shm_dir, job.cfg.job_id, rank=job.rank, snapshot_bytes=snapshot_bytes,
-                                    local_world_size=job.cfg.local_world_size)
-    except ShmCapacityError as exc:
-        if job.attempt == 0:
-            raise
-        job._memory_tier = False
-        job._event("memory_tier_off", step=job._step, reason=str(exc))
-        log.warning("rank %d: the memory tier is off for this attempt (%d), storage checkpoints go on: %s",
-                    job.rank, job.attempt, exc)
-        return
-    log.info("rank %d: memory tier fits in %s: about %d bytes per snapshot, %d bytes for the node's "
-             "%d rank(s)", job.rank, ckpt.shm_dir, snapshot_bytes, needed, job.cfg.local_world_size)
+#: ``event(name, **fields)``: a line in the job's event log (nothing without a controller).
+EventSink = Callable[..., None]
 
 
-def after_step(job: Job) -> None:
-    """After a completed step: the checkpoint its step number calls for, if any."""
-    ckpt = job.cfg.checkpoint
-    if job._memory_tier:  # a shared-memory snapshot; the agent persists some of them
-        if job._step % ckpt.every_steps == 0:
-            snapshot(job, job._step)
-    elif ckpt.storage_every_steps and job._step % ckpt.storage_every_steps == 0:
-        save(job, job._step)
+class Checkpointer:
+    """One rank's checkpoint writing: owns the snapshot writer (memory tier), the storage tier
+    and the warn-once state of failed saves. ``memory_tier`` goes False for good after a
+    failed snapshot."""
 
+    def __init__(self, cfg: WorkerConfig, *, managed: bool, tracked: TrackedState, injector: FaultInjector,
+                 all_min: Callable[[int], int], event: EventSink, metrics: dict[str, Any]) -> None:
+        self._cfg, self._tracked, self._injector = cfg, tracked, injector
+        self._all_min, self._event = all_min, event
+        self._metrics = metrics  # the session's progress metrics: the memory tier's size goes there
+        ckpt = cfg.checkpoint
+        # Where this run saves; its run id lets retention delete only this run's steps and a
+        # restart resume only from them (--load's directory is restore's, see RestoreSources).
+        self.storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=run_id(cfg.secret, cfg.job_id)) \
+            if ckpt.save_dir else None
+        self.memory_tier = managed and bool(cfg.job_id) and ckpt.every_steps > 0
+        self._snapshots: SnapshotWriter | None = None  # built at the first snapshot
+        self._warned_save_failure = False
 
-def checkpoint_now(job: Job) -> None:
-    """Checkpoint the state after the last completed step: to memory (if on), and to storage."""
-    if job._memory_tier:
-        snapshot(job, job._step)
-    save(job, job._step)
+    def check_capacity(self, step: int) -> None:
+        """Before the first step (``step`` steps restored): ShmCapacityError unless the memory-tier
+        slots of every rank on this node fit in the shm dir, with the optimizers' state as after
+        their first step.
 
-
-def snapshot(job: Job, step: int) -> None:
-    """Copy the state into this rank's shared-memory slot (the step is blocked only for the copy)."""
-    try:
-        if job._snapshots is None:
-            ckpt = job.cfg.checkpoint
-            hold = ckpt.persist_every_steps if ckpt.save_dir else 0  # kept until the agent persisted it
-            job._snapshots = SnapshotWriter(ckpt.shm_dir, job.cfg.job_id, job.rank, hold_every=hold)
-        job._snapshots.write(step, job._state(), {"step": step})
-        job._metrics["shm_bytes"] = sum(p.stat().st_size for p in job._snapshots.paths if p.exists())
-    except CheckpointError as exc:  # e.g. /dev/shm too small: storage checkpoints go on
-        job._memory_tier = False
-        _save_failed(job, step, exc)
-
-
-def save(job: Job, step: int) -> None:
-    """Write this rank's part of ``step`` to storage; rank 0 commits it once every rank's
-    part is durable (a collective: every rank calls this for the same step)."""
-    if job._storage is None or job.cfg.checkpoint.save_dir is None:
-        return
-    started = time.monotonic()
-    previous, job._phase = job._phase, "checkpoint"
-    ok = 1
-    try:
-        job._storage.save_rank(step, job.rank, job.world_size, job._state(), {"step": step})
-    except (CheckpointError, OSError) as exc:
-        ok = 0
-        _save_failed(job, step, exc)
-    job._injector.at(step, "checkpoint")
-    # The step is committed only when every rank's part is durable.
-    if job._all_min(ok) and job.rank == 0:
+        Only a new launch (attempt 0) fails on it, before training. A job restart mid-run degrades
+        instead: the memory tier is off for this attempt (storage checkpoints go on), said once."""
+        if not self.memory_tier:
+            return
+        cfg, ckpt = self._cfg, self._cfg.checkpoint
+        optimizers = [o for o in self._tracked.objects.values() if isinstance(o, torch.optim.Optimizer)]
+        snapshot_bytes = estimate_snapshot_bytes(self._tracked.tree(), optimizers)
         try:
-            job._storage.commit(step, job.world_size)
+            needed = check_shm_capacity(ckpt.shm_dir, cfg.job_id, rank=cfg.rank, snapshot_bytes=snapshot_bytes,
+                                        local_world_size=cfg.local_world_size)
+        except ShmCapacityError as exc:
+            if cfg.attempt == 0:
+                raise
+            self.memory_tier = False
+            self._event("memory_tier_off", step=step, reason=str(exc))
+            log.warning("rank %d: the memory tier is off for this attempt (%d), storage checkpoints go on: %s",
+                        cfg.rank, cfg.attempt, exc)
+            return
+        log.info("rank %d: memory tier fits in %s: about %d bytes per snapshot, %d bytes for the node's "
+                 "%d rank(s)", cfg.rank, ckpt.shm_dir, snapshot_bytes, needed, cfg.local_world_size)
+
+    def after_step(self, step: int) -> None:
+        """After a completed step (``step`` steps done): the checkpoint its number calls for, if any."""
+        ckpt = self._cfg.checkpoint
+        if self.memory_tier:  # a shared-memory snapshot; the agent persists some of them
+            if step % ckpt.every_steps == 0:
+                self.snapshot(step)
+        elif ckpt.storage_every_steps and step % ckpt.storage_every_steps == 0:
+            self.save(step)
+
+    def checkpoint_now(self, step: int) -> None:
+        """Checkpoint the state after ``step`` completed steps: to memory (if on), and to storage."""
+        if self.memory_tier:
+            self.snapshot(step)
+        self.save(step)
+
+    def snapshot(self, step: int) -> None:
+        """Copy the state into this rank's shared-memory slot (the step is blocked only for the copy)."""
+        try:
+            if self._snapshots is None:
+                ckpt = self._cfg.checkpoint
+                hold = ckpt.persist_every_steps if ckpt.save_dir else 0  # kept until the agent persisted it
+                self._snapshots = SnapshotWriter(ckpt.shm_dir, self._cfg.job_id, self._cfg.rank, hold_every=hold)
+            self._snapshots.write(step, self._tracked.tree(), {"step": step})
+            self._metrics["shm_bytes"] = sum(p.stat().st_size for p in self._snapshots.paths if p.exists())
+        except CheckpointError as exc:  # e.g. /dev/shm too small: storage checkpoints go on
+            self.memory_tier = False
+            self._save_failed(step, exc)
+
+    def save(self, step: int) -> None:
+        """Write this rank's part of ``step`` to storage; rank 0 commits it once every rank's
+        part is durable (a collective: every rank calls this for the same step)."""
+        if self.storage is None or self._cfg.checkpoint.save_dir is None:
+            return
+        rank, world_size = self._cfg.rank, self._cfg.world_size
+        started = time.monotonic()
+        ok = 1
+        try:
+            self.storage.save_rank(step, rank, world_size, self._tracked.tree(), {"step": step})
         except (CheckpointError, OSError) as exc:
-            _save_failed(job, step, exc)
             ok = 0
-    job._phase = previous
-    if ok:
-        job._event("checkpoint_saved", step=step, tier="storage", seconds=time.monotonic() - started)
+            self._save_failed(step, exc)
+        self._injector.at(step, Phase.CHECKPOINT)
+        # The step is committed only when every rank's part is durable.
+        if self._all_min(ok) and rank == 0:
+            try:
+                self.storage.commit(step, world_size)
+            except (CheckpointError, OSError) as exc:
+                self._save_failed(step, exc)
+                ok = 0
+        if ok:
+            self._event("checkpoint_saved", step=step, tier="storage", seconds=time.monotonic() - started)
 
+    # -- rung `dump` (see unbroken.worker.inflight.DumpTarget) --------------------------------
+    def check_dump(self) -> None:
+        if self.storage is None or self._cfg.checkpoint.save_dir is None:
+            raise CheckpointError("no storage tier (--save DIR) to dump to")
 
-def close(job: Job) -> None:
-    """Wait for the last snapshot's commit and unmap the slots (the files stay for the agent)."""
-    if job._snapshots is not None:
-        job._snapshots.close()
-        job._snapshots = None
+    def write_dump(self, step: int, ranks: list[int]) -> None:
+        state: dict[str, Any] = self._tracked.tree()
+        for rank in ranks:  # a replica's state is the lost rank's state, bit for bit
+            self.storage.save_rank(step, rank, self._cfg.world_size, state, {"step": step, "dump": True})
 
+    def close(self) -> None:
+        """Wait for the last snapshot's commit and unmap the slots (the files stay for the agent)."""
+        if self._snapshots is not None:
+            self._snapshots.close()
+            self._snapshots = None
 
-def _save_failed(job: Job, step: int, exc: Exception) -> None:
-    job._event("checkpoint_failed", step=step, reason=str(exc))
-    if not job._warned_save_failure:
-        job._warned_save_failure = True
-        log.warning("rank %d: checkpoint of step %d failed, training continues with the previous "
-                    "checkpoint: %s (reported once)", job.rank, step, exc)
+    def _save_failed(self, step: int, exc: Exception) -> None:
+        self._event("checkpoint_failed", step=step, reason=str(exc))
+        if not self._warned_save_failure:
+            self._warned_save_failure = True
+            log.warning("rank %d: checkpoint of step %d failed, training continues with the previous "
+                        "checkpoint: %s (reported once)", self._cfg.rank, step, exc)

@@ -1,186 +1,238 @@
 """In-flight recovery inside a worker: pause, regroup, receive or send state, resume.
 
-Both sides run in the training thread, inside :meth:`unbroken.worker.session.Job.steps`:
+:class:`InFlight` runs in the training thread, called from
+:meth:`unbroken.worker.session.Job.steps`:
 
 * a **survivor** left a step because its collective was aborted (the controller's
-  abort order, or gloo reporting a dead peer). It drops what the step computed (gradients,
-  RNG draws), reports itself paused, and waits for the regroup order;
+  abort order, or gloo reporting a dead peer). The session drops what the step computed
+  (gradients, RNG draws); the survivor reports itself paused and waits for the regroup order;
 * a **replacement** (a new process started for a lost rank) waits for the same order
-  right after joining.
+  right after joining (inside ``unbroken.init()``), and receives its state in ``job.steps()``.
 
 The order names the next generation, the step to resume at (the first uncommitted one,
 see :mod:`unbroken.recovery.consistency`) and the replaced ranks. Every rank then builds
 the generation's process group on a fresh store prefix and takes part in the same
-sequence of collectives: sharded optimizers first restore their shards and parameters from
-live holders, then every other tracked object and the RNG state go from the lowest
-surviving rank to the replaced ones. A second fault meanwhile aborts the transfer and the
-whole sequence starts again for the next generation.
+sequence of collectives: recoverable state (:class:`~unbroken.worker.api.RecoverableState`)
+first rebuilds itself from live holders, then every plain tracked object and the RNG state
+go from the lowest surviving rank to the replaced ones. A second fault meanwhile aborts the
+transfer and the whole sequence starts again for the next generation.
+
+States: ``running`` (``pending`` False) -> a fault noted (:meth:`note_fault`) or an abort
+order seen -> ``pending`` -> :meth:`survive` -> paused -> regrouped (``gen`` + 1, a new
+``group``, the old one in the ``graveyard``) -> transferred -> ``running``. ``needs_state``
+is True from the start of a replacement, or of a survivor whose state was damaged, until
+its transfer is done.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from unbroken.errors import CheckpointError, JobFailed
+from unbroken.comm import broadcast_state, generation_group
+from unbroken.config import WorkerConfig
+from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
+from unbroken.faults.inject import FaultInjector
+from unbroken.names import Phase
 from unbroken.protocol.messages import Dump, Regroup
-from unbroken.recovery.transfer import broadcast_state
 from unbroken.worker import rng as rng_state
-
-if TYPE_CHECKING:
-    from unbroken.worker.session import Job
+from unbroken.worker.control import ControlClient
+from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
 
+class DumpTarget(Protocol):
+    """Where rung `dump` writes (the session's :class:`~unbroken.worker.checkpointing.Checkpointer`)."""
 
-def new_group(job: Job, gen: int) -> dist.ProcessGroup:
-    """The process group of generation ``gen``: same ranks, a fresh prefix on the job's store."""
-    store = dist.PrefixStore(f"gen{gen}/", job._store)
-    timeout = timedelta(seconds=job.cfg.pg_timeout_s)
-    if job.device.type == "cuda":  # pragma: no cover - needs a GPU
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, job.rank, job.world_size, opts)
-    return dist.ProcessGroupGloo(store, job.rank, job.world_size, timeout)
+    def check_dump(self) -> None:
+        """CheckpointError unless a storage tier can take a dump."""
+
+    def write_dump(self, step: int, ranks: list[int]) -> None:
+        """Write this rank's state as the state of each of ``ranks`` (a replica's is bit-identical)."""
 
 
-def survive(job: Job) -> int:
-    """A survivor's side; returns the step to resume at."""
-    started = time.monotonic()
-    job._pause_phase = job._phase if job._in_step else "compute"  # between steps: the next one's start
-    job._drop_step_in_flight()
-    control = job._control
-    reported = control.abort_gen
-    if job._damaged is not None:  # rung `retry`: this process stays; its state comes from replicas
-        control.damaged(str(job._damaged), job._damaged.kind)
-        job._damaged, job._needs_state = None, True
-        return _transfer_until_done(job, started, _await_order(job, reported))
-    control.paused(reported, job.step_index, job._pause_phase)
-    return _transfer_until_done(job, started, _await_order(job, reported))
+class InFlight:
+    """One rank's side of in-flight recovery: owns the process group of the current
+    generation, the generation number, the graveyard of abandoned groups and work, and
+    whether this rank needs its state from replicas (see the module docstring)."""
 
+    def __init__(self, cfg: WorkerConfig, *, device: torch.device, control: ControlClient | None,
+                 store: dist.Store | None, group: dist.ProcessGroup | None, tracked: TrackedState,
+                 injector: FaultInjector, rng_at_step_start: Callable[[], dict[str, Any]],
+                 dump: DumpTarget) -> None:
+        self._cfg, self._device, self._control, self._store = cfg, device, control, store
+        self._tracked, self._injector = tracked, injector
+        self._rng_at_step_start, self._dump_target = rng_at_step_start, dump
+        self.gen = 0
+        self.group = group
+        self.graveyard: list[Any] = []  # never emptied early: see FACTS.md
+        self.needs_state = cfg.replacement  # a replacement receives its state from replicas
+        self.damaged: StateDamaged | None = None  # this rank's state is damaged: repair from replicas
+        self.pause_phase: str = Phase.COMPUTE
+        self.fault_noted = False  # a fault inside a step: recover before the next one
+        self._paused_step = 0
+        self._order: Regroup | None = None
 
-def await_group(job: Job) -> Regroup:
-    """A replacement, inside ``unbroken.init()``: wait for the regroup order and join its group.
+    # -- is a recovery due? -------------------------------------------------------------
+    def should_abort(self) -> bool:
+        """True once the controller ordered this generation's collectives abandoned."""
+        return self._control is not None and self._control.abort_gen > self.gen
 
-    Joining before ``init()`` returns lets the training script build its model and
-    optimizer on a process group of the right size; the state arrives in ``job.steps()``.
-    """
-    return _await_order(job, job._control.abort_gen)
+    @property
+    def pending(self) -> bool:
+        """A recovery must run before the next step (a fault, an abort order, a cut step)."""
+        return self.fault_noted or self.should_abort() or (self._control is not None and self._tracked.step_pending())
 
+    def is_recoverable(self, exc: Exception) -> bool:
+        """A collective that failed or was aborted because a peer was lost, or state damaged in
+        memory, under a controller (which repairs both from replicas)."""
+        if self._control is None:
+            return False
+        if isinstance(exc, (StateDamaged, CollectiveAborted)):
+            return True
+        notes = getattr(exc, "__notes__", ())
+        return isinstance(exc, RuntimeError) and any(n.startswith("unbroken: during the") for n in notes)
 
-def join(job: Job, order: Regroup) -> int:
-    """A replacement's side, in ``job.steps()``: receive the state; returns the step to resume at."""
-    return _transfer_until_done(job, time.monotonic(), order)
+    def note_fault(self, step: int, exc: Exception) -> bool:
+        """A fault inside step ``step``: True if it is recovered in flight (the step is dropped)."""
+        if not self.is_recoverable(exc):
+            return False
+        if isinstance(exc, StateDamaged):
+            self.damaged = exc  # rung `retry`: this rank's state comes from replicas
+        log.warning("rank %d: step %d aborted (%s); recovering in flight", self._cfg.rank, step,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        self.fault_noted = True
+        return True
 
+    # -- the two sides ----------------------------------------------------------------------
+    def survive(self, step: int, phase: str) -> int:
+        """A survivor's side, at ``step`` in ``phase`` (its step already dropped); returns the
+        step to resume at."""
+        started = time.monotonic()
+        self.fault_noted = False
+        self._paused_step, self.pause_phase = step, phase
+        control = self._control
+        reported = control.abort_gen
+        if self.damaged is not None:  # rung `retry`: this process stays; its state comes from replicas
+            control.damaged(str(self.damaged), self.damaged.kind)
+            self.damaged, self.needs_state = None, True
+        else:
+            control.paused(reported, step, phase)
+        return self._transfer_until_done(started, self._await_order(reported))
 
-def _announce(job: Job, gen: int) -> None:
-    """Tell the controller this rank is ready for generation ``gen``."""
-    if job._needs_state:
-        job._control.joined(gen)
-    else:
-        job._control.paused(gen, job.step_index, job._pause_phase)
+    def await_group(self) -> None:
+        """A replacement, inside ``unbroken.init()``: wait for the regroup order and join its group.
 
+        Joining before ``init()`` returns lets the training script build its model and
+        optimizer on a process group of the right size; the state arrives in :meth:`join`.
+        """
+        self._order = self._await_order(self._control.abort_gen)
 
-def _await_order(job: Job, reported: int) -> Regroup:  # a Dump order is carried out inside
-    order = job._control.wait_regroup(job.cfg.recovery_timeout_s, lambda gen: _announce(job, gen), reported)
-    if order is None:
-        raise JobFailed(f"rank {job.rank}: no regroup order from the controller within "
-                        f"{job.cfg.recovery_timeout_s:.0f} s (--recovery-timeout-s); giving up")
-    if isinstance(order, Dump):
-        _dump(job, order)  # then wait: the agent stops this process for the job restart
-        return _await_order(job, job._control.abort_gen)
-    job._adopt_group(order.gen, new_group(job, order.gen))
-    return order
+    def join(self) -> int:
+        """A replacement's side, in ``job.steps()``: receive the state; returns the step to resume at."""
+        order, self._order = self._order, None
+        return self._transfer_until_done(time.monotonic(), order)
 
+    # -- the regroup ----------------------------------------------------------------------
+    def _adopt_group(self, gen: int) -> None:
+        group = generation_group(self._store, gen, rank=self._cfg.rank, world_size=self._cfg.world_size,
+                                 timeout_s=self._cfg.worker.pg_timeout_s, device=self._device)
+        if self.group is not None:
+            self.graveyard.append(self.group)  # never destroyed early: see FACTS.md
+        self.gen, self.group = gen, group
 
-def _dump(job: Job, order: Dump) -> None:
-    """Rung `dump`: write this rank's state, and that of the lost ranks it holds replicas of,
-    to storage at the decided step. No collective when ranks were lost: every survivor writes
-    on its own. When nobody was lost (a sub-health dump), every rank first joins the order's
-    generation to complete a parameter gather the abort cut."""
-    ranks = [job.rank] + [lost for lost, writer in order.assign if writer == job.rank]
-    error = ""
-    try:
-        if job._storage is None or job.cfg.checkpoint.save_dir is None:
-            raise CheckpointError("no storage tier (--save DIR) to dump to")
-        if not order.assign:
-            _complete_cut_gathers(job, order.gen)
-        if job._gather_cut():
-            raise CheckpointError("a parameter gather was cut: this rank holds no consistent copy")
-        job._injector.at(order.step, "checkpoint")  # a fault planned for the dump fires here
-        state = job._state()
-        for rank in ranks:  # a replica's state is the lost rank's state, bit for bit
-            job._storage.save_rank(order.step, rank, job.world_size, state, {"step": order.step, "dump": True})
-    except Exception as exc:  # noqa: BLE001 - any failure is reported; the ladder goes on to `exit`
-        if not isinstance(exc, (CheckpointError, OSError)) and not job._is_recoverable(exc):
-            raise
-        error = str(exc) or type(exc).__name__
-        log.warning("rank %d: dump of step %d failed: %s", job.rank, order.step, error)
-    job._control.dumped(order.step, ranks, error)
+    def _announce(self, gen: int) -> None:
+        """Tell the controller this rank is ready for generation ``gen``."""
+        if self.needs_state:
+            self._control.joined(gen)
+        else:
+            self._control.paused(gen, self._paused_step, self.pause_phase)
 
+    def _await_order(self, reported: int) -> Regroup:  # a Dump order is carried out inside
+        timeout_s = self._cfg.worker.recovery_timeout_s
+        order = self._control.wait_regroup(timeout_s, self._announce, reported)
+        if order is None:
+            raise JobFailed(f"rank {self._cfg.rank}: no regroup order from the controller within "
+                            f"{timeout_s:.0f} s (--recovery-timeout-s); giving up")
+        if isinstance(order, Dump):
+            self._dump(order)  # then wait: the agent stops this process for the job restart
+            return self._await_order(self._control.abort_gen)
+        self._adopt_group(order.gen)
+        return order
 
-def _complete_cut_gathers(job: Job, gen: int) -> None:
-    """Every rank, on generation ``gen``'s group: sharded optimizers complete the step whose
-    parameter gather an abort cut (a collective, so every rank runs it)."""
-    job._adopt_group(gen, new_group(job, gen))
-    for obj in job._tracked.values():
-        if hasattr(obj, "recover"):
-            obj.set_process_group(job.process_group)
-            obj.recover(())
-
-
-def _transfer_until_done(job: Job, started: float, order: Regroup) -> int:
-    control = job._control
-    while True:
-        regroup_t = time.monotonic()
+    def _dump(self, order: Dump) -> None:
+        """Rung `dump`: write this rank's state, and that of the lost ranks it holds replicas of,
+        to storage at the decided step. No collective when ranks were lost: every survivor writes
+        on its own. When nobody was lost (a sub-health dump), every rank first joins the order's
+        generation to complete a step whose parameter gather the abort cut."""
+        rank = self._cfg.rank
+        ranks = [rank] + [lost for lost, writer in order.assign if writer == rank]
+        error = ""
         try:
-            if job._needs_state:
-                job._injector.at(order.resume_step, "restore")
-            _transfer(job, set(order.replaced))
-        except Exception as exc:  # a peer lost during the transfer: the next generation comes
-            if not job._is_recoverable(exc):
+            self._dump_target.check_dump()
+            if not order.assign:
+                self._adopt_group(order.gen)
+                self._recover_recoverable(())
+            if self._tracked.step_pending():
+                raise CheckpointError("a parameter gather was cut: this rank holds no consistent copy")
+            self._injector.at(order.step, Phase.CHECKPOINT)  # a fault planned for the dump fires here
+            self._dump_target.write_dump(order.step, ranks)
+        except Exception as exc:  # noqa: BLE001 - any failure is reported; the ladder goes on to `exit`
+            if not isinstance(exc, (CheckpointError, OSError)) and not self.is_recoverable(exc):
                 raise
-            log.warning("rank %d: transfer for generation %d aborted (%s); waiting for the next one",
-                        job.rank, order.gen, exc)
-            reported = control.abort_gen
-            _announce(job, reported)
-            order = _await_order(job, reported)
-            continue
-        restore_s = time.monotonic() - regroup_t
-        job._step, job._needs_state = order.resume_step, False
-        control.resumed(order.gen, order.resume_step, restore_s)
-        log.info("rank %d: resumed at step %d in generation %d after %.3f s (restore %.3f s)",
-                 job.rank, order.resume_step, order.gen, time.monotonic() - started, restore_s)
-        return order.resume_step
+            error = str(exc) or type(exc).__name__
+            log.warning("rank %d: dump of step %d failed: %s", rank, order.step, error)
+        self._control.dumped(order.step, ranks, error)
 
+    def _transfer_until_done(self, started: float, order: Regroup) -> int:
+        while True:
+            regroup_t = time.monotonic()
+            try:
+                if self.needs_state:
+                    self._injector.at(order.resume_step, Phase.RESTORE)
+                self._transfer(set(order.replaced))
+            except Exception as exc:  # a peer lost during the transfer: the next generation comes
+                if not self.is_recoverable(exc):
+                    raise
+                log.warning("rank %d: transfer for generation %d aborted (%s); waiting for the next one",
+                            self._cfg.rank, order.gen, exc)
+                reported = self._control.abort_gen
+                self._announce(reported)
+                order = self._await_order(reported)
+                continue
+            restore_s = time.monotonic() - regroup_t
+            self.needs_state = False
+            self._control.resumed(order.gen, order.resume_step, restore_s)
+            log.info("rank %d: resumed at step %d in generation %d after %.3f s (restore %.3f s)",
+                     self._cfg.rank, order.resume_step, order.gen, time.monotonic() - started, restore_s)
+            return order.resume_step
 
-def _transfer(job: Job, replaced: set[int]) -> None:
-    """The collective sequence every rank runs after a regroup (same order everywhere)."""
-    group = job.process_group
-    alive = [r for r in range(job.world_size) if r not in replaced]
-    src = alive[0]
-    receiving = job.rank in replaced
-    common: dict[str, Any] = dict(device=job.device, should_abort=job._should_abort,
-                                  graveyard=job._graveyard)
-    for obj in job._tracked.values():
-        if hasattr(obj, "recover"):  # a sharded optimizer restores its shards from their holders
-            obj.set_process_group(group)
+    def _recover_recoverable(self, replaced: set[int] | tuple[()]) -> None:
+        for obj in self._tracked.recoverable():  # e.g. a sharded optimizer: shards from their holders
+            obj.set_process_group(self.group)
             obj.recover(replaced)
-    for name, obj in job._tracked.items():
-        if hasattr(obj, "recover"):
-            continue
-        state = (obj if isinstance(obj, torch.Tensor) else obj.state_dict()) if job.rank == src else None
-        got = broadcast_state(state, src, group, what=f"transfer of {name!r} from rank {src}", **common)
+
+    def _transfer(self, replaced: set[int]) -> None:
+        """The collective sequence every rank runs after a regroup (same order everywhere)."""
+        rank = self._cfg.rank
+        alive = [r for r in range(self._cfg.world_size) if r not in replaced]
+        src = alive[0]
+        receiving = rank in replaced
+        common: dict[str, Any] = dict(device=self._device, should_abort=self.should_abort, graveyard=self.graveyard)
+        self._recover_recoverable(replaced)
+        for name, obj in self._tracked.plain():
+            state = self._tracked.state_of(obj) if rank == src else None
+            got = broadcast_state(state, src, self.group, what=f"transfer of {name!r} from rank {src}", **common)
+            if receiving:
+                self._tracked.load_one(obj, got)
+        # The RNG streams are replicated state (every rank seeds them the same): the replaced
+        # ranks continue the source's stream from the start of the step to redo.
+        rng = broadcast_state(self._rng_at_step_start() if rank == src else None, src, self.group,
+                              what=f"transfer of the RNG state from rank {src}", **common)
         if receiving:
-            job._load_tracked(name, obj, got)
-    # The RNG streams are replicated state (every rank seeds them the same): the replaced
-    # ranks continue the source's stream from the start of the step to redo.
-    rng = broadcast_state(job._rng_at_step_start() if job.rank == src else None, src, group,
-                          what=f"transfer of the RNG state from rank {src}", **common)
-    if receiving:
-        rng_state.restore(rng)
+            rng_state.restore(rng)

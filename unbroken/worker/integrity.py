@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from unbroken.errors import JobFailed, NonFiniteError, SilentCorruption
+from unbroken.worker.api import RecoverableState
 
 
 def gradients(tracked: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -46,13 +47,14 @@ def check_finite(tracked: Mapping[str, Any], rank: int, step: int) -> None:
 
 def replicated_tensors(tracked: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """The tensors every data-parallel rank holds an identical copy of: the tracked modules'
-    parameters and buffers, and the state of tracked optimizers that are not sharded."""
+    parameters and buffers, and the state of tracked optimizers that are not recoverable
+    (sharded state is laid out across ranks: not a copy)."""
     out: list[tuple[str, torch.Tensor]] = []
     for name, obj in tracked.items():
         if isinstance(obj, torch.nn.Module):
             out += [(f"{name}.{key}", t) for key, t in obj.state_dict(keep_vars=False).items()
                     if isinstance(t, torch.Tensor)]
-        elif isinstance(obj, torch.optim.Optimizer) and not hasattr(obj, "recover"):
+        elif isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, RecoverableState):
             for index, state in enumerate(obj.state.values()):
                 out += [(f"{name}.state[{index}].{key}", t) for key, t in state.items() if isinstance(t, torch.Tensor)]
     return out

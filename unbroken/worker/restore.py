@@ -2,7 +2,8 @@
 
 Runs in the training thread of each rank, inside :meth:`unbroken.worker.session.Job.steps`,
 once per process (a replacement process of an in-flight recovery does not come here: it
-receives its state from replicas, see :mod:`unbroken.worker.inflight`).
+receives its state from replicas, see :mod:`unbroken.worker.inflight`). It sees only narrow
+collaborators: :class:`RestoreSources` (tiers, controller link, all-reduce) and the tracked state.
 
 Sources of a rank, by the resume rule (README "Resuming: --load and --save"): a new launch
 (attempt 0) resumes only from `--load DIR`; a job-level restart inside the run (attempt > 0)
@@ -27,89 +28,117 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.storage import StorageTier
+from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, FatalError, JobFailed, NoCheckpoint
-
-if TYPE_CHECKING:
-    from unbroken.worker.session import Job
+from unbroken.worker.control import ControlClient
+from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
 
 
-def restore(job: Job) -> int:
+@dataclass(frozen=True)
+class StoredSteps:
+    """A storage directory restore may load from; ``own_run_only``: only the steps this run
+    committed count (the run's --save directory on a restart), else all of them (--load's)."""
+
+    tier: StorageTier
+    own_run_only: bool
+
+    def steps(self, steps: list[int]) -> list[int]:
+        """The steps of `steps` (newest first) restore may take from this directory."""
+        return self.tier.own_steps(steps) if self.own_run_only else steps
+
+
+@dataclass(frozen=True)
+class RestoreSources:
+    """What one rank restores from and with whom it agrees (the session builds it by the
+    resume rule: memory and the run's own --save steps only on a restart, attempt > 0)."""
+
+    rank: int
+    attempt: int
+    recovery_timeout_s: float
+    memory: SnapshotReader | None  # this node's shared-memory snapshots (under `unbroken run`)
+    stores: tuple[StoredSteps, ...]  # in the order restore prefers them
+    control: ControlClient | None  # the controller decides the step; None: the ranks agree by all_min
+    all_min: Callable[[int], int]  # an all-reduce MIN over every rank
+
+
+def build_sources(cfg: WorkerConfig, *, own_storage: StorageTier | None, control: ControlClient | None,
+                  all_min: Callable[[int], int]) -> RestoreSources:
+    """The sources of rank ``cfg.rank`` by the resume rule: a new launch (attempt 0) only
+    --load's directory; a job-level restart inside the run this node's shared-memory
+    snapshots (under `unbroken run`) and this run's own steps in `own_storage` (--save's)
+    first, then --load's."""
+    own_run = cfg.attempt > 0
+    ckpt = cfg.checkpoint
+    memory = SnapshotReader(ckpt.shm_dir, cfg.job_id, cfg.rank) if own_run and control is not None and cfg.job_id \
+        else None
+    stores = ([StoredSteps(own_storage, own_run_only=True)] if own_run and own_storage is not None else []) \
+        + ([StoredSteps(StorageTier(ckpt.load_dir), own_run_only=False)] if ckpt.load_dir else [])
+    return RestoreSources(rank=cfg.rank, attempt=cfg.attempt, recovery_timeout_s=cfg.worker.recovery_timeout_s,
+                          memory=memory, stores=tuple(stores), control=control, all_min=all_min)
+
+
+def restore(src: RestoreSources, tracked: TrackedState, event: Callable[..., None]) -> int:
     """Agree on the step to resume from, load it into the tracked state; return the step
     (0 when there is nothing to restore)."""
-    own_run = job.attempt > 0  # a restart inside this run: its own checkpoints count
-    memory = SnapshotReader(job.cfg.checkpoint.shm_dir, job.cfg.job_id, job.rank) \
-        if own_run and job._control is not None and job.cfg.job_id else None
-    stores = _stores(job, own_run)
-    if memory is None and not stores:
+    if src.memory is None and not src.stores:
         return 0
     started = time.monotonic()
     bound: int | None = None  # the newest step this rank may still offer
     round_ = 0
     while True:
-        agreed = _agree(job, memory, stores, round_, bound)
+        agreed = _agree(src, round_, bound)
         if agreed < 0:
-            if round_ and memory is not None:  # a failed load may have written into the tensors: no fresh start
-                raise FatalError(f"rank {job.rank}: no checkpoint step could be loaded by every rank (the "
+            if round_ and src.memory is not None:  # a failed load may have written into the tensors: no fresh start
+                raise FatalError(f"rank {src.rank}: no checkpoint step could be loaded by every rank (the "
                                  "newest ones failed their checksums) and the tracked state may hold part of "
                                  "one; not starting from scratch. See `unbroken ckpt verify` and events.jsonl")
             return 0
-        loaded = _load_step(job, memory, stores, agreed)
-        if job._all_min(1 if loaded else 0):
+        loaded = _load_step(src, tracked, agreed)
+        if src.all_min(1 if loaded else 0):
             break
         bound = agreed if loaded else agreed - 1  # someone could not load it: go older
         round_ += 1
     state, tier, where = loaded
-    job._load_state(state)
+    tracked.load_tree(state)
     seconds = time.monotonic() - started
-    log.info("rank %d: restored step %d from %s (%s) in %.3f s", job.rank, agreed, tier, where, seconds)
-    job._event("restored", step=agreed, tier=tier, dir=where, seconds=seconds)
+    log.info("rank %d: restored step %d from %s (%s) in %.3f s", src.rank, agreed, tier, where, seconds)
+    event("restored", step=agreed, tier=tier, dir=where, seconds=seconds)
     return agreed
 
 
-def _stores(job: Job, own_run: bool) -> list[tuple[StorageTier, bool]]:
-    """(storage tier, only this run's steps) in the order restore prefers them."""
-    own = [(job._storage, True)] if own_run and job._storage is not None else []
-    return own + ([(job._load_storage, False)] if job._load_storage is not None else [])
-
-
-def _steps_in(tier: StorageTier, own_only: bool, steps: list[int]) -> list[int]:
-    return tier.own_steps(steps) if own_only else steps
-
-
-def _agree(job: Job, memory: SnapshotReader | None, stores: list[tuple[StorageTier, bool]], round_: int,
-           bound: int | None) -> int:
+def _agree(src: RestoreSources, round_: int, bound: int | None) -> int:
     """The step every rank loads in round ``round_`` (-1: none, start fresh)."""
-    if job._control is None:
-        return job._all_min(_newest_available(job, memory, stores, bound))
-    memory_steps = sorted({s for s, _ in memory.committed() if bound is None or s <= bound}, reverse=True) \
-        if memory is not None else []
+    if src.control is None:
+        return src.all_min(_newest_available(src, bound))
+    memory_steps = sorted({s for s, _ in src.memory.committed() if bound is None or s <= bound}, reverse=True) \
+        if src.memory is not None else []
     # Listed by metadata only (cheap); a file that rotted in place fails its checksum at
     # load, and the next round goes older.
-    storage_steps = sorted({s for tier, own in stores
-                            for s in _steps_in(tier, own, tier.loadable_steps(job.rank, at_or_below=bound))},
+    storage_steps = sorted({s for store in src.stores
+                            for s in store.steps(store.tier.loadable_steps(src.rank, at_or_below=bound))},
                            reverse=True)
-    timeout_s = job.cfg.recovery_timeout_s
-    step = job._control.restore_at(round_, memory_steps, storage_steps, timeout_s)
+    timeout_s = src.recovery_timeout_s
+    step = src.control.restore_at(round_, memory_steps, storage_steps, timeout_s)
     if step is None:
-        raise JobFailed(f"rank {job.rank}: no restore decision from the controller within {timeout_s:.0f} s "
-                        f"(attempt {job.attempt}, round {round_}; offered memory steps {memory_steps}, storage "
+        raise JobFailed(f"rank {src.rank}: no restore decision from the controller within {timeout_s:.0f} s "
+                        f"(attempt {src.attempt}, round {round_}; offered memory steps {memory_steps}, storage "
                         f"steps {storage_steps}); the controller is gone or another rank never offered. "
                         "The setting is --recovery-timeout-s; the controller's events.jsonl says more")
     return step
 
 
-def _newest_available(job: Job, memory: SnapshotReader | None, stores: list[tuple[StorageTier, bool]],
-                      bound: int | None) -> int:
-    steps = [s for s, _ in memory.committed()] if memory is not None else []
-    for tier, own in stores:  # newest first; the tensor files' checksums are verified here
-        stored = next((s for s in _steps_in(tier, own, tier.loadable_steps(job.rank, at_or_below=bound))
-                       if _verifies(tier, s, job.rank)), None)
+def _newest_available(src: RestoreSources, bound: int | None) -> int:
+    steps = [s for s, _ in src.memory.committed()] if src.memory is not None else []
+    for store in src.stores:  # newest first; the tensor files' checksums are verified here
+        stored = next((s for s in store.steps(store.tier.loadable_steps(src.rank, at_or_below=bound))
+                       if _verifies(store.tier, s, src.rank)), None)
         steps += [stored] if stored is not None else []
     return max((s for s in steps if bound is None or s <= bound), default=-1)
 
@@ -123,23 +152,22 @@ def _verifies(tier: StorageTier, step: int, rank: int) -> bool:
         return False
 
 
-def _load_step(job: Job, memory: SnapshotReader | None, stores: list[tuple[StorageTier, bool]],
-               step: int) -> tuple[dict, str, str] | None:
+def _load_step(src: RestoreSources, tracked: TrackedState, step: int) -> tuple[dict, str, str] | None:
     """(state, tier, directory) of ``step`` for this rank, memory first, else the stores in
     order; None if none loads it."""
-    if memory is not None:
+    if src.memory is not None:
         try:
             # Straight into the tensors of the freshly built model and optimizer: no new
             # allocation (page faults). If it fails, another step is loaded over them.
-            return memory.load(step, into=job._state())[0], "memory", str(memory.dir)
+            return src.memory.load(step, into=tracked.tree())[0], "memory", str(src.memory.dir)
         except (NoCheckpoint, CheckpointError) as exc:
             if not isinstance(exc, NoCheckpoint):
-                log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", job.rank, step, exc)
-    for tier, own in stores:
-        if own and not tier.own_steps([step]):
+                log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", src.rank, step, exc)
+    for store in src.stores:
+        if not store.steps([step]):
             continue
         try:
-            return tier.load_rank(step, job.rank)[0], "storage", str(tier.root)
+            return store.tier.load_rank(step, src.rank)[0], "storage", str(store.tier.root)
         except CheckpointError as exc:
-            log.warning("rank %d: checkpoint of step %d in %s unusable: %s", job.rank, step, tier.root, exc)
+            log.warning("rank %d: checkpoint of step %d in %s unusable: %s", src.rank, step, store.tier.root, exc)
     return None

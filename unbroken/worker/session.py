@@ -3,9 +3,12 @@
 A :class:`Job` lives in one training process (one rank) and runs in its main thread. It
 joins the job (process group, controller link), knows which objects are training state
 (:meth:`Job.track`), resumes the loop at the right step (:meth:`Job.steps`), marks the
-fault boundary of each step (:meth:`Job.step`), reports step and phase, fires injected
-faults, and writes and restores checkpoints (:mod:`unbroken.worker.checkpointing`,
-:mod:`unbroken.worker.restore`).
+fault boundary of each step (:meth:`Job.step`), reports step and phase and fires injected
+faults. What it delegates, each piece owning its own state: the tracked objects
+(:class:`~unbroken.worker.tracked.TrackedState`), in-flight recovery with the process group
+of the current generation (:class:`~unbroken.worker.inflight.InFlight`), checkpoint writing
+(:class:`~unbroken.worker.checkpointing.Checkpointer`) and the restore at a (re)start
+(:func:`unbroken.worker.restore.restore`).
 
 Phases of a step, in order: ``compute`` -> ``sync`` -> ``update`` -> ``done`` (the
 optimizer reports ``sync``/``update``/``done`` through :meth:`Job.phase`).
@@ -19,27 +22,25 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterator, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from unbroken.checkpoint.launch_dirs import run_id
-from unbroken.checkpoint.storage import StorageTier
+from unbroken.comm import wait_all
 from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_env
-from unbroken.errors import EXIT_FATAL, CheckpointError, CollectiveAborted, ConfigError, FatalError, StateDamaged
+from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
-from unbroken.optim.comm import wait_all
-from unbroken.worker import checkpointing, inflight, integrity, restore, rng
+from unbroken.names import STEP_PHASES, Phase
+from unbroken.worker import integrity, restore, rng
+from unbroken.worker.api import SessionHooks
+from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
-
-if TYPE_CHECKING:
-    from unbroken.checkpoint.memory import SnapshotWriter
+from unbroken.worker.inflight import InFlight
+from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
-
-PHASES = ("compute", "sync", "update", "done")
 
 
 def _default_backend(device: torch.device) -> str:
@@ -47,7 +48,12 @@ def _default_backend(device: torch.device) -> str:
 
 
 class Job:
-    """One rank's session of a training job. Create it with :func:`unbroken.init`."""
+    """One rank's session of a training job. Create it with :func:`unbroken.init`.
+
+    Lives in the training thread of one process. Owns the step loop's state (the step in
+    flight, its phase, the RNG at its start, whether it committed), the controller link and
+    the fault injector; see the module docstring for what it delegates.
+    """
 
     def __init__(self, cfg: WorkerConfig, *, device: torch.device | None = None,
                  backend: str | None = None) -> None:
@@ -57,38 +63,31 @@ class Job:
         self.local_rank = cfg.local_rank
         self.attempt = cfg.attempt
         self.device = device or self._build_device()
-        self._tracked: dict[str, Any] = {}
+        self._tracked = TrackedState()
         self._metrics: dict[str, Any] = {}
         self._step = 0  # index of the step in flight (== number of completed steps)
-        self._phase = "done"
+        self._phase: str = Phase.DONE
         self._step_started = time.monotonic()
         self._last_step_s = 0.0
         self._restored = False
-        self._warned_save_failure = False
-        # In-flight recovery: the generation of the process group in use, groups and
-        # collectives abandoned on an abort (kept referenced until they end, FACTS.md).
-        self._gen = 0
-        self._group: dist.ProcessGroup | None = None
-        self._store: dist.Store | None = None
-        self._graveyard: list[Any] = []
         self._in_step = False
         self._step_rng: dict[str, Any] | None = None
-        self._recovery_needed = False
         self._committed_this_step = False
         self._announced_ready = False
-        self._needs_state = cfg.replacement  # a replacement receives its state from replicas
-        self._pause_phase = "compute"
-        self._damaged: StateDamaged | None = None  # this rank's state is damaged: repair from replicas
         self._owns_default_group = False
         self._control = self._build_control()
         self._injector = self._build_injector()
-        self._storage, self._load_storage = self._build_storage()
-        self._snapshots: SnapshotWriter | None = None  # the memory tier, built at the first snapshot
-        self._memory_tier = self._control is not None and bool(cfg.job_id) and cfg.checkpoint.every_steps > 0
-        self._build_process_group(backend or _default_backend(self.device))
-        # A replacement joins the next generation's group now, so the script builds its
-        # model and optimizer on a group of the right size; its state comes in steps().
-        self._order = inflight.await_group(self) if self._needs_state else None
+        self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
+                                  injector=self._injector, all_min=self._all_min, event=self._event,
+                                  metrics=self._metrics)
+        store, group = self._build_process_group(backend or _default_backend(self.device))
+        self._inflight = InFlight(cfg, device=self.device, control=self._control, store=store, group=group,
+                                  tracked=self._tracked, injector=self._injector,
+                                  rng_at_step_start=self._rng_at_step_start, dump=self._ckpt)
+        if self._inflight.needs_state:
+            # A replacement joins the next generation's group now, so the script builds its
+            # model and optimizer on a group of the right size; its state comes in steps().
+            self._inflight.await_group()
 
     # -- construction -----------------------------------------------------------------
     def _build_device(self) -> torch.device:
@@ -111,64 +110,47 @@ class Job:
             claim = lambda fault: control.claim_fault(fault.fault_id)  # noqa: E731
         else:
             claim = file_claim(self.cfg.run_dir)
-        return FaultInjector(faults, self.rank, claim, tracked=lambda: self._tracked, degraded=self.report_degraded)
+        return FaultInjector(faults, self.rank, claim, tracked=lambda: self._tracked.objects,
+                             degraded=self.report_degraded)
 
-    def _build_storage(self) -> tuple[StorageTier | None, StorageTier | None]:
-        """(where this run saves, --load's directory); restore picks from them by attempt."""
-        ckpt = self.cfg.checkpoint
-        own = run_id(self.cfg.secret, self.cfg.job_id)
-        save = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=own) if ckpt.save_dir else None
-        return save, StorageTier(ckpt.load_dir) if ckpt.load_dir else None
-
-    def _build_process_group(self, backend: str) -> None:
-        timeout = timedelta(seconds=self.cfg.pg_timeout_s)
+    def _build_process_group(self, backend: str) -> tuple[dist.Store | None, dist.ProcessGroup | None]:
+        """The job's store (managed: the controller's, one per attempt) and generation 0's group
+        (None for a replacement: it joins the next generation's when the regroup order comes)."""
+        timeout = timedelta(seconds=self.cfg.worker.pg_timeout_s)
+        store = None
         if self.cfg.mode == "managed":
             # The store lives in the controller, one per attempt; every key under the attempt's
             # secret prefix (controller/rendezvous.py), each generation under its own below it.
             tcp = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
                                 is_master=False, timeout=timeout)
-            self._store = dist.PrefixStore(f"{self.cfg.store_prefix}/", tcp)
+            store = dist.PrefixStore(f"{self.cfg.store_prefix}/", tcp)
             if self.cfg.replacement:
-                return  # joins the next generation's group when the regroup order comes
+                return store, None
         if dist.is_initialized():  # the script built it: the script destroys it
-            self._group = dist.group.WORLD
-            return
+            return store, dist.group.WORLD
         self._owns_default_group = True
         if self.cfg.mode == "managed":
-            dist.init_process_group(backend, store=dist.PrefixStore("gen0/", self._store), rank=self.rank,
+            dist.init_process_group(backend, store=dist.PrefixStore("gen0/", store), rank=self.rank,
                                     world_size=self.world_size, timeout=timeout)
         elif self.cfg.mode == "torchrun":
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        self._group = dist.group.WORLD
+        return store, dist.group.WORLD
 
     # -- the training-loop API ---------------------------------------------------------
     def track(self, **objects: Any) -> None:
         """Declare training state: objects with ``state_dict``/``load_state_dict``, or tensors.
 
-        Optimizers that report phases (``on_phase`` attribute) are wired to this session.
+        Objects that recover themselves (:class:`unbroken.worker.api.RecoverableState`, e.g.
+        ``ShardedOptimizer``) are wired to this session.
         """
+        hooks = SessionHooks(on_phase=self._on_optimizer_phase, should_abort=self._inflight.should_abort,
+                             defer_completion=self.cfg.mode == "managed")
         with self._fatal_exits():
-            self._track(objects)
-
-    def _track(self, objects: dict[str, Any]) -> None:
-        for name, obj in objects.items():
-            if obj is None:
-                continue
-            if not isinstance(obj, torch.Tensor) and not (
-                    hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise ConfigError(f"job.track({name}=...): a {type(obj).__name__} has no state_dict/"
-                                  "load_state_dict; track modules, optimizers, schedulers, samplers or tensors")
-            if self._restored:
-                raise ConfigError(f"job.track({name}=...) after job.steps() started: track all state first")
-            self._tracked[name] = obj
-            if hasattr(obj, "on_phase") and getattr(obj, "on_phase") is None:
-                obj.on_phase = self._on_optimizer_phase
-            if hasattr(obj, "should_abort") and getattr(obj, "should_abort") is None:
-                obj.should_abort = self._should_abort
-            if hasattr(obj, "defer_aborted_gather") and self.cfg.mode == "managed":
-                obj.defer_aborted_gather = True  # a committed step completes during the regroup
+            for name, obj in objects.items():
+                if obj is not None:
+                    self._tracked.add(name, obj, hooks)
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from where the job resumes up to ``total`` (exclusive).
@@ -182,24 +164,19 @@ class Job:
     def _steps(self, total: int) -> Iterator[int]:
         if total < 0:
             raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
-        self._step = inflight.join(self, self._order) if self._needs_state else self._restore()
-        self._restored = True
-        if self._memory_tier:
-            checkpointing.check_capacity(self)
+        self._step = self._inflight.join() if self._inflight.needs_state else self._restore()
+        self._restored = self._tracked.frozen = True
+        self._ckpt.check_capacity(self._step)
         while self._step < total:
-            if self._should_abort() or self._recovery_needed or self._gather_cut():
-                self._recovery_needed = False
-                self._step = inflight.survive(self)
+            if self._control is not None and self._inflight.pending:
+                self._step = self._survive()
                 continue
             index = self._step
-            self._step_started = time.monotonic()
-            if self._control is not None:
-                self._step_rng = rng.capture()  # to redo this step exactly if it is aborted
-            self._in_step, self._committed_this_step = True, False
+            self._begin_step()
             try:
-                self.phase("compute")  # faults planned for 'compute' fire here, as the step starts
+                self.phase(Phase.COMPUTE)  # faults planned for 'compute' fire here, as the step starts
             except Exception as exc:
-                if not self._abort_step(index, exc):
+                if not self._inflight.note_fault(index, exc):
                     raise
                 continue
             try:
@@ -207,17 +184,17 @@ class Job:
             except GeneratorExit:  # the script left the loop early (`break`): no more step progress
                 self._report_finished()
                 raise
-            if self._recovery_needed:
+            if self._inflight.fault_noted:
                 continue
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
             try:
                 ckpt_started = time.monotonic()
                 self._check_replicas()
-                checkpointing.after_step(self)
+                self._ckpt.after_step(self._step)
                 self._metrics["ckpt_s"] = time.monotonic() - ckpt_started  # the step's checkpoint stall
             except Exception as exc:  # a peer lost during the check or checkpoint, or an odd copy: recover
-                if not self._abort_step(index, exc):
+                if not self._inflight.note_fault(index, exc):
                     raise
                 continue
             self._report_progress()
@@ -225,7 +202,7 @@ class Job:
 
     def _report_finished(self) -> None:
         if self._control is not None:  # past the loop: no step progress to expect any more
-            self._control.progress(self._step, "finished", {})
+            self._control.progress(self._step, Phase.FINISHED, {})
 
     @contextlib.contextmanager
     def step(self) -> Iterator[int]:
@@ -239,7 +216,7 @@ class Job:
         try:
             yield index
         except Exception as exc:
-            if not self._abort_step(index, exc):
+            if not self._inflight.note_fault(index, exc):
                 self._exit_if_fatal(exc)
                 raise
             return
@@ -269,49 +246,28 @@ class Job:
             log.warning("rank %d: closing the session before a fatal exit failed: %s", self.rank, close_exc)
         _exit_fatal(exc, f"rank {self.rank}")
 
-    def _abort_step(self, index: int, exc: Exception) -> bool:
-        """A fault inside step ``index``: drop the step and recover in flight (True), or not (False)."""
-        if not self._is_recoverable(exc):
-            return False
-        if isinstance(exc, StateDamaged):
-            self._damaged = exc  # rung `retry`: this rank's state comes from replicas
-        log.warning("rank %d: step %d aborted (%s); recovering in flight", self.rank, index,
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        self._recovery_needed = True
-        return True
-
-    def _is_recoverable(self, exc: Exception) -> bool:
-        """A collective that failed or was aborted because a peer was lost, or state damaged in
-        memory, under a controller (which repairs both from replicas)."""
-        if self._control is None:
-            return False
-        if isinstance(exc, (StateDamaged, CollectiveAborted)):
-            return True
-        notes = getattr(exc, "__notes__", ())
-        return isinstance(exc, RuntimeError) and any(n.startswith("unbroken: during the") for n in notes)
-
     def phase(self, name: str, step: int | None = None) -> None:
         """Record the phase of the step in flight; fires injected faults planned for it."""
-        if name not in PHASES and name != "checkpoint":
-            raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(PHASES)}, checkpoint)")
+        if name not in STEP_PHASES and name != Phase.CHECKPOINT:
+            raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(STEP_PHASES)}, checkpoint)")
         self._phase = name
         if self._control is not None:  # the controller's view of where each rank is
             self._control.progress(self._step, name, {})
-        if name == "sync" and self._control is not None and self.cfg.finite_check:
-            integrity.check_finite(self._tracked, self.rank, self._step)  # before the reduction spreads it
-        if name == "update":  # the reduction is done: the step commits before anything changes
+        if name == Phase.SYNC and self._control is not None and self.cfg.worker.finite_check:
+            integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
+        if name == Phase.UPDATE:  # the reduction is done: the step commits before anything changes
             self._commit()
         self._injector.at(self._step if step is None else step, name)
 
     def _on_optimizer_phase(self, name: str, step: int) -> None:
-        if name != "done":  # 'done' is recorded at the end of the step by the boundary
+        if name != Phase.DONE:  # 'done' is recorded at the end of the step by the boundary
             self.phase(name)
 
     def _commit(self) -> None:
         """Entering ``update``: the reduction is done; wait until the controller commits the step."""
         if self._control is None or self._committed_this_step:
             return
-        if not self._control.wait_commit(self._gen, self._step):
+        if not self._control.wait_commit(self._inflight.gen, self._step):
             raise CollectiveAborted(f"rank {self.rank}: step {self._step} was not committed (abort order for "
                                     f"generation {self._control.abort_gen}: {self._control.abort_reason})")
         self._committed_this_step = True
@@ -320,14 +276,13 @@ class Job:
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The process group of the current generation (changes after an in-flight recovery)."""
-        return self._group
+        return self._inflight.group
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """``dist.all_reduce`` on the current generation, abandoned promptly on an abort order."""
         if self.world_size > 1:
-            work = dist.all_reduce(tensor, op=op, group=self._group, async_op=True)
-            wait_all([work], self._should_abort if self._control else None, self._graveyard,
-                     f"all-reduce of step {self._step}")
+            work = dist.all_reduce(tensor, op=op, group=self._inflight.group, async_op=True)
+            self._wait(work, f"all-reduce of step {self._step}")
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -336,61 +291,62 @@ class Job:
         if self.world_size == 1:
             out[0].copy_(tensor)
             return out
-        work = dist.all_gather(out, tensor, group=self._group, async_op=True)
-        wait_all([work], self._should_abort if self._control else None, self._graveyard,
-                 f"all-gather of step {self._step}")
+        work = dist.all_gather(out, tensor, group=self._inflight.group, async_op=True)
+        self._wait(work, f"all-gather of step {self._step}")
         return out
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        wait_all([work], self._inflight.should_abort if self._control else None, self._inflight.graveyard, what)
 
     def _check_replicas(self) -> None:
         """Every ``--sdc-check-every-steps`` steps: compare the replicated state across ranks."""
-        every = self.cfg.sdc_check_every_steps
+        every = self.cfg.worker.sdc_check_every_steps
         if self._control is None or not every or self._step % every:
             return
-        odd = integrity.check_replicas(self._tracked, rank=self.rank, world_size=self.world_size,
-                                       step=self._step - 1, device=self.device,
-                                       gather=self.all_gather)
+        odd = integrity.check_replicas(self._tracked.objects, rank=self.rank, world_size=self.world_size,
+                                       step=self._step - 1, device=self.device, gather=self.all_gather)
         if odd:
             log.warning("rank %d: cross-replica check after step %d: ranks %s hold odd copies; they are "
                         "repaired from the majority", self.rank, self._step, odd)
 
-    def _gather_cut(self) -> bool:
-        """A tracked optimizer's parameter gather was cut by a fault (its step committed)."""
-        return self._control is not None and any(getattr(o, "gather_pending", False) for o in self._tracked.values())
+    # -- the step in flight ---------------------------------------------------------------
+    def _begin_step(self) -> None:
+        self._step_started = time.monotonic()
+        if self._control is not None:
+            self._step_rng = rng.capture()  # to redo this step exactly if it is aborted
+        self._in_step, self._committed_this_step = True, False
 
-    def _should_abort(self) -> bool:
-        return self._control is not None and self._control.abort_gen > self._gen
-
-    def _adopt_group(self, gen: int, group: dist.ProcessGroup) -> None:
-        if self._group is not None:
-            self._graveyard.append(self._group)  # never destroyed early: see FACTS.md
-        self._gen, self._group = gen, group
-
-    def _drop_step_in_flight(self) -> None:
-        """Forget what an aborted step computed: gradients and RNG draws."""
-        for obj in self._tracked.values():
-            if hasattr(obj, "zero_grad"):
-                obj.zero_grad(set_to_none=True)
+    def _survive(self) -> int:
+        """Drop the step in flight (gradients, RNG draws), then recover in flight; the step to resume at."""
+        pause_phase = self._phase if self._in_step else Phase.COMPUTE  # between steps: the next one's start
+        self._tracked.drop_grads()
         if self._in_step and self._step_rng is not None:
             rng.restore(self._step_rng)
         self._in_step = False
+        return self._inflight.survive(self._step, pause_phase)
 
     def _rng_at_step_start(self) -> dict[str, Any]:
         return self._step_rng if self._in_step and self._step_rng is not None else rng.capture()
 
-    def _load_tracked(self, name: str, obj: Any, state: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            with torch.no_grad():
-                obj.copy_(state)
-        else:
-            obj.load_state_dict(state)
+    def _end_step(self, index: int) -> None:
+        self._phase = Phase.DONE
+        self._in_step = False
+        self._announce_ready()
+        self._step = index + 1
+        self._last_step_s = time.monotonic() - self._step_started
 
     def _announce_ready(self) -> None:
         if self._control is None or self._announced_ready or not self._committed_this_step:
             return
         self._announced_ready = True
-        replicas = [getattr(o, "num_replicas", 0) for o in self._tracked.values() if hasattr(o, "recover")]
-        self._control.session_ready(min(replicas) if replicas else 0)
+        self._control.session_ready(self._tracked.min_replicas())
 
+    def _report_progress(self) -> None:
+        if self._control is not None:
+            metrics = dict(self._metrics, step_s=self._last_step_s)
+            self._control.progress(self._step, self._phase, metrics)
+
+    # -- reports, checkpoints, the end ---------------------------------------------------
     def report_degraded(self, reason: str) -> None:
         """Report this rank degraded (sub-health: e.g. a device health monitor's warning).
 
@@ -403,14 +359,11 @@ class Job:
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (loss, ...) to this step's progress report."""
-        for key, value in metrics.items():
-            if isinstance(value, torch.Tensor):
-                value = value.item()
-            self._metrics[key] = value
+        self._metrics.update({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
 
     def checkpoint(self) -> None:
         """Checkpoint the state now (after the last completed step), to storage too."""
-        checkpointing.checkpoint_now(self)
+        self._ckpt.checkpoint_now(self._step)
 
     @property
     def step_index(self) -> int:
@@ -419,7 +372,7 @@ class Job:
 
     def close(self) -> None:
         """Leave the job: closes the controller link and the process group. Safe to call twice."""
-        checkpointing.close(self)  # waits for the last snapshot's commit
+        self._ckpt.close()  # waits for the last snapshot's commit
         if self._control is not None:
             self._control.close()
             self._control = None
@@ -431,46 +384,17 @@ class Job:
         them blocks until their timeout); a process exits cleanly with them."""
         if not self._owns_default_group or not dist.is_initialized():
             return
-        if self._graveyard or any(getattr(o, "abandoned_work", None) for o in self._tracked.values()):
+        if self._inflight.graveyard or self._tracked.has_abandoned_work():
             return
-        for obj in self._tracked.values():
-            if hasattr(obj, "release_process_groups"):
-                obj.release_process_groups()
-        self._group = None
+        for obj in self._tracked.recoverable():
+            obj.release_process_groups()
+        self._inflight.group = None
         dist.destroy_process_group()
         gc.collect()  # the group objects go now, while the interpreter is whole
-
-    # -- internals -----------------------------------------------------------------------
-    def _end_step(self, index: int) -> None:
-        self._phase = "done"
-        self._in_step = False
-        self._announce_ready()
-        self._step = index + 1
-        self._last_step_s = time.monotonic() - self._step_started
-
-    def _report_progress(self) -> None:
-        if self._control is not None:
-            metrics = dict(self._metrics, step_s=self._last_step_s)
-            self._control.progress(self._step, self._phase, metrics)
 
     def _event(self, name: str, **fields: Any) -> None:
         if self._control is not None:
             self._control.event(name, fields)
-
-    def _state(self) -> dict[str, Any]:
-        tracked = {name: (obj if isinstance(obj, torch.Tensor) else obj.state_dict())
-                   for name, obj in self._tracked.items()}
-        return {"tracked": tracked, "rng": rng.capture()}
-
-    def _load_state(self, state: dict[str, Any]) -> None:
-        tracked = state["tracked"]
-        missing = sorted(set(self._tracked) - set(tracked))
-        if missing:
-            raise CheckpointError(f"checkpoint has no state for tracked object(s) {missing} "
-                                  f"(it holds {sorted(tracked)})")
-        for name, obj in self._tracked.items():
-            self._load_tracked(name, obj, tracked[name])
-        rng.restore(state["rng"])
 
     def _all_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
@@ -480,14 +404,15 @@ class Job:
     def _restore(self) -> int:
         """Agree with every rank on the newest step all can load, load it; return the step.
 
-        Sources, fastest first: this node's shared-memory snapshots (a job-level restart of
-        the same job), then the storage tier. Every rank must load the same step: under
+        Sources by the resume rule (restore.build_sources). Every rank must load the same step: under
         `unbroken run` the controller decides it, elsewhere an all-reduce (see restore.py).
         """
         if self._restored:
             return self._step
         self._restored = True
-        return restore.restore(self)
+        sources = restore.build_sources(self.cfg, own_storage=self._ckpt.storage, control=self._control,
+                                        all_min=self._all_min)
+        return restore.restore(sources, self._tracked, self._event)
 
 
 def init(**overrides: Any) -> Job:
@@ -495,7 +420,8 @@ def init(**overrides: Any) -> Job:
 
     Works under `unbroken run`, under plain `torchrun`, and in a plain ``python`` process
     (world size 1). Keyword arguments override the environment: ``save_dir``,
-    ``load_dir``, ``every_steps``, ``keep``, ``run_dir``, ``inject``, ``pg_timeout_s``;
+    ``load_dir``, ``every_steps``, ``keep``, ``run_dir``, ``inject``, and every field of
+    :class:`unbroken.config.WorkerSettings` (``pg_timeout_s``, ...);
     ``device`` and ``backend`` choose the device and the process-group backend.
 
     Under `unbroken run`, a FatalError here (e.g. a ConfigError) and in ``job.track()``,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.checkpoint.codec import flatten_state, unflatten_state
-from unbroken.optim.comm import wait_all
+from unbroken.comm.wait import wait_all
 
 _DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}

@@ -1,0 +1,288 @@
+"""The controller's control connections: agents and workers in, events to the state machine out.
+
+One thread per connection (the protocol server's) runs :meth:`Connections.serve`. A message
+is looked up in a message-type -> handler table; a handler updates the controller's views
+under its lock, logs what happened, and turns the message into an event of the pure state
+machine (``Controller.apply``). Sending goes through here too (:meth:`send_to_agent`,
+:meth:`broadcast_agents`, :meth:`send_to_workers`), for :mod:`unbroken.controller.executor`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from unbroken.controller import machine as sm
+from unbroken.controller.hub import Hub
+from unbroken.errors import ConnectionClosed, ProtocolError
+from unbroken.names import LIVE_WORKER_STATES, STEP_PHASES, Phase, WorkerState
+from unbroken.protocol import messages as m
+from unbroken.protocol.wire import Connection
+from unbroken.recovery.restore_point import RankOffer
+
+
+log = logging.getLogger(__name__)
+
+AgentHandler = Callable[["Connections", int, Any], None]
+WorkerHandler = Callable[["Connections", int, int, Connection, Any], None]
+
+
+class Connections:
+    """Owns the agents' connections (by agent id) and serves every control connection."""
+
+    def __init__(self, ctl: Hub) -> None:
+        self._ctl = ctl
+        self.agents: dict[int, Connection] = {}
+
+    # -- serving -------------------------------------------------------------------------
+    def serve(self, conn: Connection) -> None:
+        try:
+            if conn.role == "agent":
+                self._serve_agent(conn)
+            elif conn.role == "worker":
+                self._serve_worker(conn)
+            else:
+                raise ProtocolError(f"unknown role {conn.role!r} from {conn.peer} (allowed: agent, worker)")
+        except ConnectionClosed:
+            pass
+        finally:
+            conn.close()
+
+    def _serve_agent(self, conn: Connection) -> None:
+        ctl, cfg = self._ctl, self._ctl.cfg
+        first = conn.recv(timeout_s=10.0)
+        if not isinstance(first, m.AgentRegister):
+            raise ProtocolError(f"agent {conn.peer} must register first, sent {type(first).__name__}")
+        node = first.node_rank
+        if not first.standby and (not 0 <= node < cfg.nnodes or first.nproc != cfg.nproc_per_node):
+            conn.send(m.Shutdown(exit_code=2, reason=(
+                f"agent of node {node} with --nproc-per-node {first.nproc} does not fit this job "
+                f"(--nnodes {cfg.nnodes}, --nproc-per-node {cfg.nproc_per_node})")))
+            return
+        with ctl.lock:
+            if first.standby:  # spares get ids after the nodes
+                agent = max([cfg.nnodes - 1, *self.agents]) + 1
+                ctl.events.emit("standby_joined", agent=agent, host=first.host, pid=first.pid)
+                event: sm.Event = sm.StandbyJoined(agent)
+            else:
+                agent = node
+                ctl.events.emit("agent_joined", node_rank=node, host=first.host, pid=first.pid)
+                event = sm.AgentJoined(node)
+            self.agents[agent] = conn
+            ctl.apply(event)
+        try:
+            while True:
+                msg = conn.recv()
+                with ctl.lock:
+                    handler = AGENT_HANDLERS.get(type(msg))
+                    if handler is None:
+                        log.warning("controller: unexpected %s from an agent", type(msg).__name__)
+                    else:
+                        handler(self, agent, msg)
+        except ConnectionClosed:
+            with ctl.lock:
+                if self.agents.get(agent) is conn:
+                    del self.agents[agent]
+                    if not ctl.done.is_set():
+                        ctl.events.emit("agent_lost", node_rank=agent)
+                        ctl.apply(sm.AgentLost(agent))
+            raise
+
+    def _serve_worker(self, conn: Connection) -> None:
+        ctl = self._ctl
+        first = conn.recv(timeout_s=10.0)
+        if not isinstance(first, m.WorkerRegister) or not 0 <= first.rank < ctl.cfg.world_size:
+            raise ProtocolError(f"worker {conn.peer} must register with a rank in [0, {ctl.cfg.world_size})")
+        with ctl.lock:
+            w = ctl.workers[first.rank]
+            # Fencing: a process of an older attempt, or one that is not the agent's current
+            # process for this rank, never joins.
+            if first.attempt != ctl.state.attempt or (w.pid and first.pid != w.pid):
+                ctl.events.emit("worker_fenced", rank=first.rank, pid=first.pid, attempt=first.attempt)
+                return
+            w.conn, w.state = conn, WorkerState.RUNNING
+            if first.replacement:
+                self._replacement_joined(first.rank, first.gen)
+        while True:
+            msg = conn.recv()
+            with ctl.lock:
+                if first.attempt != ctl.state.attempt or ctl.workers[first.rank].conn is not conn:
+                    continue  # an older attempt's, or a process this rank no longer is
+                handler = WORKER_HANDLERS.get(type(msg))
+                if handler is not None:
+                    handler(self, first.rank, first.attempt, conn, msg)
+
+    def _replacement_joined(self, rank: int, gen: int) -> None:
+        ctl = self._ctl
+        ctl.timing.mark("joined", time.monotonic(), first=True)
+        ctl.events.emit("replacement_joined", rank=rank, gen=gen, attempt=ctl.state.attempt)
+        ctl.apply(sm.ReplacementJoined(rank, ctl.state.attempt, gen))
+
+    # -- sending (for the executor) --------------------------------------------------------
+    def send_to_agent(self, node: int, msg: m.Message) -> None:
+        conn = self.agents.get(node)
+        if conn is None:
+            return
+        try:
+            conn.send(msg)
+        except (OSError, ProtocolError) as exc:
+            log.warning("controller: could not send %s to node %d: %s", type(msg).__name__, node, exc)
+
+    def broadcast_agents(self, msg: m.Message) -> None:
+        for node in list(self.agents):
+            self.send_to_agent(node, msg)
+
+    def send_to_workers(self, msg: m.Message, ranks: set[int] | None = None) -> None:
+        """Send ``msg`` to every live worker (or those of ``ranks``) that has a connection."""
+        for w in self._ctl.workers.values():
+            if w.conn is not None and w.state in LIVE_WORKER_STATES and (ranks is None or w.rank in ranks):
+                try:
+                    w.conn.send(msg)
+                except (OSError, ProtocolError) as exc:
+                    log.warning("controller: could not send %s to rank %d: %s", type(msg).__name__, w.rank, exc)
+
+
+# -- agent messages ------------------------------------------------------------------------
+def _worker_started(self: Connections, agent: int, msg: m.WorkerStarted) -> None:
+    w = self._ctl.workers[msg.rank]
+    now = time.monotonic()
+    w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
+    w.step, w.phase, w.state, w.steps_in_attempt = None, Phase.STARTING, WorkerState.STARTING, 0
+    w.process = "running"
+    w.compute_s.clear()
+    self._ctl.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
+
+
+def _worker_exited(self: Connections, agent: int, msg: m.WorkerExited) -> None:
+    ctl = self._ctl
+    w = ctl.workers[msg.rank]
+    if msg.attempt != ctl.state.attempt:
+        return
+    w.state = WorkerState.FINISHED if msg.exit_code == 0 else WorkerState.FAILED
+    if msg.exit_code != 0:
+        ctl.timing.fault_began(time.monotonic(), ctl.workers.values())
+    ctl.events.emit("worker_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
+                    exit_code=msg.exit_code, signal=msg.signal, step=w.step)
+    ctl.apply(sm.RankExited(msg.rank, msg.attempt, msg.exit_code, msg.signal, w.step, tuple(msg.last_lines)))
+
+
+def _worker_status(self: Connections, agent: int, msg: m.WorkerStatus) -> None:
+    """The agent saw a worker's process stop (SIGSTOP, a debugger), turn zombie or run again:
+    evidence for the hang monitor (hangs.py). A report of another process of the rank is stale."""
+    w = self._ctl.workers.get(msg.rank)
+    if w is not None and w.pid == msg.pid and w.attempt == msg.attempt:
+        w.process = msg.status
+        self._ctl.events.emit("worker_status", rank=msg.rank, pid=msg.pid, status=msg.status)
+
+
+def _workers_stopped(self: Connections, agent: int, msg: m.WorkersStopped) -> None:
+    self._ctl.events.emit("workers_stopped", node_rank=agent, attempt=msg.attempt)
+    self._ctl.apply(sm.AgentStopped(agent, msg.attempt))
+
+
+def _persisted(self: Connections, agent: int, msg: m.Persisted) -> None:
+    """An agent wrote its ranks' files of a step; the manifest commits it once all ranks did."""
+    if msg.error:
+        self._ctl.events.emit("persist_failed", step=msg.step, ranks=msg.ranks, error=msg.error)
+    self._ctl.apply(sm.StepPersisted(msg.step, tuple(msg.ranks), msg.seconds, msg.error))
+
+
+AGENT_HANDLERS: dict[type, AgentHandler] = {
+    m.WorkerStarted: _worker_started, m.WorkerExited: _worker_exited, m.WorkerStatus: _worker_status,
+    m.WorkersStopped: _workers_stopped,
+    m.Persisted: _persisted, m.Heartbeat: lambda self, agent, msg: None,
+}
+
+
+# -- worker messages -----------------------------------------------------------------------
+def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Progress) -> None:
+    ctl = self._ctl
+    w = ctl.workers[rank]
+    w.phase = msg.phase
+    if msg.phase == Phase.FINISHED:
+        w.state = WorkerState.FINISHING
+    if not ctl.monitor.note_progress(w, msg.phase, time.monotonic()):
+        return
+    w.step = msg.step  # a completed step: the progress the hang monitor watches
+    w.metrics = dict(msg.metrics)
+    ctl.live.on_step(rank, msg.step, w.metrics)
+    ctl.check_recovered()
+    if rank == 0:
+        for slow, why in ctl.monitor.new_stragglers(ctl.workers.values()):
+            ctl.degraded(slow, attempt, why)
+
+
+def _claim_fault(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.ClaimFault) -> None:
+    ctl = self._ctl
+    granted = msg.fault_id not in ctl.fired
+    ctl.fired.add(msg.fault_id)
+    if granted:
+        ctl.events.emit("fault_injected", rank=rank, fault=msg.fault_id, step=ctl.workers[rank].step)
+    conn.send(m.FaultClaim(fault_id=msg.fault_id, granted=granted))
+
+
+def _dumped(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Dumped) -> None:
+    self._ctl.events.emit("worker_dumped", rank=rank, step=msg.step, ranks=msg.ranks, error=msg.error)
+    self._ctl.apply(sm.StepDumped(rank, attempt, msg.step, tuple(msg.ranks), msg.error))
+
+
+def _damaged(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Damaged) -> None:
+    ctl = self._ctl
+    step = ctl.workers[rank].step
+    ctl.timing.fault_began(time.monotonic(), ctl.workers.values())
+    name = {"non-finite": "non_finite", "sdc": "sdc_detected"}.get(msg.kind, "memory_fault")
+    ctl.events.emit(name, rank=rank, what=msg.what, kind=msg.kind, step=step)
+    ctl.apply(sm.WorkerDamaged(rank, attempt, msg.what, msg.kind, step))
+
+
+def _paused(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Paused) -> None:
+    self._ctl.events.emit("worker_paused", rank=rank, gen=msg.gen, step=msg.step, phase=msg.phase)
+    phase = msg.phase if msg.phase in STEP_PHASES else Phase.COMPUTE
+    self._ctl.apply(sm.WorkerPaused(rank, attempt, msg.step, phase))
+
+
+def _resumed(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Resumed) -> None:
+    ctl = self._ctl
+    ctl.timing.resumed(msg.restore_s)
+    ctl.events.emit("worker_resumed", rank=rank, gen=msg.gen, step=msg.step, restore_s=round(msg.restore_s, 4))
+    ctl.apply(sm.WorkerResumed(rank, attempt, msg.gen))
+
+
+def _restore_offer(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RestoreOffer) -> None:
+    if msg.rank != rank or msg.attempt != attempt:
+        log.warning("controller: restore offer of rank %d attempt %d on the connection of rank %d "
+                    "attempt %d ignored", msg.rank, msg.attempt, rank, attempt)
+        return
+    offer = RankOffer.of(msg.memory_steps, msg.storage_steps)
+    self._ctl.apply(sm.RestoreOffered(rank, attempt, msg.round, offer))
+
+
+def _worker_event(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.WorkerEvent) -> None:
+    if msg.name == "restored":
+        self._ctl.timing.restored(attempt, msg.fields.get("step", 0), msg.fields.get("tier", "none"))
+    self._ctl.events.emit(msg.name, rank=rank, attempt=attempt, **msg.fields)
+
+
+def _register_again(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.WorkerRegister) -> None:
+    if msg.replacement:
+        self._replacement_joined(rank, msg.gen)
+
+
+def _relabelled(event_of: Callable[[Any], Any]) -> WorkerHandler:
+    """A handler for a message that is its own event, with the connection's rank and attempt."""
+    def handler(self: Connections, rank: int, attempt: int, conn: Connection, msg: Any) -> None:
+        self._ctl.apply(dataclasses.replace(event_of(msg), rank=rank, attempt=attempt))
+    return handler
+
+
+WORKER_HANDLERS: dict[type, WorkerHandler] = {
+    m.Progress: _progress, m.StepSynced: _relabelled(lambda msg: msg), m.ClaimFault: _claim_fault,
+    m.Dumped: _dumped, m.Damaged: _damaged,
+    m.Degraded: lambda self, rank, attempt, conn, msg: self._ctl.degraded(rank, attempt, msg.reason),
+    m.SessionReady: _relabelled(lambda msg: msg), m.Paused: _paused, m.WorkerRegister: _register_again,
+    m.Resumed: _resumed, m.RestoreOffer: _restore_offer, m.WorkerEvent: _worker_event,
+    m.Heartbeat: lambda self, rank, attempt, conn, msg: None,
+}

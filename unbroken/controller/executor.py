@@ -1,0 +1,166 @@
+"""Carrying out the state machine's actions: each action type has one method that turns it
+into messages to agents or workers, event-log lines and timing marks.
+
+Owned by the :class:`~unbroken.controller.server.Controller`; runs under its lock, in
+whichever thread applied the event (actions only send small messages). Owns the job's
+TCPStore, a fresh one per attempt (no stale rendezvous keys survive a restart), and the
+attempt's random key prefix, handed to workers only over the control plane (rendezvous.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from unbroken.controller import machine as sm, rendezvous
+from unbroken.controller.hub import Hub
+from unbroken.controller.views import Outcome
+from unbroken.errors import CheckpointError
+from unbroken.names import Rung, WorkerState
+from unbroken.protocol import messages as m
+
+
+
+class Executor:
+    """Actions -> messages (see the module docstring)."""
+
+    def __init__(self, ctl: Hub) -> None:
+        self._ctl = ctl
+        self.store: dist.TCPStore | None = None
+        self.store_prefix = ""  # the current attempt's rendezvous key prefix (rendezvous.py)
+        self._table: dict[type, Callable[[Any], None]] = {
+            sm.StartAttempt: self._start_attempt, sm.StopAttempt: self._stop_attempt, sm.KillRank: self._kill,
+            sm.Decide: self._decide, sm.CommitStep: self._commit_step, sm.AbortGeneration: self._abort,
+            sm.RestartRanks: self._restart_ranks, sm.OrderRegroup: self._regroup,
+            sm.Recovered: self._recovered, sm.DumpOrder: self._dump, sm.CommitDump: self._commit_dump,
+            sm.AnswerRestore: self._answer_restore, sm.RestoreDecided: self._restore_decided,
+            sm.CommitPersisted: self._commit_persisted, sm.Finish: self._finish,
+        }
+
+    def execute(self, actions: list[sm.Action]) -> None:
+        for action in actions:
+            self._table[type(action)](action)
+
+    def close(self) -> None:
+        self.store = None
+
+    # -- attempts and processes -------------------------------------------------------------
+    def _start_attempt(self, action: sm.StartAttempt) -> None:
+        ctl = self._ctl
+        # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts);
+        # the previous attempt's store goes: all its workers are dead. Its keys live under a
+        # prefix only the control plane hands out.
+        self.store, self.store_prefix = rendezvous.open_store(ctl.host), rendezvous.new_prefix()
+        for w in ctl.workers.values():
+            w.state, w.steps_in_attempt = WorkerState.STARTING, 0
+        ctl.events.emit("attempt_started", attempt=action.attempt, store_port=self.store.port)
+        for agent in sorted(ctl.state.hosts()):
+            ranks = [r for r in range(ctl.cfg.world_size) if ctl.state.agent_of(r) == agent]
+            ctl.connections.send_to_agent(agent, m.StartWorkers(
+                attempt=action.attempt, store_host=ctl.host, store_port=self.store.port,
+                store_prefix=self.store_prefix, world_size=ctl.cfg.world_size, ranks=ranks))
+
+    def _stop_attempt(self, action: sm.StopAttempt) -> None:
+        self._ctl.events.emit("stop_workers", attempt=action.attempt, reason=action.reason)
+        self._ctl.connections.broadcast_agents(m.StopWorkers(attempt=action.attempt, reason=action.reason))
+
+    def _kill(self, action: sm.KillRank) -> None:
+        ctl = self._ctl
+        w = ctl.workers[action.rank]
+        ctl.events.emit("kill_worker", rank=action.rank, pid=w.pid, reason=action.reason)
+        ctl.connections.send_to_agent(ctl.state.agent_of(action.rank),
+                                      m.KillWorker(rank=action.rank, pid=w.pid, reason=action.reason))
+
+    def _restart_ranks(self, action: sm.RestartRanks) -> None:
+        ctl = self._ctl
+        for rank in sorted(action.ranks):
+            w = ctl.workers[rank]
+            w.state, w.conn, w.pid = WorkerState.STARTING, None, 0
+            ctl.events.emit("restart_worker", rank=rank, gen=action.gen, agent=action.agent)
+            ctl.connections.send_to_agent(action.agent, m.RestartWorker(
+                rank=rank, attempt=ctl.state.attempt, gen=action.gen, store_host=ctl.host,
+                store_port=self.store.port if self.store else 0, store_prefix=self.store_prefix,
+                world_size=ctl.cfg.world_size))
+
+    def _finish(self, action: sm.Finish) -> None:
+        ctl = self._ctl
+        ctl.outcome = Outcome(action.exit_code, action.reason)
+        ctl.events.emit("job_finished", exit_code=action.exit_code, reason=action.reason)
+        ctl.connections.broadcast_agents(m.Shutdown(exit_code=action.exit_code, reason=action.reason))
+        ctl.done.set()
+
+    # -- decisions and in-flight recovery ------------------------------------------------------
+    def _decide(self, action: sm.Decide) -> None:
+        ctl = self._ctl
+        f = action.failure
+        ctl.events.emit("decision", rung=action.rung, rank=f.rank, kind=f.kind, step=f.step,
+                        attempt=f.attempt, committed_step=ctl.state.committed_step, reason=action.reason)
+        if action.rung != Rung.RECOVER_IN_PLACE:
+            ctl.recovery_deadline = None
+
+    def _commit_step(self, action: sm.CommitStep) -> None:
+        self._ctl.connections.send_to_workers(action)  # the action is the wire message
+
+    def _abort(self, action: sm.AbortGeneration) -> None:
+        ctl = self._ctl
+        now = time.monotonic()
+        ctl.timing.decided(now)
+        ctl.recovery_deadline = (action.gen, now + ctl.cfg.worker.recovery_timeout_s)
+        ctl.events.emit("abort_generation", gen=action.gen)
+        ctl.connections.send_to_workers(m.Abort(gen=action.gen, reason=action.reason))
+
+    def _regroup(self, action: sm.OrderRegroup) -> None:
+        ctl = self._ctl
+        ctl.timing.mark("regroup", time.monotonic())
+        ctl.events.emit("regroup", gen=action.gen, resume_step=action.resume_step,
+                        replaced=sorted(action.replaced), direction=action.direction, reason=action.reason)
+        ctl.connections.send_to_workers(m.Regroup(gen=action.gen, resume_step=action.resume_step,
+                                                  replaced=sorted(action.replaced)))
+
+    def _recovered(self, action: sm.Recovered) -> None:
+        ctl = self._ctl
+        now = time.monotonic()
+        ctl.recovery_deadline = None
+        for w in ctl.workers.values():  # paused ranks made no progress on purpose
+            w.last_progress_t = now
+        fields = ctl.timing.recovered_in_flight(action.resume_step, now)
+        ctl.events.emit("recovered_in_flight", gen=action.gen, resume_step=action.resume_step,
+                        replaced=sorted(action.replaced), **fields)
+
+    # -- checkpoints: dump, persisted steps, restore decisions --------------------------------
+    def _dump(self, action: sm.DumpOrder) -> None:
+        assign = [list(p) for p in action.assign]
+        self._ctl.events.emit("dump", gen=action.gen, step=action.step, assign=assign)
+        self._ctl.connections.send_to_workers(m.Dump(gen=action.gen, step=action.step, assign=assign))
+
+    def _commit_dump(self, action: sm.CommitDump) -> None:
+        ctl = self._ctl
+        try:
+            ctl.storage.commit(action.step, ctl.cfg.world_size, {"dump": True})
+            ctl.events.emit("dump_committed", step=action.step)
+        except (CheckpointError, OSError, AttributeError) as exc:
+            ctl.events.emit("dump_failed", step=action.step, error=str(exc))
+
+    def _commit_persisted(self, action: sm.CommitPersisted) -> None:
+        ctl = self._ctl
+        try:
+            ctl.storage.commit(action.step, ctl.cfg.world_size)
+        except (CheckpointError, OSError) as exc:
+            ctl.events.emit("persist_failed", step=action.step, error=str(exc))
+            return
+        ctl.events.emit("checkpoint_persisted", step=action.step, seconds=round(action.seconds, 4), tier="storage")
+
+    def _answer_restore(self, action: sm.AnswerRestore) -> None:
+        conn = self._ctl.workers[action.rank].conn
+        if conn is not None:
+            conn.send(m.RestoreAt(attempt=action.attempt, round=action.round, step=action.step))
+
+    def _restore_decided(self, action: sm.RestoreDecided) -> None:
+        point = action.point
+        self._ctl.events.emit("restore_decided", attempt=action.attempt, round=action.round, step=point.step,
+                              tier=point.tier, tiers=list(point.tiers), below=action.below, reason=point.reason)
+        self._ctl.connections.send_to_workers(m.RestoreAt(attempt=action.attempt, round=action.round,
+                                                          step=point.step))

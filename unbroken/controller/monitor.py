@@ -1,0 +1,91 @@
+"""The controller's watch over live ranks: step times, the hang rule and the straggler rule.
+
+Owned by the :class:`~unbroken.controller.server.Controller`; its methods run under the
+controller's lock, from the connection threads (progress reports) and from the hang-monitor
+thread (:meth:`Monitor.find_hung` while running, :meth:`Monitor.find_silent_in_recovery`
+during an in-flight recovery, every ``MONITOR_INTERVAL_S``). No I/O: it answers, the
+controller acts; who is blamed for a hang is the pure rule of :mod:`unbroken.controller.hangs`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable
+
+from unbroken.config import HangConfig
+from unbroken.controller import hangs, health
+from unbroken.controller.api import Recovery
+from unbroken.controller.views import WorkerView
+from unbroken.names import LIVE_WORKER_STATES, Phase
+
+MONITOR_INTERVAL_S = 0.1
+
+
+class Monitor:
+    """Step times of the job (for the hang timeout), and the ranks reported as stragglers."""
+
+    def __init__(self, hang: HangConfig, straggler_factor: float) -> None:
+        self._hang = hang
+        self._straggler_factor = straggler_factor
+        self._step_times: deque[float] = deque(maxlen=200)
+        self._stragglers: set[int] = set()  # ranks the straggler rule reported (once per job)
+
+    def median_step_s(self) -> float | None:
+        return statistics.median(self._step_times) if self._step_times else None
+
+    def hang_timeout_s(self, w: WorkerView) -> float:
+        hang = self._hang
+        if w.steps_in_attempt == 0:
+            return hang.first_step_timeout_s
+        if hang.timeout_s is not None:
+            return hang.timeout_s
+        return max(hang.floor_s, hang.factor * (self.median_step_s() or 0.0))
+
+    def note_progress(self, w: WorkerView, phase: str, now: float) -> bool:
+        """Record a progress report of ``w``; True if it completed a step (phase ``done``)."""
+        if phase == Phase.COMPUTE:
+            w.compute_t = now
+        elif phase == Phase.SYNC and w.compute_t:
+            w.compute_s.append(now - w.compute_t)
+            w.compute_t = 0.0
+        if phase != Phase.DONE:
+            return False
+        if w.steps_in_attempt:
+            self._step_times.append(now - w.last_progress_t)
+        w.last_progress_t = now
+        w.steps_in_attempt += 1
+        return True
+
+    def progress(self, workers: Iterable[WorkerView], attempt: int, now: float,
+                 since_t: float | None = None) -> list[hangs.RankProgress]:
+        """Every live rank of ``attempt``, silent since its last step (or since ``since_t``)."""
+        return [hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
+                                   self.hang_timeout_s(w), w.process)
+                for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
+
+    def find_hung(self, workers: Iterable[WorkerView], attempt: int,
+                  now: float) -> tuple[hangs.RankProgress, str] | None:
+        """The rank to blame for a hang and the evidence, once some rank of ``attempt`` is past
+        its hang timeout. Who is blamed is decided among all live ranks (:mod:`.hangs`): the
+        ranks blocked in the collective are usually waiting for the one that is not progressing."""
+        ranks = self.progress(workers, attempt, now)
+        blamed = hangs.blame_hang(ranks)
+        return None if blamed is None else (blamed, hangs.why(blamed, ranks))
+
+    def find_silent_in_recovery(self, workers: Iterable[WorkerView], attempt: int, rec: Recovery,
+                                ordered_t: float, now: float) -> hangs.RankProgress | None:
+        """A survivor of recovery ``rec`` that has not answered its abort order (given at
+        ``ordered_t``) within its hang timeout; the replaced ranks are not asked."""
+        ranks = [r for r in self.progress(workers, attempt, now, since_t=ordered_t) if r.rank not in rec.replaced]
+        return hangs.silent_in_recovery(ranks, rec.paused)
+
+    def new_stragglers(self, workers: Iterable[WorkerView]) -> list[tuple[int, str]]:
+        """(rank, why) of ranks the straggler rule (``--straggler-factor``) finds slow, each once."""
+        timings = {w.rank: w.compute_s for w in workers}
+        found = []
+        for rank, median_s, job_s in health.stragglers(timings, self._straggler_factor):
+            if rank not in self._stragglers:
+                self._stragglers.add(rank)
+                found.append((rank, health.describe(median_s, job_s)))
+        return found

@@ -1,0 +1,40 @@
+"""What the controller knows of each rank and how a job ended: mutable views, owned by the
+:class:`~unbroken.controller.server.Controller` and changed only under its lock."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from unbroken.controller import health
+from unbroken.names import Phase, WorkerState
+from unbroken.protocol.wire import Connection
+
+
+@dataclass
+class WorkerView:
+    """What the controller knows of one rank in the current attempt."""
+
+    rank: int
+    pid: int = 0
+    attempt: int = -1
+    started_t: float = 0.0
+    last_progress_t: float = 0.0
+    step: int | None = None  # steps completed, as last reported
+    phase: str = Phase.STARTING
+    steps_in_attempt: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    compute_t: float = 0.0  # when the step in flight began (its 'compute' report)
+    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))
+    state: WorkerState = WorkerState.STARTING
+    conn: Connection | None = None
+    process: str = "running"  # as its agent sees the process: running | stopped | zombie (hangs.py)
+
+
+@dataclass
+class Outcome:
+    """How the job ended: the exit code of `unbroken run` and why."""
+
+    exit_code: int
+    reason: str

@@ -60,8 +60,16 @@ class Monitor:
 
         Ranks blocked in a collective ('sync') are usually waiting for the hung one: the
         others are suspected first, the longest silent first.
+
+        Step progress is expected only of a job that runs an unbroken step loop: until some rank
+        of the attempt entered ``job.steps()``, nobody is a suspect (a plain torchrun script, or
+        one that called ``unbroken.init()`` only, reports no steps: crash detection only). Once
+        one has, a rank that has not entered it yet is judged by ``--first-step-timeout-s``.
         """
-        live = [w for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
+        ours = [w for w in workers if w.attempt == attempt]
+        if not any(w.in_step_loop for w in ours):
+            return None
+        live = [w for w in ours if w.state in LIVE_WORKER_STATES]
         hung = [w for w in live if now - w.last_progress_t > self.hang_timeout_s(w)]
         if not hung:
             return None

@@ -31,7 +31,7 @@ from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalErr
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import integrity, restore, rng
+from unbroken.worker import integrity, restore, rng, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
@@ -146,6 +146,7 @@ class Job:
             for name, obj in objects.items():
                 if obj is not None:
                     self._tracked.add(name, obj, hooks)
+                    wrappers.prepare(obj, self._before_optimizer_step)
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from where the job resumes up to ``total`` (exclusive).
@@ -236,14 +237,29 @@ class Job:
         """Record the phase of the step in flight; fires injected faults planned for it."""
         if name not in STEP_PHASES and name != Phase.CHECKPOINT:
             raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(STEP_PHASES)}, checkpoint)")
+        if self._in_step and name in (Phase.SYNC, Phase.UPDATE) and self._phase == name:
+            return  # already there: job.all_reduce or the optimizer's step hook marked it
+        if name == Phase.UPDATE:
+            # The reduction is done: the step commits before anything changes, and only then is
+            # this rank in 'update' (a survivor reporting 'update' vouches for the commit).
+            self._commit()
         self._phase = name
         if self._control is not None:  # the controller's view of where each rank is
             self._control.progress(self._step, name, {})
         if name == Phase.SYNC and self._control is not None and self.cfg.worker.finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
-        if name == Phase.UPDATE:  # the reduction is done: the step commits before anything changes
-            self._commit()
         self._injector.at(self._step if step is None else step, name)
+
+    def _enter_sync(self) -> None:
+        """A collective of the step in flight starts: the step is in 'sync' (unless it is past it)."""
+        if self._in_step and self._phase == Phase.COMPUTE:
+            self.phase(Phase.SYNC)
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """A tracked torch optimizer's step pre-hook: the first state change of a step enters
+        'update', which commits the step first (the manual path needs no job.phase calls)."""
+        if self._in_step and self._phase in (Phase.COMPUTE, Phase.SYNC):
+            self.phase(Phase.UPDATE)
 
     def _on_optimizer_phase(self, name: str, step: int) -> None:
         if name != Phase.DONE:  # 'done' is recorded at the end of the step by the boundary
@@ -266,6 +282,7 @@ class Job:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """``dist.all_reduce`` on the current generation, abandoned promptly on an abort order."""
+        self._enter_sync()
         if self.world_size > 1:
             work = dist.all_reduce(tensor, op=op, group=self._inflight.group, async_op=True)
             self._wait(work, f"all-reduce of step {self._step}")
@@ -273,6 +290,7 @@ class Job:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """``dist.all_gather`` of ``tensor`` on the current generation, abandoned promptly on an abort order."""
+        self._enter_sync()
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         if self.world_size == 1:
             out[0].copy_(tensor)
@@ -325,7 +343,8 @@ class Job:
         if self._control is None or self._announced_ready or not self._committed_this_step:
             return
         self._announced_ready = True
-        self._control.session_ready(self._tracked.min_replicas())
+        blocker = wrappers.in_flight_blocker(self._tracked.objects.values())
+        self._control.session_ready(self._tracked.min_replicas(), blocker)
 
     def _report_progress(self) -> None:
         if self._control is not None:

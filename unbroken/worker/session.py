@@ -71,6 +71,7 @@ class Job:
         self._in_step = False
         self._step_rng: dict[str, Any] | None = None
         self._committed_this_step = False
+        self._step_completed = False  # the last step yielded by steps() completed (its block ended)
         self._announced_ready = False
         self._owns_default_group = False
         self._control = self._build_control()
@@ -319,6 +320,7 @@ class Job:
         if self._control is not None:
             self._step_rng = rng.capture()  # to redo this step exactly if it is aborted
         self._in_step, self._committed_this_step = True, False
+        self._step_completed = False
 
     def _survive(self) -> int:
         """Drop the step in flight (gradients, RNG draws), then recover in flight; the step to resume at."""
@@ -333,6 +335,7 @@ class Job:
         return self._step_rng if self._in_step and self._step_rng is not None else rng.capture()
 
     def _end_step(self, index: int) -> None:
+        self._step_completed = True
         self._phase = Phase.DONE
         self._in_step = False
         self._announce_ready()
@@ -363,15 +366,34 @@ class Job:
             self._control.degraded(reason)
 
     def report(self, **metrics: Any) -> None:
-        """Attach metrics (loss, ...) to this step's progress report."""
+        """Attach metrics (loss, ...) to this step's progress report; ignored after a dropped step
+        (code after its ``with job.step():`` block), whose values the redo replaces."""
+        if self._step_dropped("job.report"):
+            return
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor):
                 value = value.item()
             self._metrics[key] = value
 
     def checkpoint(self) -> None:
-        """Checkpoint the state now (after the last completed step), to storage too."""
+        """Checkpoint the state now (after the last completed step), to storage too; ignored after
+        a dropped step (code after its ``with job.step():`` block): the state is the step's start."""
+        if self._step_dropped("job.checkpoint"):
+            return
         self._ckpt.checkpoint_now(self._step)
+
+    @property
+    def step_completed(self) -> bool:
+        """True after the ``with job.step():`` block of a step that completed; False while a step
+        runs and after a dropped one (a fault: :meth:`steps` yields it again). Code after the
+        block that must run once per completed step tests it (or moves into the block)."""
+        return self._step_completed
+
+    def _step_dropped(self, what: str) -> bool:
+        if not self._inflight.fault_noted:
+            return False
+        log.debug("rank %d: %s after dropped step %d ignored (the step is redone)", self.rank, what, self._step)
+        return True
 
     @property
     def step_index(self) -> int:

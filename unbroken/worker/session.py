@@ -3,9 +3,12 @@
 A :class:`Job` lives in one training process (one rank) and runs in its main thread. It
 joins the job (process group, controller link), knows which objects are training state
 (:meth:`Job.track`), resumes the loop at the right step (:meth:`Job.steps`), marks the
-fault boundary of each step (:meth:`Job.step`), reports step and phase, fires injected
-faults, and writes and restores checkpoints (:mod:`unbroken.worker.checkpointing`,
-:mod:`unbroken.worker.restore`).
+fault boundary of each step (:meth:`Job.step`), reports step and phase and fires injected
+faults. What it delegates, each piece owning its own state: the tracked objects
+(:class:`~unbroken.worker.tracked.TrackedState`), in-flight recovery with the process group
+of the current generation (:class:`~unbroken.worker.inflight.InFlight`), checkpoint writing
+(:class:`~unbroken.worker.checkpointing.Checkpointer`) and the restore at a (re)start
+(:func:`unbroken.worker.restore.restore`).
 
 Phases of a step, in order: ``compute`` -> ``sync`` -> ``update`` -> ``done`` (the
 optimizer reports ``sync``/``update``/``done`` through :meth:`Job.phase`).

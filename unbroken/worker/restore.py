@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.storage import StorageTier
+from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, FatalError, JobFailed, NoCheckpoint
 from unbroken.worker.control import ControlClient
 from unbroken.worker.tracked import TrackedState
@@ -48,6 +49,15 @@ class RestoreSources:
     storage: StorageTier | None
     control: ControlClient | None  # the controller decides the step; None: the ranks agree by all_min
     all_min: Callable[[int], int]  # an all-reduce MIN over every rank
+
+    @classmethod
+    def of(cls, cfg: WorkerConfig, *, control: ControlClient | None, storage: StorageTier | None,
+           all_min: Callable[[int], int]) -> RestoreSources:
+        """A rank's sources: its node's memory tier only under `unbroken run` (a job id), and storage."""
+        memory = SnapshotReader(cfg.checkpoint.shm_dir, cfg.job_id, cfg.rank) if control is not None and cfg.job_id \
+            else None
+        return cls(rank=cfg.rank, attempt=cfg.attempt, recovery_timeout_s=cfg.worker.recovery_timeout_s,
+                   memory=memory, storage=storage, control=control, all_min=all_min)
 
 
 def restore(src: RestoreSources, tracked: TrackedState, event: Callable[..., None]) -> int:

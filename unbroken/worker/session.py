@@ -17,24 +17,23 @@ optimizer reports ``sync``/``update``/``done`` through :meth:`Job.phase`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
 import time
-from datetime import timedelta
 from typing import Any, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.comm import wait_all
 from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_env
 from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import integrity, restore, rng, wrappers
+from unbroken.worker import first_group, integrity, restore, rng, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
@@ -76,12 +75,12 @@ class Job:
         self._committed_this_step = False
         self._step_completed = False  # the last step yielded by steps() completed (its block ended)
         self._announced_ready = False
-        self._owns_default_group = False
         self._control = self._build_control()
         self._injector = self._build_injector()
         self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
                                   injector=self._injector, all_min=self._all_min, event=self._event)
-        store, group = self._build_process_group(backend or _default_backend(self.device))
+        backend = backend or _default_backend(self.device)
+        store, group, self._owns_default_group = first_group.build(cfg, backend)
         self._inflight = InFlight(cfg, device=self.device, control=self._control, store=store, group=group,
                                   tracked=self._tracked, injector=self._injector,
                                   rng_at_step_start=self._rng_at_step_start, dump=self._ckpt)
@@ -114,29 +113,6 @@ class Job:
         return FaultInjector(faults, self.rank, claim, tracked=lambda: self._tracked.objects,
                              degraded=self.report_degraded)
 
-    def _build_process_group(self, backend: str) -> tuple[dist.Store | None, dist.ProcessGroup | None]:
-        """The job's store (managed: the controller's, one per attempt) and generation 0's group
-        (None for a replacement: it joins the next generation's when the regroup order comes)."""
-        timeout = timedelta(seconds=self.cfg.worker.pg_timeout_s)
-        store = None
-        if self.cfg.mode == "managed":
-            # The store lives in the controller, one per attempt; generations get a prefix.
-            store = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
-                                  is_master=False, timeout=timeout)
-            if self.cfg.replacement:
-                return store, None
-        if dist.is_initialized():  # the script built it: the script destroys it
-            return store, dist.group.WORLD
-        self._owns_default_group = True
-        if self.cfg.mode == "managed":
-            dist.init_process_group(backend, store=dist.PrefixStore("gen0/", store), rank=self.rank,
-                                    world_size=self.world_size, timeout=timeout)
-        elif self.cfg.mode == "torchrun":
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return store, dist.group.WORLD
-
     # -- the training-loop API ---------------------------------------------------------
     def track(self, **objects: Any) -> None:
         """Declare training state: objects with ``state_dict``/``load_state_dict``, or tensors.
@@ -150,7 +126,7 @@ class Job:
             for name, obj in objects.items():
                 if obj is not None:
                     self._tracked.add(name, obj, hooks)
-                    wrappers.prepare(obj, self._before_optimizer_step)
+                    wrappers.prepare(obj, functools.partial(self._advance, Phase.UPDATE))
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from where the job resumes up to ``total`` (exclusive).
@@ -254,16 +230,12 @@ class Job:
             integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
         self._injector.at(self._step if step is None else step, name)
 
-    def _enter_sync(self) -> None:
-        """A collective of the step in flight starts: the step is in 'sync' (unless it is past it)."""
-        if self._in_step and self._phase == Phase.COMPUTE:
-            self.phase(Phase.SYNC)
-
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """A tracked torch optimizer's step pre-hook: the first state change of a step enters
-        'update', which commits the step first (the manual path needs no job.phase calls)."""
-        if self._in_step and self._phase in (Phase.COMPUTE, Phase.SYNC):
-            self.phase(Phase.UPDATE)
+    def _advance(self, name: str, *_hook_args: Any) -> None:
+        """Move the step in flight on to ``name`` unless it is there or past it: 'sync' when a
+        collective starts, 'update' (the commit first) from a tracked torch optimizer's step
+        pre-hook, the first state change of a step. The manual path needs no job.phase calls."""
+        if self._in_step and self._phase in STEP_PHASES and STEP_PHASES.index(self._phase) < STEP_PHASES.index(name):
+            self.phase(name)
 
     def _on_optimizer_phase(self, name: str, step: int) -> None:
         if name != Phase.DONE:  # 'done' is recorded at the end of the step by the boundary
@@ -286,7 +258,7 @@ class Job:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """``dist.all_reduce`` on the current generation, abandoned promptly on an abort order."""
-        self._enter_sync()
+        self._advance(Phase.SYNC)
         if self.world_size > 1:
             work = dist.all_reduce(tensor, op=op, group=self._inflight.group, async_op=True)
             self._wait(work, f"all-reduce of step {self._step}")
@@ -294,7 +266,7 @@ class Job:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """``dist.all_gather`` of ``tensor`` on the current generation, abandoned promptly on an abort order."""
-        self._enter_sync()
+        self._advance(Phase.SYNC)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         if self.world_size == 1:
             out[0].copy_(tensor)
@@ -309,13 +281,9 @@ class Job:
     def _check_replicas(self) -> None:
         """Every ``--sdc-check-every-steps`` steps: compare the replicated state across ranks."""
         every = self.cfg.worker.sdc_check_every_steps
-        if self._control is None or not every or self._step % every:
-            return
-        odd = integrity.check_replicas(self._tracked.objects, rank=self.rank, world_size=self.world_size,
-                                       step=self._step - 1, device=self.device, gather=self.all_gather)
-        if odd:
-            log.warning("rank %d: cross-replica check after step %d: ranks %s hold odd copies; they are "
-                        "repaired from the majority", self.rank, self._step, odd)
+        if self._control is not None and every and not self._step % every:
+            integrity.check_replicas(self._tracked.objects, rank=self.rank, world_size=self.world_size,
+                                     step=self._step - 1, device=self.device, gather=self.all_gather)
 
     # -- the step in flight ---------------------------------------------------------------
     def _begin_step(self) -> None:
@@ -369,8 +337,7 @@ class Job:
             self._control.degraded(reason)
 
     def report(self, **metrics: Any) -> None:
-        """Attach metrics (loss, ...) to this step's progress report; ignored after a dropped step
-        (code after its ``with job.step():`` block), whose values the redo replaces."""
+        """Attach metrics (loss, ...) to this step's progress report (ignored after a dropped step)."""
         if self._step_dropped("job.report"):
             return
         for key, value in metrics.items():
@@ -379,8 +346,8 @@ class Job:
             self._metrics[key] = value
 
     def checkpoint(self) -> None:
-        """Checkpoint the state now (after the last completed step), to storage too; ignored after
-        a dropped step (code after its ``with job.step():`` block): the state is the step's start."""
+        """Checkpoint the state now (after the last completed step), to storage too (ignored after a
+        dropped step)."""
         if self._step_dropped("job.checkpoint"):
             return
         self._ckpt.checkpoint_now(self._step)
@@ -444,11 +411,8 @@ class Job:
         if self._restored:
             return self._step
         self._restored = True
-        memory = SnapshotReader(self.cfg.checkpoint.shm_dir, self.cfg.job_id, self.rank) \
-            if self._control is not None and self.cfg.job_id else None
-        sources = restore.RestoreSources(rank=self.rank, attempt=self.attempt,
-                                         recovery_timeout_s=self.cfg.worker.recovery_timeout_s, memory=memory,
-                                         storage=self._ckpt.storage, control=self._control, all_min=self._all_min)
+        sources = restore.RestoreSources.of(self.cfg, control=self._control, storage=self._ckpt.storage,
+                                            all_min=self._all_min)
         return restore.restore(sources, self._tracked, self._event)
 
 

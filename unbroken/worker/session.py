@@ -78,7 +78,8 @@ class Job:
         self._control = self._build_control()
         self._injector = self._build_injector()
         self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
-                                  injector=self._injector, all_min=self._all_min, event=self._event)
+                                  injector=self._injector, all_min=self._all_min, event=self._event,
+                                  metrics=self._metrics)
         backend = backend or _default_backend(self.device)
         store, group, self._owns_default_group = first_group.build(cfg, backend)
         self._inflight = InFlight(cfg, device=self.device, control=self._control, store=store, group=group,
@@ -155,19 +156,28 @@ class Job:
                 if not self._inflight.note_fault(index, exc):
                     raise
                 continue
-            yield index
+            try:
+                yield index
+            except GeneratorExit:  # the script left the loop early (`break`): no more step progress
+                self._report_finished()
+                raise
             if self._inflight.fault_noted:
                 continue
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
             try:
+                ckpt_started = time.monotonic()
                 self._check_replicas()
                 self._ckpt.after_step(self._step)
+                self._metrics["ckpt_s"] = time.monotonic() - ckpt_started  # the step's checkpoint stall
             except Exception as exc:  # a peer lost during the check or checkpoint, or an odd copy: recover
                 if not self._inflight.note_fault(index, exc):
                     raise
                 continue
             self._report_progress()
+        self._report_finished()
+
+    def _report_finished(self) -> None:
         if self._control is not None:  # past the loop: no step progress to expect any more
             self._control.progress(self._step, Phase.FINISHED, {})
 
@@ -220,9 +230,7 @@ class Job:
         if self._in_step and name in (Phase.SYNC, Phase.UPDATE) and self._phase == name:
             return  # already there: job.all_reduce or the optimizer's step hook marked it
         if name == Phase.UPDATE:
-            # The reduction is done: the step commits before anything changes, and only then is
-            # this rank in 'update' (a survivor reporting 'update' vouches for the commit).
-            self._commit()
+            self._commit()  # before anything changes; only then is this rank in 'update' (it vouches for the commit)
         self._phase = name
         if self._control is not None:  # the controller's view of where each rank is
             self._control.progress(self._step, name, {})
@@ -338,25 +346,19 @@ class Job:
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (loss, ...) to this step's progress report (ignored after a dropped step)."""
-        if self._step_dropped("job.report"):
-            return
-        for key, value in metrics.items():
-            if isinstance(value, torch.Tensor):
-                value = value.item()
-            self._metrics[key] = value
+        if not self._step_dropped("job.report"):
+            self._metrics.update({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
 
     def checkpoint(self) -> None:
-        """Checkpoint the state now (after the last completed step), to storage too (ignored after a
-        dropped step)."""
+        """Checkpoint the state now (after the last completed step), to storage too; not after a dropped step."""
         if self._step_dropped("job.checkpoint"):
             return
         self._ckpt.checkpoint_now(self._step)
 
     @property
     def step_completed(self) -> bool:
-        """True after the ``with job.step():`` block of a step that completed; False while a step
-        runs and after a dropped one (a fault: :meth:`steps` yields it again). Code after the
-        block that must run once per completed step tests it (or moves into the block)."""
+        """True after the ``with job.step():`` block of a completed step; False while a step runs and
+        after a dropped one (:meth:`steps` yields it again): guard post-block code with it."""
         return self._step_completed
 
     def _step_dropped(self, what: str) -> bool:

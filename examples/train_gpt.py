@@ -367,21 +367,21 @@ def main(argv: list[str] | None = None) -> None:
             x, y = x.to(job.device), y.to(job.device)
             _, loss = model(x, y)
             loss.backward()
-            if sync_gradients:
-                job.phase("sync")       # tell unbroken where we are (ShardedOptimizer reports it itself)
-                all_reduce_gradients(params, job)  # ShardedOptimizer does this in step()
-                job.phase("update")
-            opt.step()
+            if sync_gradients:          # job.all_reduce marks phase 'sync' (ShardedOptimizer does this in step())
+                all_reduce_gradients(params, job)
+            opt.step()                  # a tracked optimizer's step enters 'update': the step commits first
             opt.zero_grad(set_to_none=True)
             sched.step()
             if args.step_sleep_s:
                 time.sleep(args.step_sleep_s)
-        job.report(loss=loss.item())  # this rank's loss, for the live progress view
-        t1 = time.perf_counter()
-        if job.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            print(f"step {step}: loss {loss.item():.4f}, lr {sched.get_last_lr()[0]:.2e}, "
-                  f"{(t1 - t0) * 1000:.1f} ms", flush=True)
-        t0 = t1
+            # Post-step code belongs inside the block: it then runs once per completed step,
+            # never for a step a fault dropped (that step is redone, and printed then).
+            job.report(loss=loss.item())  # this rank's loss, for the live progress view
+            t1 = time.perf_counter()
+            if job.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+                print(f"step {step}: loss {loss.item():.4f}, lr {sched.get_last_lr()[0]:.2e}, "
+                      f"{(t1 - t0) * 1000:.1f} ms", flush=True)
+            t0 = t1
 
     if job.rank == 0 and args.out:
         save_weights(model, args.out)

@@ -17,8 +17,14 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install -q "${UNBROKEN_TORCH:-torch==2.13.0}"
 fi
 .venv/bin/pip install -q -e ".[test,plot]"
+status=0
 if [ "$what" = demo ]; then
-  exec .venv/bin/unbroken demo "${@:2}"
+  .venv/bin/unbroken demo "${@:2}" || status=$?
 else
-  exec .venv/bin/python -m pytest -q "${@:2}"
+  .venv/bin/python -m pytest -q "${@:2}" || status=$?
 fi
+# `unbroken` is installed in .venv, not on PATH: say how to call it next.
+echo
+echo "unbroken is installed in .venv: run 'source .venv/bin/activate' to get 'unbroken run ...' on your PATH"
+echo "(or call .venv/bin/unbroken directly), then e.g.: unbroken run --nproc-per-node 4 examples/train_gpt.py"
+exit "$status"

@@ -62,7 +62,7 @@ def test_no_allowed_rung_feasible_fails_the_job_with_that_reason_and_restarts_no
     (finish,) = [a for a in actions if isinstance(a, sm.Finish)]
     assert finish.exit_code == 1
     assert "none of the allowed strategies (recover-in-place; --recover-strategy)" in finish.reason
-    assert "do not run an unbroken step loop" in finish.reason
+    assert "have not committed a step through unbroken" in finish.reason
 
 
 def test_in_flight_tries_spent_without_exit_allowed_fails_the_job():
@@ -72,4 +72,4 @@ def test_in_flight_tries_spent_without_exit_allowed_fails_the_job():
         assert actions[0].rung == "recover-in-place"
     state, actions = run(state, sm.RankExited(2, 0, None, 9))
     assert kinds(actions)[-1] == "Finish" and state.phase is sm.JobPhase.FAILED
-    assert f"in-flight recovery tried {state.max_recovery_tries} times" in actions[-1].reason
+    assert f"in-flight tries used, at most {state.max_recovery_tries}" in actions[-1].reason

@@ -98,7 +98,7 @@ def test_without_a_step_loop_everywhere_only_exit_is_feasible():
     state = sm.JobState(world_size=2, nnodes=1, max_restarts=1, allowed=("recover-in-place", "exit"))
     state, _ = run(state, sm.AgentJoined(0), sm.SessionReady(0, 0, 0))
     state, actions = run(state, sm.RankExited(1, 0, 1, None))
-    assert actions[0].rung == "exit" and "do not run an unbroken step loop" in actions[0].reason
+    assert actions[0].rung == "exit" and "have not committed a step through unbroken" in actions[0].reason
 
 
 def test_no_replica_restore_forbids_in_flight():
@@ -174,8 +174,8 @@ def test_a_fatal_exit_fails_the_job_at_once_without_a_restart():
     assert finish.exit_code == 1
     assert finish.reason.startswith(f"rank 1 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted): "
                                     "loading data | unbroken: rank 1: fatal error: ShmCapacityError")
-    assert "root cause: rank 1 exited with a fatal error (EXIT_FATAL: not restarted) (exit code 97) before its " \
-           "first step, attempt 0" in finish.reason
+    assert "root cause: rank 1 exited with a fatal error (EXIT_FATAL: not restarted) (exit code 97) with no " \
+           "step reported, attempt 0" in finish.reason
     # The others exiting afterwards (stopped) changes nothing: no new attempt starts.
     state, actions = run(state, sm.RankExited(0, 0, None, 15), sm.AgentStopped(0, 0))
     assert actions == [] and state.phase is sm.JobPhase.FAILED

@@ -227,7 +227,7 @@ def test_an_agents_process_status_reaches_the_view_only_for_the_current_process(
 def test_the_monitor_blames_the_rank_that_never_reached_the_collective():
     hub = FakeHub(world_size=3)
     for w in hub.workers.values():
-        w.state, w.phase, w.last_progress_t = WorkerState.RUNNING, Phase.SYNC, 0.0
+        w.state, w.phase, w.last_progress_t, w.in_step_loop = WorkerState.RUNNING, Phase.SYNC, 0.0, True
     hub.workers[2].phase, hub.workers[2].last_progress_t = Phase.COMPUTE, 1.0  # silent for less time
     timeout_s = hub.cfg.hang.first_step_timeout_s
     assert hub.monitor.find_hung(hub.workers.values(), 0, now=timeout_s) is None

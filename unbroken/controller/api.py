@@ -58,7 +58,9 @@ class Failure:
                }.get(self.kind, "exited")
         detail = f" (signal {self.signal})" if self.signal else (
             f" (exit code {self.exit_code})" if self.exit_code is not None else "")
-        step = "before its first step" if self.step is None else f"at step {self.step}"
+        # step None: the rank reported no completed step (it has not finished one, or it does
+        # not report steps: a script without job.steps()); never claim which.
+        step = "with no step reported" if self.step is None else f"at step {self.step}"
         return f"rank {self.rank} {how}{detail} {step}, attempt {self.attempt}"
 
 
@@ -354,6 +356,7 @@ class JobState:
     sync_step: int = -1
     synced: frozenset[int] = frozenset()
     ready: frozenset[int] = frozenset()
+    not_in_flight: tuple[tuple[int, str], ...] = ()  # (rank, why its state cannot be recovered in flight)
     num_replicas: int = 0
     recovery: Recovery | None = None
     max_recovery_tries: int = 3

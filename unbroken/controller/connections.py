@@ -152,6 +152,7 @@ def _worker_started(self: Connections, agent: int, msg: m.WorkerStarted) -> None
     w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
     w.step, w.phase, w.state, w.steps_in_attempt = None, Phase.STARTING, WorkerState.STARTING, 0
     w.process = "running"
+    w.in_step_loop = False
     w.compute_s.clear()
     self._ctl.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
 
@@ -202,6 +203,7 @@ def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg:
     ctl = self._ctl
     w = ctl.workers[rank]
     w.phase = msg.phase
+    w.in_step_loop = w.in_step_loop or msg.phase in STEP_PHASES
     if msg.phase == Phase.FINISHED:
         w.state = WorkerState.FINISHING
     if not ctl.monitor.note_progress(w, msg.phase, time.monotonic()):

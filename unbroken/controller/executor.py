@@ -97,7 +97,7 @@ class Executor:
         ctl = self._ctl
         f = action.failure
         ctl.events.emit("decision", rung=action.rung, rank=f.rank, kind=f.kind, step=f.step,
-                        attempt=f.attempt, committed_step=ctl.state.committed_step, reason=action.reason)
+                        attempt=f.attempt, committed_step=_committed(ctl.state.committed_step), reason=action.reason)
         if action.rung != Rung.RECOVER_IN_PLACE:
             ctl.recovery_deadline = None
 
@@ -164,3 +164,9 @@ class Executor:
                               tier=point.tier, tiers=list(point.tiers), below=action.below, reason=point.reason)
         self._ctl.connections.send_to_workers(m.RestoreAt(attempt=action.attempt, round=action.round,
                                                           step=point.step))
+
+
+def _committed(step: int) -> int | None:
+    """The newest step committed through unbroken in this attempt; None (not -1) when none was,
+    e.g. a script that does not commit through unbroken, whatever step it is at."""
+    return step if step >= 0 else None

@@ -70,7 +70,9 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if getattr(event, "attempt", state.attempt) != state.attempt:
         return state, []  # a message of an attempt that is already gone
     if isinstance(event, SessionReady):
-        return _replace(state, ready=state.ready | {event.rank}, num_replicas=event.num_replicas), []
+        blockers = state.not_in_flight + (((event.rank, event.not_in_flight),) if event.not_in_flight else ())
+        return _replace(state, ready=state.ready | {event.rank}, num_replicas=event.num_replicas,
+                        not_in_flight=blockers), []
     if isinstance(event, StepSynced):
         return _on_step_synced(state, event)
     if isinstance(event, WorkerDamaged):
@@ -175,7 +177,11 @@ def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str
         return False, "restoring from replicas is off (--no-replica-restore)"
     if state.ready != state.ranks:
         missing = sorted(state.ranks - state.ready)
-        return False, f"ranks {missing} do not run an unbroken step loop (job.steps) yet"
+        return False, (f"ranks {missing} have not committed a step through unbroken in this attempt (that "
+                       "needs job.steps() with gradients reduced by job.all_reduce or ShardedOptimizer)")
+    if state.not_in_flight:
+        rank, why = min(state.not_in_flight)
+        return False, f"rank {rank} cannot be recovered in flight: {why}"
     alive = state.ranks - dead
     if not alive:
         return False, "no rank survived"
@@ -198,7 +204,7 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     tries = recovery.tries + 1 if recovery else 1
     in_flight, why = in_flight_feasible(state, dead)
     if in_flight and tries > state.max_recovery_tries:
-        in_flight, why = False, f"in-flight recovery tried {state.max_recovery_tries} times"
+        in_flight, why = False, f"{tries - 1} in-flight tries used, at most {state.max_recovery_tries}"
     own_agents = {state.agent_of(r) for r in failed}
     feasible = {Rung.RETRY: in_flight and failure.kind in RETRY_KINDS and recovery is None,
                 Rung.RECOVER_IN_PLACE: in_flight and own_agents <= state.agents,
@@ -240,7 +246,7 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     if state.recovery is not None:
         state = _replace(state, recovery=None)
     if rung == GIVE_UP:
-        return _fail(state, failure, _why_give_up(state, why))
+        return _fail(state, failure, _why_no_rung(state, why))
     in_flight_rungs = IN_FLIGHT_RUNGS & set(state.allowed)
     not_in_flight = f" ({', '.join(sorted(in_flight_rungs))}: no; {why})" if in_flight_rungs else ""
     decision = Decide(rung, failure, f"{failure.describe()}; restart {state.restarts_used + 1} "
@@ -249,12 +255,24 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [decision, stop]
 
 
-def _why_give_up(state: JobState, in_flight_why: str) -> str:
-    """Why no allowed rung can handle a fault (the reason the job fails with)."""
-    if Rung.EXIT in state.allowed:
+def _why_no_rung(state: JobState, in_flight_why: str) -> str:
+    """The true reason no allowed rung can handle a fault: the restart budget, agents lost with
+    their ranks, or the allowed strategies."""
+    if Rung.EXIT in state.allowed and state.restarts_used >= state.max_restarts:
         return f"restart budget spent ({state.restarts_used} of --max-restarts {state.max_restarts} used)"
-    return (f"none of the allowed strategies ({', '.join(state.allowed)}; --recover-strategy) can handle this "
-            f"fault ({in_flight_why}); add 'exit' to restart the job from its newest checkpoint")
+    lost = sorted(state.hosts() - state.agents)
+    if lost:
+        if not state.standbys:
+            spare = "no standby agent to host their ranks (unbroken run --standby)"
+        elif Rung.RECOVER not in state.allowed:
+            spare = f"rung recover (onto a standby agent) is not in --recover-strategy {','.join(state.allowed)}"
+        else:
+            spare = f"their ranks cannot move to a standby agent in flight: {in_flight_why}"
+        return f"the agent of node(s) {lost} was lost, so the job cannot restart on all its nodes; {spare}"
+    if Rung.EXIT not in state.allowed:
+        return (f"none of the allowed strategies ({', '.join(state.allowed)}; --recover-strategy) can handle this "
+                f"fault ({in_flight_why}); add 'exit' to restart the job from its newest checkpoint")
+    return f"no recovery rung is allowed and feasible (--recover-strategy {','.join(state.allowed)}; {in_flight_why})"
 
 
 def _fail(state: JobState, failure: Failure, why: str) -> tuple[JobState, list[Action]]:
@@ -274,7 +292,7 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
     state = _replace(state, phase=JobPhase.RUNNING, attempt=attempt, restarts_used=state.restarts_used + 1,
                      stopped_agents=frozenset(), finished_ranks=frozenset(), hung_ranks=frozenset(),
                      gen=0, committed_step=-1, sync_step=-1, synced=frozenset(), ready=frozenset(),
-                     recovery=None)
+                     not_in_flight=(), recovery=None)
     return state, [StartAttempt(attempt)]
 
 

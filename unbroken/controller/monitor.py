@@ -68,7 +68,15 @@ class Monitor:
                   now: float) -> tuple[hangs.RankProgress, str] | None:
         """The rank to blame for a hang and the evidence, once some rank of ``attempt`` is past
         its hang timeout. Who is blamed is decided among all live ranks (:mod:`.hangs`): the
-        ranks blocked in the collective are usually waiting for the one that is not progressing."""
+        ranks blocked in the collective are usually waiting for the one that is not progressing.
+
+        Step progress is expected only of a job that runs an unbroken step loop: until some rank
+        of the attempt entered ``job.steps()``, nobody is a suspect (a plain torchrun script, or
+        one that called ``unbroken.init()`` only, reports no steps: crash detection only). Once
+        one has, a rank that has not entered it yet is judged by ``--first-step-timeout-s``.
+        """
+        if not any(w.in_step_loop for w in workers if w.attempt == attempt):
+            return None
         ranks = self.progress(workers, attempt, now)
         blamed = hangs.blame_hang(ranks)
         return None if blamed is None else (blamed, hangs.why(blamed, ranks))

@@ -24,6 +24,7 @@ class WorkerView:
     step: int | None = None  # steps completed, as last reported
     phase: str = Phase.STARTING
     steps_in_attempt: int = 0
+    in_step_loop: bool = False  # it reported a phase of a step (entered job.steps()) in this attempt
     metrics: dict[str, Any] = field(default_factory=dict)
     compute_t: float = 0.0  # when the step in flight began (its 'compute' report)
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))

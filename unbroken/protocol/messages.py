@@ -149,11 +149,13 @@ class WorkerEvent(Message):
 
 @message("session_ready")
 class SessionReady(Message):
-    """The worker runs an unbroken step loop; ``num_replicas`` 0 means full replication."""
+    """The worker runs an unbroken step loop and committed a step; ``num_replicas`` 0 means full
+    replication. ``not_in_flight``: why this rank's state cannot be recovered in flight ("": it can)."""
 
     rank: int
     attempt: int
     num_replicas: int
+    not_in_flight: str = ""
 
 
 @message("step_synced")

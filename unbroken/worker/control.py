@@ -101,8 +101,9 @@ class ControlClient:
         """Ask the controller to record an event of this worker's in the job's event log."""
         self._send(m.WorkerEvent(rank=self.rank, attempt=self.attempt, name=name, fields=fields))
 
-    def session_ready(self, num_replicas: int) -> None:
-        self._send(m.SessionReady(rank=self.rank, attempt=self.attempt, num_replicas=num_replicas))
+    def session_ready(self, num_replicas: int, not_in_flight: str = "") -> None:
+        self._send(m.SessionReady(rank=self.rank, attempt=self.attempt, num_replicas=num_replicas,
+                                  not_in_flight=not_in_flight))
 
     def wait_commit(self, gen: int, step: int, poll_s: float = 0.05) -> bool:
         """Report the reduction of ``step`` done and wait for its commit; False on an abort order."""

@@ -17,6 +17,8 @@ against hardware faults, not against an adversary.
 
 from __future__ import annotations
 
+import logging
+
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
@@ -24,6 +26,8 @@ import torch
 
 from unbroken.errors import JobFailed, NonFiniteError, SilentCorruption
 from unbroken.worker.api import RecoverableState
+
+log = logging.getLogger(__name__)
 
 
 def gradients(tracked: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -108,4 +112,6 @@ def check_replicas(tracked: Mapping[str, Any], *, rank: int, world_size: int, st
         raise SilentCorruption(f"rank {rank}: {len(bad)} tensor(s) differ from the copies of {count} of "
                                f"{world_size} ranks after step {step} (silent data corruption): "
                                f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}")
+    log.warning("rank %d: cross-replica check after step %d: ranks %s hold odd copies; they are repaired "
+                "from the majority", rank, step + 1, odd)
     return odd

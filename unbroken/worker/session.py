@@ -17,11 +17,11 @@ optimizer reports ``sync``/``update``/``done`` through :meth:`Job.phase`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
 import time
-from datetime import timedelta
 from typing import Any, Iterator, NoReturn
 
 import torch
@@ -33,7 +33,7 @@ from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalErr
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import integrity, restore, rng
+from unbroken.worker import first_group, integrity, restore, rng, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
@@ -73,14 +73,15 @@ class Job:
         self._in_step = False
         self._step_rng: dict[str, Any] | None = None
         self._committed_this_step = False
+        self._step_completed = False  # the last step yielded by steps() completed (its block ended)
         self._announced_ready = False
-        self._owns_default_group = False
         self._control = self._build_control()
         self._injector = self._build_injector()
         self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
                                   injector=self._injector, all_min=self._all_min, event=self._event,
                                   metrics=self._metrics)
-        store, group = self._build_process_group(backend or _default_backend(self.device))
+        backend = backend or _default_backend(self.device)
+        store, group, self._owns_default_group = first_group.build(cfg, backend)
         self._inflight = InFlight(cfg, device=self.device, control=self._control, store=store, group=group,
                                   tracked=self._tracked, injector=self._injector,
                                   rng_at_step_start=self._rng_at_step_start, dump=self._ckpt)
@@ -113,31 +114,6 @@ class Job:
         return FaultInjector(faults, self.rank, claim, tracked=lambda: self._tracked.objects,
                              degraded=self.report_degraded)
 
-    def _build_process_group(self, backend: str) -> tuple[dist.Store | None, dist.ProcessGroup | None]:
-        """The job's store (managed: the controller's, one per attempt) and generation 0's group
-        (None for a replacement: it joins the next generation's when the regroup order comes)."""
-        timeout = timedelta(seconds=self.cfg.worker.pg_timeout_s)
-        store = None
-        if self.cfg.mode == "managed":
-            # The store lives in the controller, one per attempt; every key under the attempt's
-            # secret prefix (controller/rendezvous.py), each generation under its own below it.
-            tcp = dist.TCPStore(self.cfg.master_addr, self.cfg.master_port, world_size=self.world_size,
-                                is_master=False, timeout=timeout)
-            store = dist.PrefixStore(f"{self.cfg.store_prefix}/", tcp)
-            if self.cfg.replacement:
-                return store, None
-        if dist.is_initialized():  # the script built it: the script destroys it
-            return store, dist.group.WORLD
-        self._owns_default_group = True
-        if self.cfg.mode == "managed":
-            dist.init_process_group(backend, store=dist.PrefixStore("gen0/", store), rank=self.rank,
-                                    world_size=self.world_size, timeout=timeout)
-        elif self.cfg.mode == "torchrun":
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return store, dist.group.WORLD
-
     # -- the training-loop API ---------------------------------------------------------
     def track(self, **objects: Any) -> None:
         """Declare training state: objects with ``state_dict``/``load_state_dict``, or tensors.
@@ -151,6 +127,7 @@ class Job:
             for name, obj in objects.items():
                 if obj is not None:
                     self._tracked.add(name, obj, hooks)
+                    wrappers.prepare(obj, functools.partial(self._advance, Phase.UPDATE))
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from where the job resumes up to ``total`` (exclusive).
@@ -250,14 +227,23 @@ class Job:
         """Record the phase of the step in flight; fires injected faults planned for it."""
         if name not in STEP_PHASES and name != Phase.CHECKPOINT:
             raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(STEP_PHASES)}, checkpoint)")
+        if self._in_step and name in (Phase.SYNC, Phase.UPDATE) and self._phase == name:
+            return  # already there: job.all_reduce or the optimizer's step hook marked it
+        if name == Phase.UPDATE:
+            self._commit()  # before anything changes; only then is this rank in 'update' (it vouches for the commit)
         self._phase = name
         if self._control is not None:  # the controller's view of where each rank is
             self._control.progress(self._step, name, {})
         if name == Phase.SYNC and self._control is not None and self.cfg.worker.finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
-        if name == Phase.UPDATE:  # the reduction is done: the step commits before anything changes
-            self._commit()
         self._injector.at(self._step if step is None else step, name)
+
+    def _advance(self, name: str, *_hook_args: Any) -> None:
+        """Move the step in flight on to ``name`` unless it is there or past it: 'sync' when a
+        collective starts, 'update' (the commit first) from a tracked torch optimizer's step
+        pre-hook, the first state change of a step. The manual path needs no job.phase calls."""
+        if self._in_step and self._phase in STEP_PHASES and STEP_PHASES.index(self._phase) < STEP_PHASES.index(name):
+            self.phase(name)
 
     def _on_optimizer_phase(self, name: str, step: int) -> None:
         if name != Phase.DONE:  # 'done' is recorded at the end of the step by the boundary
@@ -280,6 +266,7 @@ class Job:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """``dist.all_reduce`` on the current generation, abandoned promptly on an abort order."""
+        self._advance(Phase.SYNC)
         if self.world_size > 1:
             work = dist.all_reduce(tensor, op=op, group=self._inflight.group, async_op=True)
             self._wait(work, f"all-reduce of step {self._step}")
@@ -287,6 +274,7 @@ class Job:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """``dist.all_gather`` of ``tensor`` on the current generation, abandoned promptly on an abort order."""
+        self._advance(Phase.SYNC)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         if self.world_size == 1:
             out[0].copy_(tensor)
@@ -301,13 +289,9 @@ class Job:
     def _check_replicas(self) -> None:
         """Every ``--sdc-check-every-steps`` steps: compare the replicated state across ranks."""
         every = self.cfg.worker.sdc_check_every_steps
-        if self._control is None or not every or self._step % every:
-            return
-        odd = integrity.check_replicas(self._tracked.objects, rank=self.rank, world_size=self.world_size,
-                                       step=self._step - 1, device=self.device, gather=self.all_gather)
-        if odd:
-            log.warning("rank %d: cross-replica check after step %d: ranks %s hold odd copies; they are "
-                        "repaired from the majority", self.rank, self._step, odd)
+        if self._control is not None and every and not self._step % every:
+            integrity.check_replicas(self._tracked.objects, rank=self.rank, world_size=self.world_size,
+                                     step=self._step - 1, device=self.device, gather=self.all_gather)
 
     # -- the step in flight ---------------------------------------------------------------
     def _begin_step(self) -> None:
@@ -315,6 +299,7 @@ class Job:
         if self._control is not None:
             self._step_rng = rng.capture()  # to redo this step exactly if it is aborted
         self._in_step, self._committed_this_step = True, False
+        self._step_completed = False
 
     def _survive(self) -> int:
         """Drop the step in flight (gradients, RNG draws), then recover in flight; the step to resume at."""
@@ -329,6 +314,7 @@ class Job:
         return self._step_rng if self._in_step and self._step_rng is not None else rng.capture()
 
     def _end_step(self, index: int) -> None:
+        self._step_completed = True
         self._phase = Phase.DONE
         self._in_step = False
         self._announce_ready()
@@ -339,7 +325,8 @@ class Job:
         if self._control is None or self._announced_ready or not self._committed_this_step:
             return
         self._announced_ready = True
-        self._control.session_ready(self._tracked.min_replicas())
+        blocker = wrappers.in_flight_blocker(self._tracked.objects.values())
+        self._control.session_ready(self._tracked.min_replicas(), blocker)
 
     def _report_progress(self) -> None:
         if self._control is not None:
@@ -358,12 +345,27 @@ class Job:
             self._control.degraded(reason)
 
     def report(self, **metrics: Any) -> None:
-        """Attach metrics (loss, ...) to this step's progress report."""
-        self._metrics.update({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
+        """Attach metrics (loss, ...) to this step's progress report (ignored after a dropped step)."""
+        if not self._step_dropped("job.report"):
+            self._metrics.update({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
 
     def checkpoint(self) -> None:
-        """Checkpoint the state now (after the last completed step), to storage too."""
+        """Checkpoint the state now (after the last completed step), to storage too; not after a dropped step."""
+        if self._step_dropped("job.checkpoint"):
+            return
         self._ckpt.checkpoint_now(self._step)
+
+    @property
+    def step_completed(self) -> bool:
+        """True after the ``with job.step():`` block of a completed step; False while a step runs and
+        after a dropped one (:meth:`steps` yields it again): guard post-block code with it."""
+        return self._step_completed
+
+    def _step_dropped(self, what: str) -> bool:
+        if not self._inflight.fault_noted:
+            return False
+        log.debug("rank %d: %s after dropped step %d ignored (the step is redone)", self.rank, what, self._step)
+        return True
 
     @property
     def step_index(self) -> int:

@@ -12,7 +12,10 @@ differs by rank:
   dropout in the model, so every rank draws a different random stream each step;
 * ``--optimizer plain|sharded``: AdamW after ``job.all_reduce`` of the gradients (the manual
   path, with or without ``--phases``), or ``unbroken.optim.ShardedOptimizer``;
-* ``--wrapper ddp``: stock ``DistributedDataParallel`` around the model.
+* ``--wrapper ddp``: stock ``DistributedDataParallel`` around the model;
+* ``--data step``: the batch is a pure function of (step, rank), nothing advances inside a step;
+* ``--log PATH``: post-step code, appending ``<step>`` to ``PATH.rank<r>`` at the end of the
+  ``with job.step():`` block and to ``PATH.after.rank<r>`` after it when ``job.step_completed``.
 
 At the end every rank writes ``<out>.rank<r>.json``: digests of its RNG streams and its data
 position, so a test can check each rank's own state, not only the weights (rank 0 writes the
@@ -128,7 +131,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--data", choices=("sampler", "loader"), default="sampler")
+    p.add_argument("--data", choices=("sampler", "loader", "step"), default="sampler")
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--per-rank-seed", action="store_true")
@@ -137,12 +140,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--phases", action="store_true", help="plain: mark job.phase('sync'/'update') by hand")
     p.add_argument("--wrapper", choices=("none", "ddp"), default="none")
     p.add_argument("--step-sleep-s", type=float, default=0.0)
+    p.add_argument("--log", default="")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
 
 def digest(obj) -> str:
     return hashlib.blake2b(repr(obj).encode(), digest_size=8).hexdigest()
+
+
+def append_line(path: str, value) -> None:
+    with open(path, "a") as f:
+        f.write(f"{value}\n")
 
 
 def main() -> None:
@@ -166,15 +175,20 @@ def main() -> None:
     dataset = make_dataset(args.seed)
     if args.data == "sampler":
         source = ShardSampler(len(dataset), job.rank, job.world_size, args.seed)
-    else:
+    elif args.data == "loader":
         source = LoaderSource(dataset, job.rank, job.world_size, args.batch_size, args.num_workers, args.seed)
-    job.track(model=model, optimizer=opt, data=source)
+    else:
+        source = None  # the batch is a function of (step, rank)
+    job.track(model=model, optimizer=opt, data=source)  # data=None is not tracked
     manual = args.optimizer == "plain" and args.wrapper == "none" and job.world_size > 1
 
     for step in job.steps(args.steps):
         with job.step():
             if args.data == "sampler":
                 x, y = dataset[source.take(args.batch_size)]
+            elif args.data == "step":
+                g = torch.Generator().manual_seed(args.seed * 100_003 + step * 101 + job.rank)
+                x, y = dataset[torch.randint(SAMPLES, (args.batch_size,), generator=g)]
             else:
                 x, y = source.next_batch()
             x = x + 0.01 * random.random()  # a draw from Python's RNG too, per rank when seeded so
@@ -197,9 +211,13 @@ def main() -> None:
             if args.step_sleep_s:
                 time.sleep(args.step_sleep_s)
             job.report(loss=loss.item())
+            if args.log:  # post-step code inside the block: runs once per completed step
+                append_line(f"{args.log}.rank{job.rank}", step)
+        if args.log and job.step_completed:  # after the block: only for a step that completed
+            append_line(f"{args.log}.after.rank{job.rank}", step)
 
     state = {"torch_rng": digest(torch.get_rng_state().tolist()), "py_rng": digest(random.getstate()),
-             "data": digest(source.state_dict() if args.data == "sampler" else source.epoch),
+             "data": digest(source.state_dict() if args.data == "sampler" else getattr(source, "epoch", None)),
              "probe": torch.rand(3).tolist()}
     with open(f"{args.out}.rank{job.rank}.json", "w") as f:
         json.dump(state, f)

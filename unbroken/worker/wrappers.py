@@ -1,0 +1,79 @@
+"""What the session does to stock PyTorch objects when a script tracks them.
+
+Called from :meth:`unbroken.worker.session.Job.track`, in the training thread of one rank,
+once per tracked object:
+
+* a **torch optimizer** (not a :class:`~unbroken.worker.api.RecoverableState`, which reports
+  its phases itself) gets a step pre-hook: its ``step()`` is the first thing of a step that
+  changes training state, so the hook enters phase ``update`` (the step commits first). The
+  manual path (``job.all_reduce`` + a plain optimizer) then needs no ``job.phase`` calls.
+* a **DistributedDataParallel** module gets its gradient buckets laid out now, in parameter
+  order, as every later iteration uses them (see :func:`rebuild_ddp_buckets`), so that a job
+  restarted from a checkpoint sums every gradient element exactly as the fault-free run did.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from unbroken.worker.api import RecoverableState
+
+log = logging.getLogger(__name__)
+
+#: ``hook(optimizer, args, kwargs)``, torch's signature of an optimizer step pre-hook.
+StepPreHook = Callable[[torch.optim.Optimizer, Any, Any], None]
+
+
+def prepare(obj: Any, before_optimizer_step: StepPreHook) -> None:
+    """Wire a tracked object to the session (see the module docstring); others are left alone."""
+    if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, RecoverableState):
+        obj.register_step_pre_hook(before_optimizer_step)
+    elif isinstance(obj, DistributedDataParallel):
+        rebuild_ddp_buckets(obj)
+
+
+def rebuild_ddp_buckets(ddp: DistributedDataParallel) -> bool:
+    """Lay out ``ddp``'s gradient buckets now, in parameter order; True if it was done.
+
+    Why: DDP starts with one bucket layout and, after its first iteration, rebuilds its
+    buckets in the order gradients became ready. gloo's sum of an element depends on the
+    element's offset in its bucket, so a process restarted from a checkpoint (which runs
+    its first step with the initial layout) reduces differently from the fault-free run,
+    which is already on the rebuilt one: the weights drift. Forcing the rebuilt layout
+    before the first step, in every process of every attempt, makes all of them use one
+    layout. The cost: buckets in parameter order rather than backward order, so less
+    overlap of the all-reduce with backward (on GPUs; README says so).
+
+    A collective on DDP's process group (the bucket layout is broadcast from rank 0): every
+    rank must track its DDP module at the same point, which ``job.track`` before the loop
+    gives. Uses DDP's private reducer API (torch 2.x): feature-checked; where it is missing
+    the module is left as it is, with a warning.
+    """
+    if getattr(ddp, "_has_rebuilt_buckets", True):
+        return False  # already rebuilt (it has trained), or a DDP without the attribute
+    reducer = getattr(ddp, "reducer", None)
+    push = getattr(reducer, "_push_all_rebuilt_params", None)
+    rebuild = getattr(reducer, "_rebuild_buckets", None)
+    if push is None or rebuild is None:
+        log.warning("this torch's DistributedDataParallel has no reducer._push_all_rebuilt_params/"
+                    "_rebuild_buckets: its gradient buckets keep torch's layout, and a job restarted from a "
+                    "checkpoint may not be bit-exact with the fault-free run")
+        return False
+    push()
+    rebuilt = bool(rebuild())
+    ddp._has_rebuilt_buckets = True  # DDP's forward would otherwise try to rebuild again
+    return rebuilt
+
+
+def in_flight_blocker(objects: Iterable[Any]) -> str:
+    """Why the tracked ``objects`` cannot be recovered in flight ("" when they can)."""
+    for obj in objects:
+        if isinstance(obj, DistributedDataParallel):
+            return ("it tracks a DistributedDataParallel module, whose gradient all-reduce runs on a process "
+                    "group that unbroken cannot abort or move to a new generation")
+    return ""

@@ -70,7 +70,6 @@ ROWS = ("unbroken_recover_in_place", "unbroken_restart_memory", "unbroken_restar
 TARGET_RATIO = 3.0  # recover-in-place at least 3x faster than torchrun_restart, 0 steps lost
 
 STEP_RE = re.compile(r"^(?:\[rank (\d+)\] )?step (\d+): loss ")
-ABORT_RE = re.compile(r"^(?:\[rank 0\] )?rank 0: step (\d+) aborted")
 FAULT_RE = re.compile(r"injecting fault (\S+)")
 
 
@@ -196,24 +195,16 @@ def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int
     """recover_s and lost_steps from the stamped output (see the module docstring)."""
     fault_t: float | None = None
     recovered_t: float | None = None
-    aborted: set[int] = set()
     done: Counter[int] = Counter()
     first_after_fault: int | None = None
     for t, line in lines:
         if fault_t is None and FAULT_RE.search(line):
             fault_t = t
             continue
-        m = ABORT_RE.match(line)
-        if m:
-            aborted.add(int(m[1]))
-            continue
         m = STEP_RE.match(line)
         if not m or m[1] not in (None, "0"):
             continue
-        index = int(m[2])
-        if index in aborted:  # the print after an aborted `with job.step():`, not a completion
-            aborted.discard(index)
-            continue
+        index = int(m[2])  # printed inside `with job.step():`: a completed step only
         done[index] += 1
         if fault_t is not None and first_after_fault is None and (index >= kill_step or done[index] > 1):
             first_after_fault = index  # where training resumed (a late line of step K-1 is not it)

@@ -8,6 +8,7 @@ TCPStore, a fresh one per attempt (no stale rendezvous keys survive a restart).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from unbroken.controller import machine as sm
 from unbroken.controller.hub import Hub
+from unbroken.controller.rank_state import Found
 from unbroken.controller.views import Outcome
 from unbroken.errors import CheckpointError
 from unbroken.names import Rung, WorkerState
@@ -113,8 +115,25 @@ class Executor:
         ctl.timing.mark("regroup", time.monotonic())
         ctl.events.emit("regroup", gen=action.gen, resume_step=action.resume_step,
                         replaced=sorted(action.replaced), direction=action.direction, reason=action.reason)
-        ctl.connections.send_to_workers(m.Regroup(gen=action.gen, resume_step=action.resume_step,
-                                                  replaced=sorted(action.replaced)))
+        replaced = sorted(action.replaced)
+        found = self._own_states(replaced, action.resume_step)
+        order = m.Regroup(gen=action.gen, resume_step=action.resume_step, replaced=replaced,
+                          fallback=[r for r in replaced if found[r] is None])
+        ctl.connections.send_to_workers(order, set(ctl.workers) - set(replaced))
+        for r in replaced:  # each replaced rank's order carries its own per-rank state
+            own = found[r]
+            ctl.connections.send_to_workers(dataclasses.replace(order, rank_state=own.state) if own else order, {r})
+
+    def _own_states(self, replaced: list[int], resume_step: int) -> dict[int, Found | None]:
+        """Each replaced rank's own per-rank state for ``resume_step``, and an event saying where it
+        comes from (a survivor's copy when the controller kept none)."""
+        ctl = self._ctl
+        found = {r: ctl.rank_states.for_resume(r, ctl.state.attempt, resume_step) for r in replaced}
+        src = min(set(ctl.workers) - set(replaced), default=-1)
+        for r, own in found.items():
+            source = own.source if own else f"fallback: rank {src}'s copy (none of rank {r}'s own was kept)"
+            ctl.events.emit("per_rank_state", rank=r, resume_step=resume_step, source=source)
+        return found
 
     def _recovered(self, action: sm.Recovered) -> None:
         ctl = self._ctl

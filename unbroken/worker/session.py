@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Iterator, NoReturn
+from typing import Any, Iterable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalErr
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import integrity, restore, rng
+from unbroken.worker import integrity, restore, rollback
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
@@ -69,7 +69,7 @@ class Job:
         self._last_step_s = 0.0
         self._restored = False
         self._in_step = False
-        self._step_rng: dict[str, Any] | None = None
+        self._step_capture: rollback.StepCapture | None = None  # the step start, under `unbroken run`
         self._committed_this_step = False
         self._announced_ready = False
         self._owns_default_group = False
@@ -79,8 +79,7 @@ class Job:
                                   injector=self._injector, all_min=self._all_min, event=self._event)
         store, group = self._build_process_group(backend or _default_backend(self.device))
         self._inflight = InFlight(cfg, device=self.device, control=self._control, store=store, group=group,
-                                  tracked=self._tracked, injector=self._injector,
-                                  rng_at_step_start=self._rng_at_step_start, dump=self._ckpt)
+                                  tracked=self._tracked, injector=self._injector, dump=self._ckpt)
         if self._inflight.needs_state:
             # A replacement joins the next generation's group now, so the script builds its
             # model and optimizer on a group of the right size; its state comes in steps().
@@ -134,10 +133,14 @@ class Job:
         return store, dist.group.WORLD
 
     # -- the training-loop API ---------------------------------------------------------
-    def track(self, **objects: Any) -> None:
+    def track(self, *, per_rank: Iterable[str] = (), replicated: Iterable[str] = (), **objects: Any) -> None:
         """Declare training state: objects with ``state_dict``/``load_state_dict``, or tensors.
 
-        Objects that recover themselves (:class:`unbroken.worker.api.RecoverableState`, e.g.
+        Modules, optimizers, LR schedulers, recoverable objects and tensors are replicated
+        (equal on every rank); every other object (a sampler, a loader, your own) is per rank:
+        a replacement gets its own copy. ``per_rank``/``replicated`` name tracked objects
+        (of this call or an earlier one) whose class differs from that default. Objects that
+        recover themselves (:class:`unbroken.worker.api.RecoverableState`, e.g.
         ``ShardedOptimizer``) are wired to this session.
         """
         hooks = SessionHooks(on_phase=self._on_optimizer_phase, should_abort=self._inflight.should_abort,
@@ -146,6 +149,7 @@ class Job:
             for name, obj in objects.items():
                 if obj is not None:
                     self._tracked.add(name, obj, hooks)
+            self._tracked.classify(per_rank, replicated)
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from where the job resumes up to ``total`` (exclusive).
@@ -237,8 +241,10 @@ class Job:
         if name not in STEP_PHASES and name != Phase.CHECKPOINT:
             raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(STEP_PHASES)}, checkpoint)")
         self._phase = name
-        if self._control is not None:  # the controller's view of where each rank is
-            self._control.progress(self._step, name, {})
+        if self._control is not None:  # the controller's view of where each rank is; at the step's
+            # start it also keeps this rank's own state, for a replacement if this rank is lost
+            state = self._step_capture.per_rank if name == Phase.COMPUTE and self._step_capture else b""
+            self._control.progress(self._step, name, {}, state=state)
         if name == Phase.SYNC and self._control is not None and self.cfg.finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
         if name == Phase.UPDATE:  # the reduction is done: the step commits before anything changes
@@ -253,7 +259,8 @@ class Job:
         """Entering ``update``: the reduction is done; wait until the controller commits the step."""
         if self._control is None or self._committed_this_step:
             return
-        if not self._control.wait_commit(self._inflight.gen, self._step):
+        after_compute = rollback.encode_tree(self._tracked.per_rank_tree())  # a roll forward resumes here
+        if not self._control.wait_commit(self._inflight.gen, self._step, state=after_compute):
             raise CollectiveAborted(f"rank {self.rank}: step {self._step} was not committed (abort order for "
                                     f"generation {self._control.abort_gen}: {self._control.abort_reason})")
         self._committed_this_step = True
@@ -298,21 +305,21 @@ class Job:
     # -- the step in flight ---------------------------------------------------------------
     def _begin_step(self) -> None:
         self._step_started = time.monotonic()
-        if self._control is not None:
-            self._step_rng = rng.capture()  # to redo this step exactly if it is aborted
+        if self._control is not None:  # to redo this step exactly if it is dropped
+            self._step_capture = rollback.capture(self._step, self._tracked.rollback_tree(),
+                                                  self._tracked.per_rank_tree(), rank=self.rank)
         self._in_step, self._committed_this_step = True, False
 
     def _survive(self) -> int:
-        """Drop the step in flight (gradients, RNG draws), then recover in flight; the step to resume at."""
+        """Drop the step in flight (gradients, and everything it changed before its commit: data
+        positions, RNG draws, ...), then recover in flight; the step to resume at."""
         pause_phase = self._phase if self._in_step else Phase.COMPUTE  # between steps: the next one's start
         self._tracked.drop_grads()
-        if self._in_step and self._step_rng is not None:
-            rng.restore(self._step_rng)
+        capture = self._step_capture
+        if self._in_step and capture is not None and not self._committed_this_step:
+            self._tracked.load_rollback(capture.local(), capture.per_rank_tree())
         self._in_step = False
         return self._inflight.survive(self._step, pause_phase)
-
-    def _rng_at_step_start(self) -> dict[str, Any]:
-        return self._step_rng if self._in_step and self._step_rng is not None else rng.capture()
 
     def _end_step(self, index: int) -> None:
         self._phase = Phase.DONE

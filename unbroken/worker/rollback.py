@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import safetensors
 import safetensors.torch
 import torch
 
@@ -44,7 +45,7 @@ def decode_tree(data: bytes, what: str) -> Any:
     try:
         tensors = safetensors.torch.load(data)
         spec = json.loads(_metadata(data)[_SPEC_KEY])
-    except (ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
+    except (safetensors.SafetensorError, ValueError, KeyError, TypeError, RuntimeError, OSError) as exc:
         raise CheckpointCorrupt(f"{what}: not an encoded state ({type(exc).__name__}: {exc})") from exc
     return unflatten_state(tensors, spec)
 

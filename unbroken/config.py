@@ -4,6 +4,10 @@ Precedence is defaults < environment < command line. Only this module reads
 ``os.environ``: the launcher resolves a :class:`LaunchConfig` from its flags, and passes
 each worker a :class:`WorkerConfig` through environment variables that
 :func:`worker_config_from_env` reads back. Everything else takes config objects.
+
+A setting of the workers is one field of :class:`WorkerSettings`: its environment variable
+(``UNBROKEN_<NAME>``), its `unbroken run` flag (``--<name>``, ``--no-<name>`` for a switch
+that is on by default), its help and its range check all come from that field.
 """
 
 from __future__ import annotations
@@ -31,11 +35,7 @@ ENV_KEEP = "UNBROKEN_KEEP_CHECKPOINTS"
 ENV_PERSIST_EVERY = "UNBROKEN_PERSIST_EVERY_STEPS"
 ENV_SHM_DIR = "UNBROKEN_SHM_DIR"
 ENV_INJECT = "UNBROKEN_INJECT"
-ENV_PG_TIMEOUT = "UNBROKEN_PG_TIMEOUT_S"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
-ENV_RECOVERY_TIMEOUT = "UNBROKEN_RECOVERY_TIMEOUT_S"
-ENV_SDC_EVERY = "UNBROKEN_SDC_CHECK_EVERY_STEPS"
-ENV_FINITE_CHECK = "UNBROKEN_FINITE_CHECK"
 
 #: What a rank reported degraded (sub-health) leads to: nothing, or a dump and a clean restart.
 SUB_HEALTH_POLICIES = ("ignore", "grace-exit")
@@ -44,6 +44,71 @@ SUB_HEALTH_POLICIES = ("ignore", "grace-exit")
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def setting(default: bool | int | float, help: str, *, above: float | None = None, at_least: float | None = None,
+            off: str = "") -> Any:
+    """A field of :class:`WorkerSettings`: its default, help text and range (``> above`` or
+    ``>= at_least``; ``off`` names the value that turns it off, for the message)."""
+    return field(default=default, metadata={"help": help, "above": above, "at_least": at_least, "off": off})
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What `unbroken run` tells every worker of its job, beyond ranks and addresses.
+
+    One field per setting; :func:`setting_env` and :func:`setting_flag` derive its names.
+    """
+
+    pg_timeout_s: float = setting(60.0, "process-group timeout of the workers", above=0)
+    recovery_timeout_s: float = setting(60.0, "deadline of one in-flight recovery attempt", above=0)
+    sdc_check_every_steps: int = setting(
+        0, "compare checksums of the state across replicas every K steps; an odd copy is repaired "
+           "from the majority (silent data corruption; default 0: off)", at_least=0, off="0: off")
+    finite_check: bool = setting(
+        True, "do not treat a NaN/Inf loss or gradient as a fault (default: redo the step, rung retry)")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            off = f" ({meta['off']})" if meta["off"] else ""
+            if meta["above"] is not None:
+                _require(value > meta["above"], f"--{setting_flag(f)} must be > {meta['above']}{off}, got {value}")
+            if meta["at_least"] is not None:
+                _require(value >= meta["at_least"],
+                         f"--{setting_flag(f)} must be >= {meta['at_least']}{off}, got {value}")
+
+    def to_env(self) -> dict[str, str]:
+        """The environment variables a worker reads these settings back from."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[setting_env(f)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        return out
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
+        """The settings in ``env`` (unset or empty: the default)."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key, default = setting_env(f), f.default
+            if isinstance(default, bool):
+                values[f.name] = env.get(key, "1" if default else "0") != "0"
+            else:
+                values[f.name] = _env_number(env, key, default, type(default))
+        return cls(**values)
+
+
+def setting_env(f: dataclasses.Field) -> str:
+    """The environment variable of a :class:`WorkerSettings` field: ``UNBROKEN_<NAME>``."""
+    return "UNBROKEN_" + f.name.upper()
+
+
+def setting_flag(f: dataclasses.Field) -> str:
+    """The `unbroken run` flag of a :class:`WorkerSettings` field, without its dashes: the name
+    with dashes, ``no-<name>`` for a switch that is on by default."""
+    name = f.name.replace("_", "-")
+    return f"no-{name}" if f.default is True else name
 
 
 @dataclass(frozen=True)
@@ -121,19 +186,16 @@ class LaunchConfig:
     job_id: str = ""
     inject: str = ""
     recover_strategy: tuple[str, ...] = (Rung.RETRY, Rung.RECOVER_IN_PLACE, Rung.RECOVER, Rung.EXIT)
-    recovery_timeout_s: float = 60.0
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
     no_replica_restore: bool = False  # never restore from replicas: checkpoints only (seeds' no-replica)
     stop_grace_s: float = 3.0
-    pg_timeout_s: float = 60.0
     omp_num_threads: int = 1
-    sdc_check_every_steps: int = 0  # cross-replica checksum of the state every K steps (0: off)
-    finite_check: bool = True  # a non-finite loss/gradient is a fault for rung `retry`
     sub_health_policy: str = "ignore"
     crash_loop_limit: int = 3  # the same failure this many times in a row ends the job (0: never)
     straggler_factor: float = 0.0  # a rank computing this many times slower than the job's median is degraded
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hang: HangConfig = field(default_factory=HangConfig)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
 
     def __post_init__(self) -> None:
         _require(self.nproc_per_node >= 1,
@@ -150,14 +212,11 @@ class LaunchConfig:
                  f"--standby joins a running job: give its --master-addr/--master-port and set {ENV_SECRET}")
         _require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
         _require(self.stop_grace_s >= 0, f"stop grace must be >= 0 s, got {self.stop_grace_s}")
-        _require(self.pg_timeout_s > 0, f"--pg-timeout-s must be > 0, got {self.pg_timeout_s}")
         _require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         for name in self.recover_strategy:
             _require(name in RUNGS,
                      f"--recover-strategy: unknown strategy {name!r} (allowed: {', '.join(RUNGS)})")
         _require(bool(self.recover_strategy), "--recover-strategy must name at least one strategy")
-        _require(self.sdc_check_every_steps >= 0,
-                 f"--sdc-check-every-steps must be >= 0 (0: off), got {self.sdc_check_every_steps}")
         _require(self.crash_loop_limit >= 0, f"--crash-loop-limit must be >= 0 (0: off), got {self.crash_loop_limit}")
         _require(self.straggler_factor == 0 or self.straggler_factor > 1,
                  f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
@@ -221,12 +280,9 @@ class WorkerConfig:
     job_id: str = ""
     run_dir: str | None = None
     inject: str = ""
-    pg_timeout_s: float = 60.0
     gen: int = 0  # > 0: this process replaces a lost rank and joins generation `gen`
-    recovery_timeout_s: float = 60.0
-    sdc_check_every_steps: int = 0
-    finite_check: bool = True
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
 
     @property
     def replacement(self) -> bool:
@@ -267,6 +323,10 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
                                                  "keep") if k in overrides}
     if ckpt_fields:
         ckpt = dataclasses.replace(ckpt, **ckpt_fields)
+    settings = WorkerSettings.from_env(env)
+    setting_fields = {f.name: overrides.pop(f.name) for f in dataclasses.fields(WorkerSettings) if f.name in overrides}
+    if setting_fields:
+        settings = dataclasses.replace(settings, **setting_fields)
     cfg = WorkerConfig(
         mode=mode,
         rank=_env_number(env, "RANK", 0),
@@ -282,18 +342,13 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         job_id=env.get(ENV_JOB_ID, ""),
         run_dir=env.get(ENV_RUN_DIR) or None,
         inject=env.get(ENV_INJECT, ""),
-        pg_timeout_s=_env_number(env, ENV_PG_TIMEOUT, 60.0, float),
         gen=_env_number(env, ENV_GEN, 0),
-        recovery_timeout_s=_env_number(env, ENV_RECOVERY_TIMEOUT, 60.0, float),
-        sdc_check_every_steps=_env_number(env, ENV_SDC_EVERY, 0),
-        finite_check=env.get(ENV_FINITE_CHECK, "1") != "0",
         checkpoint=ckpt,
+        worker=settings,
     )
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
     _require(cfg.world_size >= 1, f"WORLD_SIZE must be >= 1, got {cfg.world_size}")
     _require(0 <= cfg.rank < cfg.world_size, f"RANK={cfg.rank} must be in [0, WORLD_SIZE={cfg.world_size})")
-    _require(cfg.sdc_check_every_steps >= 0,
-             f"{ENV_SDC_EVERY} must be >= 0 (0: off), got {cfg.sdc_check_every_steps}")
     if cfg.mode == "managed":
         _require(bool(cfg.secret), f"{ENV_CONTROLLER} is set but {ENV_SECRET} is not")
     return cfg
@@ -337,11 +392,8 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         ENV_PERSIST_EVERY: str(ckpt.persist_every_steps),
         ENV_KEEP: str(ckpt.keep),
         ENV_SHM_DIR: ckpt.shm_dir,
-        ENV_PG_TIMEOUT: str(cfg.pg_timeout_s),
         ENV_GEN: str(gen),
-        ENV_RECOVERY_TIMEOUT: str(cfg.recovery_timeout_s),
-        ENV_SDC_EVERY: str(cfg.sdc_check_every_steps),
-        ENV_FINITE_CHECK: "1" if cfg.finite_check else "0",
+        **cfg.worker.to_env(),
     }
     if ckpt.save_dir:
         env[ENV_SAVE_DIR] = ckpt.save_dir

@@ -30,7 +30,6 @@ EXAMPLES = [
     m.Heartbeat(rank=7),
     m.ClaimFault(rank=2, fault_id="f-1"),
     m.FaultClaim(fault_id="f-1", granted=False),
-    m.Ack(ok=True, detail=""),
 ]
 
 
@@ -77,7 +76,7 @@ def test_initial_messages_are_registered_at_version_1() -> None:
     assert m.PROTOCOL_VERSION == 1
     expected = {type(msg).TYPE for msg in EXAMPLES}
     assert expected <= set(message_types())
-    assert m.Progress.TYPE == "progress" and m.Ack.TYPE == "ack"
+    assert m.Progress.TYPE == "progress" and m.FaultClaim.TYPE == "fault_claim"
 
 
 def _progress(**changes: Any) -> dict:
@@ -100,8 +99,8 @@ BAD = [
     ),
     (_progress(metrics={"a": [1, {2, 3}]}), "field 'metrics' must be dict[str, Any], got set"),
     (_progress(extra=1), "message 'progress': unknown field 'extra'"),
-    ({"type": "ack", "ok": True}, "message 'ack': missing required field 'detail' (str)"),
-    ({"type": "ack", "ok": 1, "detail": ""}, "message 'ack': field 'ok' must be bool, got int"),
+    ({"type": "fault_claim", "granted": True}, "message 'fault_claim': missing required field 'fault_id' (str)"),
+    ({"type": "fault_claim", "granted": 1, "fault_id": ""}, "message 'fault_claim': field 'granted' must be bool, got int"),
     (
         {"type": "fault_claim", "fault_id": 3, "granted": True},
         "field 'fault_id' must be str, got int",

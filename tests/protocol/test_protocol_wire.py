@@ -16,7 +16,7 @@ import pytest
 
 from unbroken.errors import AuthError, ConfigError, ConnectionClosed, ProtocolError
 from unbroken.protocol import handshake
-from unbroken.protocol.messages import Ack, Heartbeat, Progress, StartWorkers, WorkerExited
+from unbroken.protocol.messages import FaultClaim, Heartbeat, Progress, StartWorkers, WorkerExited
 from unbroken.protocol.wire import (
     MAX_FRAME_BYTES,
     Connection,
@@ -54,7 +54,7 @@ class Recorder:
         while True:
             msg = conn.recv()
             self.received.put((conn.role, conn.ident, msg))
-            conn.send(Ack(ok=True, detail=msg.TYPE))
+            conn.send(FaultClaim(fault_id=msg.TYPE, granted=True))
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def assert_serves_a_good_client(srv: Server) -> None:
     with connect(HOST, srv.port, SECRET, "agent", {"node_rank": 0}) as conn:
         assert isinstance(conn.recv(timeout_s=5), StartWorkers)
         conn.send(Heartbeat(rank=0))
-        assert conn.recv(timeout_s=5) == Ack(ok=True, detail="heartbeat")
+        assert conn.recv(timeout_s=5) == FaultClaim(fault_id="heartbeat", granted=True)
 
 
 def raw_client(port: int) -> tuple[socket.socket, FrameReader]:
@@ -241,7 +241,7 @@ def test_good_client_exchanges_messages_both_ways(server) -> None:
         )
         sent = Progress(rank=1, attempt=0, step=9, phase="train", metrics={"loss": 0.5})
         conn.send(sent)
-        assert conn.recv(timeout_s=5) == Ack(ok=True, detail="progress")
+        assert conn.recv(timeout_s=5) == FaultClaim(fault_id="progress", granted=True)
         assert recorder.received.get(timeout=5) == ("agent", ident, sent)
 
 
@@ -332,7 +332,7 @@ def test_bad_message_or_failing_handler_drops_only_that_connection() -> None:
         msg = conn.recv(timeout_s=5)
         if msg == Heartbeat(rank=666):
             raise RuntimeError("handler bug")
-        conn.send(Ack(ok=True, detail="fine"))
+        conn.send(FaultClaim(fault_id="fine", granted=True))
 
     with Server(HOST, 0, SECRET, handler) as srv:
         srv.start()
@@ -343,7 +343,7 @@ def test_bad_message_or_failing_handler_drops_only_that_connection() -> None:
                     conn.recv(timeout_s=5)
         with connect(HOST, srv.port, SECRET, "worker", {"rank": 1}) as conn:
             conn.send(Heartbeat(rank=1))
-            assert conn.recv(timeout_s=5) == Ack(ok=True, detail="fine")
+            assert conn.recv(timeout_s=5) == FaultClaim(fault_id="fine", granted=True)
 
 
 @pytest.mark.timeout(20)
@@ -377,7 +377,7 @@ def test_connect_retries_until_the_server_listens() -> None:
 
     def start_late() -> None:
         time.sleep(0.4)
-        srv = Server(HOST, port, SECRET, lambda conn: conn.send(Ack(ok=True, detail="late")))
+        srv = Server(HOST, port, SECRET, lambda conn: conn.send(FaultClaim(fault_id="late", granted=True)))
         servers.append(srv)
         srv.start()
 
@@ -385,7 +385,7 @@ def test_connect_retries_until_the_server_listens() -> None:
     thread.start()
     try:
         with connect(HOST, port, SECRET, "agent", {}, timeout_s=5) as conn:
-            assert conn.recv(timeout_s=5) == Ack(ok=True, detail="late")
+            assert conn.recv(timeout_s=5) == FaultClaim(fault_id="late", granted=True)
     finally:
         thread.join(timeout=5)
         for srv in servers:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from unbroken.agent.persister import Persister
+from unbroken.agent.placement import Placement
 from unbroken.checkpoint import shm_files
 from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConnectionClosed, ProtocolError
@@ -63,15 +64,13 @@ class Agent:
         self._lock = threading.Lock()
         self._procs: dict[int, WorkerProc] = {}
         self._conn: Connection | None = None
-        self._store_addr: tuple[str, int] = ("", 0)
         self.standby = cfg.standby
+        self._placement = Placement(cfg.node_rank, cfg.nproc_per_node, cfg.standby)
         self._spare: subprocess.Popen | None = None
         self._use_spare = bool(REPLACING_RUNGS & set(cfg.recover_strategy))
         ckpt = cfg.checkpoint
-        self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._local_ranks, self._report_persisted) \
+        self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks, self._report_persisted) \
             if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id else None
-        self._world_size = 0  # the job's, from the controller's orders
-        self._local_ranks: dict[int, int] = {}
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
 
@@ -132,16 +131,13 @@ class Agent:
     def _report_persisted(self, step: int, ranks: list[int], seconds: float, error: str) -> None:
         self._send(m.Persisted(step=step, ranks=ranks, seconds=seconds, error=error))
 
-    def _local_ranks(self) -> list[int]:
+    def _running_ranks(self) -> list[int]:
         with self._lock:
             return sorted(r for r, p in self._procs.items() if p.state == "running")
 
     # -- workers -------------------------------------------------------------------------
     def _start(self, msg: m.StartWorkers) -> None:
-        self._store_addr = (msg.store_host, msg.store_port)
-        own = [self.node_rank * self.cfg.nproc_per_node + i for i in range(self.cfg.nproc_per_node)]
-        self._world_size = msg.world_size
-        for rank in msg.ranks or own:
+        for rank in self._placement.start(msg):
             self._spawn(rank, msg.attempt, gen=0)
         self._start_spare()
 
@@ -152,21 +148,16 @@ class Agent:
         if old is not None and old.popen.poll() is None:
             _signal_group(old.popen, signal.SIGKILL)
             old.popen.wait()
-        if msg.store_port:
-            self._store_addr = (msg.store_host, msg.store_port)
-        self._world_size = msg.world_size or self._world_size
+        self._placement.restart(msg)
         self._spawn(msg.rank, msg.attempt, gen=msg.gen)
 
     def _spawn(self, rank: int, attempt: int, gen: int) -> None:
-        if self.standby:  # a spare hosts whatever ranks were moved to it, numbered locally
-            local_rank = self._local_ranks.setdefault(rank, len(self._local_ranks))
-        else:
-            local_rank = rank - self.node_rank * self.cfg.nproc_per_node
-        host, port = self._store_addr
+        local_rank = self._placement.local_rank(rank)
+        host, port = self._placement.store_addr
         env = dict(os.environ)
         env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt,
                               controller=self.controller, store_host=host, store_port=port, gen=gen,
-                              world_size=self._world_size))
+                              world_size=self._placement.world_size))
         argv = [self.cfg.script, *self.cfg.script_args]
         popen = self._take_spare(env, argv) if gen > 0 else None
         if popen is None:

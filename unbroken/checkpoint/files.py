@@ -31,7 +31,7 @@ class _LocalFiles:
     """File operations on a local directory (durable: fsync, modes 0o600/0o700).
 
     This class and `_FsspecFiles` are the only places that touch storage; a StorageTier
-    picks one from its root (see `_open_root`).
+    picks one from its root (see `open_root`).
     """
 
     def write_atomic(self, path: Path, data: Data) -> None:

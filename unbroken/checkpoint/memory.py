@@ -12,8 +12,9 @@ tensors and meta together, 3-5x slower, and its slots read as invalid now.)
 A slot's state goes EMPTY -> WRITING -> COPIED -> COMMITTED -> WRITING ... WRITING is stored
 before the first byte of a snapshot, COPIED once tensors and meta are in place (the training
 step resumes there), COMMITTED only after the checksum table and the checksummed header are. The
-writer always writes the slot not holding the newest committed snapshot, so a crash at any
-point leaves that one intact. A reader pins the slot it reads (flock LOCK_SH); the writer
+writer writes the slot not holding the newest committed snapshot, unless the other slot is held
+for the persister: then it overwrites the newest, the held one staying committed meanwhile.
+Either way a crash at any point leaves a committed snapshot intact. A reader pins the slot it reads (flock LOCK_SH); the writer
 takes LOCK_EX from WRITING to COMMITTED and skips a snapshot whose slot is pinned rather than
 wait. The agent owns the files' lifetime; the writer never deletes them.
 
@@ -43,7 +44,7 @@ import torch
 import xxhash
 
 from unbroken.checkpoint.codec import flatten_state
-from unbroken.checkpoint.capacity import (  # noqa: F401  (the slot sizes, re-exported for the reader)
+from unbroken.checkpoint.capacity import (  # noqa: F401  (the slot sizes, reachable as memory.*)
     CHUNK_BYTES, GROW_ROUND_BYTES, GROWTH, HEADER_BYTES, MIN_HEADROOM_BYTES, grown_slot_bytes, headroom_bytes)
 from unbroken.checkpoint.shm_files import check_dir, open_slot, persisted_path, read_persisted, slot_path
 from unbroken.errors import CheckpointError, ConfigError
@@ -138,12 +139,12 @@ class SnapshotWriter:
         _, self._newest, self.committed_step = max(done) if done else (0, None, None)
 
     def write(self, step: int, state: Any, meta: dict | None = None) -> float:
-        """Copy `state` into the slot not holding the newest committed snapshot; return the
-        seconds the caller was blocked (the wait for the previous commit, and the copy).
+        """Copy `state` into a slot (see _target_slot); return the seconds the caller was
+        blocked (the wait for the previous commit, and the copy).
 
         A background thread commits the snapshot; `flush` waits for it. CheckpointError when
         the state or meta cannot be encoded, shm_dir lacks space, or the last commit failed;
-        the newest committed snapshot is never touched.
+        a committed snapshot is always left intact.
         """
         start = time.perf_counter()
         if type(step) is not int or step < 0:

@@ -18,21 +18,19 @@ crc32 match the manifest.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import re
-import struct
 import time
 import zlib
 from typing import Any, Callable, Iterator
 
 import safetensors.torch
-import torch
 
 from unbroken.checkpoint.codec import flatten_state, unflatten_state
 from unbroken.checkpoint.files import _AnyPath, open_root
+from unbroken.checkpoint.safetensors_stream import SafetensorsStream
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -44,12 +42,6 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 # Names we write inside a step dir; a step dir holding anything else is never deleted.
 _OWN_FILE_RE = re.compile(r"^(MANIFEST\.json|rank_\d{5,}\.(safetensors|json))(\.tmp-[0-9a-f]+)?$")
-_CHUNK_BYTES = 4 << 20
-# torch dtype -> safetensors dtype name; flatten_state only emits these.
-_SAFETENSORS_DTYPES = {dtype: name for name, dtype in getattr(safetensors.torch, "_TYPES", {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool}).items()}
 
 
 def step_dir_name(step: int) -> str:
@@ -115,7 +107,7 @@ class StorageTier:
         _to_json(meta, f"meta of rank {rank} step {step}")  # fail before writing anything
         header = {"format": FORMAT, "step": str(step), "rank": str(rank),
                   "spec": _to_json(spec, "state spec").decode()}
-        data = _SafetensorsStream(tensors, header, self._pace)
+        data = SafetensorsStream(tensors, header, self._pace)
         tensor_name, record_name = rank_file_names(rank)
         step_dir = self._step_dir(step)
         try:
@@ -262,17 +254,7 @@ class StorageTier:
 
         Each skipped step (bad data, or a MANIFEST.json that is not ours) gets one warning.
         """
-        for step in sorted(self._step_dirs(), reverse=True):
-            if at_or_below is not None and step > at_or_below:
-                continue
-            if self._files.size(self._step_dir(step) / MANIFEST) is None:
-                continue  # never committed (or being written): not a candidate, not a fault
-            try:
-                self.verify_rank(step, rank)
-                return step
-            except CheckpointCorrupt as exc:
-                logger.warning("skipping checkpoint step %d for rank %d: %s", step, rank, exc)
-        return None
+        return next(self._steps_passing(rank, at_or_below, self.verify_rank), None)
 
     def loadable_steps(self, rank: int, at_or_below: int | None = None) -> list[int]:
         """Committed steps (<= at_or_below), newest first, whose file for `rank` is in place:
@@ -281,21 +263,28 @@ class StorageTier:
         Cheap: no tensor data is read, so a file whose bytes rotted in place is listed here
         and fails its crc32 in :meth:`load_rank`. Each skipped step gets one warning.
         """
-        steps = []
+        return list(self._steps_passing(rank, at_or_below, self._check_in_place))
+
+    def _steps_passing(self, rank: int, at_or_below: int | None,
+                       check: Callable[[int, int], None]) -> Iterator[int]:
+        """Committed steps (<= at_or_below), newest first, for which ``check(step, rank)`` passes."""
         for step in sorted(self._step_dirs(), reverse=True):
             if (at_or_below is not None and step > at_or_below) \
                     or self._files.size(self._step_dir(step) / MANIFEST) is None:
                 continue  # above the bound, or never committed: not a candidate, not a fault
             try:
-                path, entry, _ = self._check_metadata(step, rank)
-                found = self._files.size(path)
-                if found != entry["bytes"]:
-                    raise CheckpointCorrupt(f"{path}: {'missing' if found is None else f'{found} bytes'}, "
-                                            f"the manifest lists {entry['bytes']} bytes")
-                steps.append(step)
+                check(step, rank)
             except CheckpointCorrupt as exc:
                 logger.warning("skipping checkpoint step %d for rank %d: %s", step, rank, exc)
-        return steps
+                continue
+            yield step
+
+    def _check_in_place(self, step: int, rank: int) -> None:
+        path, entry, _ = self._check_metadata(step, rank)
+        found = self._files.size(path)
+        if found != entry["bytes"]:
+            raise CheckpointCorrupt(f"{path}: {'missing' if found is None else f'{found} bytes'}, "
+                                    f"the manifest lists {entry['bytes']} bytes")
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -402,51 +391,6 @@ class StorageTier:
             f"saving step {step} ({what}) to {self.root} failed: {exc.strerror or exc} "
             f"(errno {exc.errno}, file {exc.filename or '?'}); the step is not committed and "
             "earlier checkpoints are kept. Free space there or lower the `keep` setting.")
-
-
-class _SafetensorsStream:
-    """A safetensors file as the buffers to write in turn: its header, then each tensor's
-    bytes in _CHUNK_BYTES pieces read straight from the tensor; `crc32` of all of it is
-    complete once they were all taken (each piece is checksummed while still in cache).
-
-    The same bytes safetensors.torch.save makes, but for the order of the tensors (here by
-    element size, then name, so each starts aligned) and of the header's keys.
-    """
-
-    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                 pace: Callable[[], None] | None = None) -> None:
-        self._pace = pace
-        order = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
-        index: dict[str, Any] = {"__metadata__": metadata}
-        offset = 0
-        for name, t in order:
-            if t.dtype not in _SAFETENSORS_DTYPES:
-                raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors "
-                                      "cannot store")
-            nbytes = t.numel() * t.element_size()
-            index[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                           "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        head = json.dumps(index, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)  # the tensor bytes start 8-byte aligned
-        self.header = struct.pack("<Q", len(head)) + head
-        self.tensors = [t for _, t in order]
-        self.nbytes, self.crc32 = len(self.header) + offset, 0
-
-    def __iter__(self) -> Iterator[memoryview | bytes]:
-        self.crc32 = zlib.crc32(self.header)
-        yield self.header
-        for t in self.tensors:  # CPU and contiguous: flatten_state made them so
-            nbytes = t.numel() * t.element_size()
-            if not nbytes:
-                continue
-            view = memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
-            for a in range(0, nbytes, _CHUNK_BYTES):
-                piece = view[a:a + _CHUNK_BYTES]
-                self.crc32 = zlib.crc32(piece, self.crc32)
-                yield piece
-                if self._pace is not None:
-                    self._pace()
 
 
 def describe(root: str | os.PathLike) -> list[dict]:

@@ -6,13 +6,14 @@ Usage errors exit with code 2 and a message naming the flag, the value and what 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from unbroken.config import (CheckpointConfig, HangConfig, LaunchConfig, parse_strategies,
-                             secret_from_env)
+from unbroken.config import (CheckpointConfig, HangConfig, LaunchConfig, WorkerSettings, parse_strategies,
+                             secret_from_env, setting_flag)
 from unbroken.errors import ConfigError, UnbrokenError
 
 
@@ -22,7 +23,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"unbroken: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
+def _int(text: str) -> int:
+    """Any integer: the range of each flag is checked once, by its config dataclass (a message
+    that names the flag, the value and what is allowed)."""
     try:
         return int(text)
     except ValueError:
@@ -40,7 +43,7 @@ def _nnodes(text: str) -> int:
     if ":" in text:
         raise argparse.ArgumentTypeError(
             f"{text!r}: elastic node ranges are not supported; give a fixed number of nodes")
-    return _positive_int(text)
+    return _int(text)
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -49,12 +52,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         names = [f"--{name}"] + ([f"--{name.replace('-', '_')}"] if "-" in name else [])
         p.add_argument(*names, **kw)
 
-    flag("nproc-per-node", type=_positive_int, default=1, help="worker processes on this node")
+    flag("nproc-per-node", type=_int, default=1, help="worker processes on this node")
     flag("nnodes", type=_nnodes, default=1, help="number of nodes (one `unbroken run` per node)")
-    flag("node-rank", type=_positive_int, default=0, help="this node's index")
+    flag("node-rank", type=_int, default=0, help="this node's index")
     flag("master-addr", default="127.0.0.1", help="node 0's address (controller)")
-    flag("master-port", type=_positive_int, default=0, help="controller port on node 0 (0: a free one)")
-    flag("max-restarts", type=_positive_int, default=32767, help="job restarts allowed (default 32767)")
+    flag("master-port", type=_int, default=0, help="controller port on node 0 (0: a free one)")
+    flag("max-restarts", type=_int, default=32767, help="job restarts allowed (default 32767)")
     flag("standalone", action="store_true", help="accepted for torchrun compatibility (single node)")
     flag("rdzv-endpoint", default=None, help="torchrun-style HOST:PORT of node 0")
     flag("rdzv-id", default="", help="job id (torchrun-style)")
@@ -63,12 +66,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("run-dir", default=None, help="run directory: event log, config (default runs/<job-id>)")
     flag("save", default=None, metavar="DIR", help="write checkpoints to DIR")
     flag("load", default=None, metavar="DIR", help="resume from the newest complete checkpoint in DIR")
-    flag("ckpt-every-steps", type=_positive_int, default=None,
+    flag("ckpt-every-steps", type=_int, default=None,
          help="shared-memory snapshot every K steps (default with --save: 1; 0: none)")
-    flag("persist-every-steps", type=_positive_int, default=None,
+    flag("persist-every-steps", type=_int, default=None,
          help="storage checkpoint every K steps, written by the agent in the background "
               "(default with --save: max(10, --ckpt-every-steps); 0: none)")
-    flag("keep-checkpoints", type=_positive_int, default=3, help="committed checkpoints kept")
+    flag("keep-checkpoints", type=_int, default=3, help="committed checkpoints kept")
     flag("shm-dir", default="/dev/shm", metavar="DIR",
          help="tmpfs directory of the shared-memory snapshots (default /dev/shm); checked to fit before step 0")
     flag("inject", default="", metavar="PLAN", help="faults to inject, e.g. kill:rank=2:step=30")
@@ -77,13 +80,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("standby", action="store_true", help="join a running job as a spare agent (rung `recover`)")
     flag("no-replica-restore", action="store_true",
          help="never restore a lost rank from replicas; recover from the newest checkpoint instead")
-    flag("recovery-timeout-s", type=_float, default=60.0, help="deadline of one in-flight recovery attempt")
-    flag("sdc-check-every-steps", type=_positive_int, default=0,
-         help="compare checksums of the state across replicas every K steps; an odd copy is repaired "
-              "from the majority (silent data corruption; default 0: off)")
-    flag("no-finite-check", action="store_true",
-         help="do not treat a NaN/Inf loss or gradient as a fault (default: redo the step, rung retry)")
-    flag("crash-loop-limit", type=_positive_int, default=3,
+    _add_worker_settings(flag)
+    flag("crash-loop-limit", type=_int, default=3,
          help="fail the job when the same rank fails the same way (exit status, step, last output line) "
               "this many times in a row (default 3; 0: restart up to --max-restarts)")
     flag("straggler-factor", type=_float, default=0.0,
@@ -93,9 +91,19 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
          help="a rank reported degraded: ignore it, or dump the state and restart cleanly (default ignore)")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
-    flag("pg-timeout-s", type=_float, default=60.0, help="process-group timeout of the workers")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def _add_worker_settings(flag) -> None:
+    """One flag per field of WorkerSettings (its name, type, default and help come from the field)."""
+    for f in dataclasses.fields(WorkerSettings):
+        if isinstance(f.default, bool):
+            action = "store_false" if f.default else "store_true"
+            flag(setting_flag(f), action=action, dest=f.name, help=f.metadata["help"])
+        else:
+            kind = _int if isinstance(f.default, int) else _float
+            flag(setting_flag(f), type=kind, default=f.default, dest=f.name, help=f.metadata["help"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,14 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_run_flags(sub.add_parser("run", help="launch a training script (torchrun-compatible)"))
     demo = sub.add_parser("demo", help="a 4-rank training run that survives injected faults")
-    demo.add_argument("--steps", type=_positive_int, default=60)
-    demo.add_argument("--nproc-per-node", type=_positive_int, default=4)
+    demo.add_argument("--steps", type=_int, default=60)
+    demo.add_argument("--nproc-per-node", type=_int, default=4)
     demo.add_argument("--run-dir", default=None)
     demo.add_argument("--plain", action="store_true", help="no live view (for logs and CI)")
     ckpt = sub.add_parser("ckpt", help="inspect, verify and export checkpoints")
     ckpt.add_argument("action", choices=["ls", "show", "verify", "export"])
     ckpt.add_argument("dir")
-    ckpt.add_argument("--step", type=_positive_int, default=None)
+    ckpt.add_argument("--step", type=_int, default=None)
     ckpt.add_argument("--out", default=None, help="export: output file")
     ckpt.add_argument("--format", choices=["safetensors", "torch", "dcp"], default="safetensors")
     return parser
@@ -144,17 +152,14 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         job_id=job_id,
         inject=args.inject,
         recover_strategy=parse_strategies(args.recover_strategy),
-        recovery_timeout_s=args.recovery_timeout_s,
         standby=args.standby,
         no_replica_restore=args.no_replica_restore,
-        pg_timeout_s=args.pg_timeout_s,
-        sdc_check_every_steps=args.sdc_check_every_steps,
-        finite_check=not args.no_finite_check,
         sub_health_policy=args.sub_health_policy,
         straggler_factor=args.straggler_factor,
         crash_loop_limit=args.crash_loop_limit,
         checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
+        worker=WorkerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkerSettings)}),
     )
     from unbroken.faults.plan import parse_plan, validate_plan
 

@@ -106,7 +106,7 @@ class Executor:
         ctl = self._ctl
         now = time.monotonic()
         ctl.timing.decided(now)
-        ctl.recovery_deadline = (action.gen, now + ctl.cfg.recovery_timeout_s)
+        ctl.recovery_deadline = (action.gen, now + ctl.cfg.worker.recovery_timeout_s)
         ctl.events.emit("abort_generation", gen=action.gen)
         ctl.connections.send_to_workers(m.Abort(gen=action.gen, reason=action.reason))
 

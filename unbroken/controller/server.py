@@ -156,7 +156,7 @@ class Controller:
                     self._check_hangs(now)
                 if self.recovery_deadline and now > self.recovery_deadline[1]:
                     gen, self.recovery_deadline = self.recovery_deadline[0], None
-                    self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.recovery_timeout_s)
+                    self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.worker.recovery_timeout_s)
                     self.apply(sm.RecoveryTimeout(self.state.attempt, gen))
 
     def _check_hangs(self, now: float) -> None:

@@ -1,6 +1,7 @@
 """What the sharded optimizer is given: parameter groups, names for messages, checksums.
 
-Pure helpers, no collectives; used once at construction (and for messages at each step).
+Pure helpers, no collectives: at construction, at each step (the parameter set check) and at the
+first step (comparing the ranks' rows of the identical-parameters check).
 """
 
 from __future__ import annotations
@@ -83,3 +84,66 @@ def checksum(flat: torch.Tensor, chunk: int = 1 << 20) -> tuple[int, int]:
         plain += part.sum()
         weighted += (part * weights).sum()
     return int(plain), int(weighted)
+
+
+@torch.no_grad()
+def check_param_set(module: nn.Module | None, params: list[torch.Tensor], names: dict[int, str],
+                    views: list[torch.Tensor]) -> None:
+    """Refuse a trainable parameter set that changed since the optimizer was built (``params``,
+    each a view of the flat buffer in ``views``); a parameter whose storage was replaced
+    (``p.data = ...``) is copied back into its view and re-adopted."""
+    if module is not None:
+        current = [p for p in module.parameters() if p.requires_grad]
+        if len(current) != len(params) or any(a is not b for a, b in zip(current, params)):
+            known = {id(p) for p in params}
+            now = {id(p) for p in current}
+            current_names = param_names(module, current)
+            added = [current_names[id(p)] for p in current if id(p) not in known]
+            gone = [names[id(p)] for p in params if id(p) not in now]
+            raise OptimizerError(
+                f"the model's trainable parameters changed after the ShardedOptimizer was built: "
+                f"{len(params)} then, {len(current)} now; new or replaced: {added}; gone or frozen: "
+                f"{gone}. Build a new optimizer (load_full_state_dict carries the state over)")
+    for p, view in zip(params, views):
+        if not p.requires_grad:
+            raise OptimizerError(f"parameter {names[id(p)]} was trainable at construction and now has "
+                                 "requires_grad=False; build a new optimizer to change what is trained")
+        if p.data_ptr() != view.data_ptr():
+            if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
+                raise OptimizerError(
+                    f"parameter {names[id(p)]} changed from {tuple(view.shape)} {view.dtype} on "
+                    f"{view.device} to {tuple(p.shape)} {p.dtype} on {p.device}; build a new optimizer")
+            view.copy_(p)  # its storage was replaced (p.data = ...): take the values back in
+            p.data = view
+
+
+def check_identical_rows(rows: list[list[int]], numel: int) -> None:
+    """Every rank's row [trainable elements, trainable tensors, num_replicas, *checksum] of the
+    first step's check must match rank 0's; OptimizerError naming what differs, and where."""
+    for column, what in ((0, "trainable elements"), (1, "trainable parameter tensors"), (2, "num_replicas")):
+        if len({row[column] for row in rows}) > 1:
+            raise OptimizerError(f"ranks disagree on the number of {what}: "
+                                 f"{ {r: row[column] for r, row in enumerate(rows)} }; build the same model "
+                                 "and pass the same num_replicas on every rank")
+    differ = [r for r, row in enumerate(rows) if row[3:] != rows[0][3:]]
+    if differ:
+        raise OptimizerError(
+            f"parameters are not identical across ranks at the first step: ranks {differ} differ from "
+            f"rank 0 (checksum of {numel} elements). Seed the model identically on every "
+            "rank (torch.manual_seed before building it) or broadcast rank 0's parameters first")
+
+
+def as_list(value: Any) -> Any:
+    """A tuple as a list (layout metadata compares equal after a JSON round trip)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def pack_grad(p: torch.Tensor, view: torch.Tensor, names: dict[int, str]) -> None:
+    """Put ``p``'s gradient into its view of the flat gradient (none counts as zero)."""
+    grad = p.grad
+    if grad is None:
+        view.zero_()  # no gradient this step counts as zero (as in a DDP bucket)
+    elif grad.is_sparse:
+        raise OptimizerError(f"parameter {names[id(p)]} has a sparse gradient; ShardedOptimizer needs dense ones")
+    elif grad.data_ptr() != view.data_ptr():
+        view.copy_(grad)

@@ -28,16 +28,8 @@ optimizer), so the gather writes the model directly and nothing is copied back. 
 ``step()`` or :meth:`sync_grads`, ``p.grad`` holds the averaged gradient, as under DDP; clip
 gradients *after* :meth:`sync_grads`, never before ``step()`` (they would be local).
 
-Memory per parameter, bytes (the seeds' table, MindIO TFT docs, next to ours)::
-
-    optimizer                         seeds (bf16 mixed precision)   ours (fp32 AdamW)
-    plain, every rank holds all       20 (bf16) / 16 (fp32)          16 = 4 param + 4 grad + 8 state
-    distributed, no replica (N = 1)   4 + 16/d                       8 + 8/d
-    distributed, N replicas           4 + 16*N/d                     8 + 8*N/d
-
-Ours keeps fp32 parameters (4) and the averaged fp32 gradient (4) in full on every rank and
-shards only the optimizer state: k bytes per element (8 for AdamW's exp_avg + exp_avg_sq,
-4 for SGD's momentum) times N/d. :meth:`ShardedOptimizer.memory_report` measures it.
+Memory: 8 + 8*N/d bytes per parameter for fp32 AdamW (the seeds' 4 + 16*N/d structure); the
+table and what :meth:`ShardedOptimizer.memory_report` measures are in :mod:`unbroken.optim.statedict`.
 
 Bit-exactness: the gradient buckets do not depend on N, and every shard boundary falls on a
 64-element boundary, so N = 1, 2, ..., d give bit-identical weights for any elementwise
@@ -58,7 +50,8 @@ from unbroken.optim import repair, statedict
 from unbroken.comm.wait import AbortCheck, wait_all
 from unbroken.worker.api import PhaseCallback, RecoverableState, SessionHooks
 from unbroken.optim.layout import FlatLayout
-from unbroken.optim.params import checksum, collect_groups, param_names
+from unbroken.optim.params import (as_list, check_identical_rows, check_param_set, checksum, collect_groups,
+                                   pack_grad, param_names)
 from unbroken.recovery.replica_map import ReplicaMap
 
 class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
@@ -140,23 +133,12 @@ class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
         optimizer alone and receives its state from replicas (:meth:`recover`)."""
         if self.world_size == 1:
             return
-        mine = torch.tensor([self.layout.numel, len(self._params), self.num_replicas, *checksum(self._flat_param)],
+        mine = torch.tensor([self.layout.numel, len(self._params), self._num_replicas, *checksum(self._flat_param)],
                             dtype=torch.int64, device=self._flat_param.device)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(everyone, mine, group=self.process_group, async_op=True)
         wait_all([work], self.should_abort, self.abandoned_work, "parameter check at construction")
-        rows = [t.tolist() for t in everyone]
-        for column, what in ((0, "trainable elements"), (1, "trainable parameter tensors"), (2, "num_replicas")):
-            if len({row[column] for row in rows}) > 1:
-                raise OptimizerError(f"ranks disagree on the number of {what}: "
-                                     f"{ {r: row[column] for r, row in enumerate(rows)} }; build the same model "
-                                     "and pass the same num_replicas on every rank")
-        differ = [r for r, row in enumerate(rows) if row[3:] != rows[0][3:]]
-        if differ:
-            raise OptimizerError(
-                f"parameters are not identical across ranks at the first step: ranks {differ} differ from "
-                f"rank 0 (checksum of {self.layout.numel} elements). Seed the model identically on every "
-                "rank (torch.manual_seed before building it) or broadcast rank 0's parameters first")
+        check_identical_rows([t.tolist() for t in everyone], self.layout.numel)
 
     def _adopt_params(self) -> None:
         # The model's parameters become views of the flat buffer: the gather then updates
@@ -307,13 +289,8 @@ class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
         return self._flat_param
 
     @property
-    def gather_pending(self) -> bool:
-        """True when the last step's parameter gather was cut by a fault (the step itself committed)."""
-        return self._gather_pending
-
-    @property
     def step_pending(self) -> bool:
-        """The contract's name for :attr:`gather_pending` (the completion of this step is the gather)."""
+        """True when the last step's parameter gather was cut by a fault (the step itself committed)."""
         return self._gather_pending
 
     def finish_step(self) -> None:
@@ -343,7 +320,7 @@ class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
         """
         if self._grads_synced:
             return
-        self._check_params()
+        check_param_set(self._module, self._params, self._names, self._param_views)  # changed since built?
         if not self._validated:  # once, at the first step: every rank calls step() together
             self._check_identical_params()
             self._validated = True
@@ -351,7 +328,7 @@ class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
         buckets = self.layout.grad_buckets()
         works, next_bucket = [], 0
         for i, (p, view) in enumerate(zip(self._params, self._grad_views)):
-            _pack_grad(p, view, self._names)
+            pack_grad(p, view, self._names)
             # Buckets wholly below the next parameter's offset are complete: send them now.
             ready = self._offsets[i + 1] if i + 1 < len(self._params) else self.layout.used_numel
             while self.world_size > 1 and next_bucket < len(buckets) and buckets[next_bucket][1] <= ready:
@@ -376,32 +353,6 @@ class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
             for a, b in self.layout.gather_chunks(shard):
                 works.append(dist.broadcast(flat[a:b], group=group, group_src=shard, async_op=True))
         wait_all(works, self.should_abort, self.abandoned_work, what)
-
-    def _check_params(self) -> None:
-        """Refuse a parameter set that changed since construction; re-adopt replaced storage."""
-        if self._module is not None:
-            current = [p for p in self._module.parameters() if p.requires_grad]
-            if len(current) != len(self._params) or any(a is not b for a, b in zip(current, self._params)):
-                known = {id(p) for p in self._params}
-                now = {id(p) for p in current}
-                names = param_names(self._module, current)
-                added = [names[id(p)] for p in current if id(p) not in known]
-                gone = [self._names[id(p)] for p in self._params if id(p) not in now]
-                raise OptimizerError(
-                    f"the model's trainable parameters changed after the ShardedOptimizer was built: "
-                    f"{len(self._params)} then, {len(current)} now; new or replaced: {added}; gone or frozen: "
-                    f"{gone}. Build a new optimizer (load_full_state_dict carries the state over)")
-        for p, view in zip(self._params, self._param_views):
-            if not p.requires_grad:
-                raise OptimizerError(f"parameter {self._names[id(p)]} was trainable at construction and now has "
-                                     "requires_grad=False; build a new optimizer to change what is trained")
-            if p.data_ptr() != view.data_ptr():
-                if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
-                    raise OptimizerError(
-                        f"parameter {self._names[id(p)]} changed from {tuple(view.shape)} {view.dtype} on "
-                        f"{view.device} to {tuple(p.shape)} {p.dtype} on {p.device}; build a new optimizer")
-                view.copy_(p)  # its storage was replaced (p.data = ...): take the values back in
-                p.data = view
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Like torch: ``set_to_none`` drops the gradients; otherwise they are zeroed in place,
@@ -436,7 +387,7 @@ class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
                                  "a plain torch optimizer state dict loads with load_full_state_dict()")
         mine = self._meta()
         wrong = {k: (meta.get(k), v) for k, v in mine.items()
-                 if k not in ("step_count", "optimizer_class") and _plain(meta.get(k)) != _plain(v)}
+                 if k not in ("step_count", "optimizer_class") and as_list(meta.get(k)) != as_list(v)}
         if wrong:
             detail = ", ".join(f"{k}: saved {s!r}, here {h!r}" for k, (s, h) in wrong.items())
             raise OptimizerError(f"shard state dict does not fit this rank's layout ({detail}); to change the "
@@ -487,17 +438,3 @@ class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
         return statedict.memory_report(self.layout, [self._inner.state.get(p, {}) for p in self._pieces],
                                        shard_index=self.shard_index,
                                        param_element_bytes=self._flat_param.element_size())
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
-def _pack_grad(p: torch.Tensor, view: torch.Tensor, names: dict[int, str]) -> None:
-    grad = p.grad
-    if grad is None:
-        view.zero_()  # no gradient this step counts as zero (as in a DDP bucket)
-    elif grad.is_sparse:
-        raise OptimizerError(f"parameter {names[id(p)]} has a sparse gradient; ShardedOptimizer needs dense ones")
-    elif grad.data_ptr() != view.data_ptr():
-        view.copy_(grad)

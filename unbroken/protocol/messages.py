@@ -128,12 +128,6 @@ class FaultClaim(Message):
     granted: bool
 
 
-@message("ack")
-class Ack(Message):
-    ok: bool
-    detail: str
-
-
 @message("worker_event")
 class WorkerEvent(Message):
     """A worker's record for the job's event log (restored, checkpoint_saved, ...)."""

@@ -144,7 +144,7 @@ class InFlight:
     # -- the regroup ----------------------------------------------------------------------
     def _adopt_group(self, gen: int) -> None:
         group = generation_group(self._store, gen, rank=self._cfg.rank, world_size=self._cfg.world_size,
-                                 timeout_s=self._cfg.pg_timeout_s, device=self._device)
+                                 timeout_s=self._cfg.worker.pg_timeout_s, device=self._device)
         if self.group is not None:
             self.graveyard.append(self.group)  # never destroyed early: see FACTS.md
         self.gen, self.group = gen, group
@@ -157,7 +157,7 @@ class InFlight:
             self._control.paused(gen, self._paused_step, self.pause_phase)
 
     def _await_order(self, reported: int) -> Regroup:  # a Dump order is carried out inside
-        timeout_s = self._cfg.recovery_timeout_s
+        timeout_s = self._cfg.worker.recovery_timeout_s
         order = self._control.wait_regroup(timeout_s, self._announce, reported)
         if order is None:
             raise JobFailed(f"rank {self._cfg.rank}: no regroup order from the controller within "

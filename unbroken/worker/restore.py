@@ -1,8 +1,9 @@
 """Restore at a job (re)start: every rank agrees on one step, then loads it.
 
 Runs in the training thread of each rank, inside :meth:`unbroken.worker.session.Job.steps`,
-once per process, with narrow collaborators (:class:`RestoreSources`, the tracked state) (a replacement process of an in-flight recovery does not come here: it
-receives its state from replicas, see :mod:`unbroken.worker.inflight`).
+once per process (a replacement process of an in-flight recovery does not come here: it
+receives its state from replicas, see :mod:`unbroken.worker.inflight`). It sees only narrow
+collaborators: :class:`RestoreSources` (tiers, controller link, all-reduce) and the tracked state.
 
 Sources of a rank, fastest first: its own node's shared-memory snapshots (the memory
 tier, under `unbroken run`), then the storage tier. A step is restorable only when every

@@ -3,9 +3,12 @@
 A :class:`Job` lives in one training process (one rank) and runs in its main thread. It
 joins the job (process group, controller link), knows which objects are training state
 (:meth:`Job.track`), resumes the loop at the right step (:meth:`Job.steps`), marks the
-fault boundary of each step (:meth:`Job.step`), reports step and phase, fires injected
-faults, and writes and restores checkpoints (:mod:`unbroken.worker.checkpointing`,
-:mod:`unbroken.worker.restore`).
+fault boundary of each step (:meth:`Job.step`), reports step and phase and fires injected
+faults. What it delegates, each piece owning its own state: the tracked objects
+(:class:`~unbroken.worker.tracked.TrackedState`), in-flight recovery with the process group
+of the current generation (:class:`~unbroken.worker.inflight.InFlight`), checkpoint writing
+(:class:`~unbroken.worker.checkpointing.Checkpointer`) and the restore at a (re)start
+(:func:`unbroken.worker.restore.restore`).
 
 Phases of a step, in order: ``compute`` -> ``sync`` -> ``update`` -> ``done`` (the
 optimizer reports ``sync``/``update``/``done`` through :meth:`Job.phase`).
@@ -112,7 +115,7 @@ class Job:
     def _build_process_group(self, backend: str) -> tuple[dist.Store | None, dist.ProcessGroup | None]:
         """The job's store (managed: the controller's, one per attempt) and generation 0's group
         (None for a replacement: it joins the next generation's when the regroup order comes)."""
-        timeout = timedelta(seconds=self.cfg.pg_timeout_s)
+        timeout = timedelta(seconds=self.cfg.worker.pg_timeout_s)
         store = None
         if self.cfg.mode == "managed":
             # The store lives in the controller, one per attempt; generations get a prefix.
@@ -245,7 +248,7 @@ class Job:
             # start it also keeps this rank's own state, for a replacement if this rank is lost
             state = self._step_capture.per_rank if name == Phase.COMPUTE and self._step_capture else b""
             self._control.progress(self._step, name, {}, state=state)
-        if name == Phase.SYNC and self._control is not None and self.cfg.finite_check:
+        if name == Phase.SYNC and self._control is not None and self.cfg.worker.finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
         if name == Phase.UPDATE:  # the reduction is done: the step commits before anything changes
             self._commit()
@@ -293,7 +296,7 @@ class Job:
 
     def _check_replicas(self) -> None:
         """Every ``--sdc-check-every-steps`` steps: compare the replicated state across ranks."""
-        every = self.cfg.sdc_check_every_steps
+        every = self.cfg.worker.sdc_check_every_steps
         if self._control is None or not every or self._step % every:
             return
         odd = integrity.check_replicas(self._tracked.objects, rank=self.rank, world_size=self.world_size,
@@ -410,7 +413,7 @@ class Job:
         memory = SnapshotReader(self.cfg.checkpoint.shm_dir, self.cfg.job_id, self.rank) \
             if self._control is not None and self.cfg.job_id else None
         sources = restore.RestoreSources(rank=self.rank, attempt=self.attempt,
-                                         recovery_timeout_s=self.cfg.recovery_timeout_s, memory=memory,
+                                         recovery_timeout_s=self.cfg.worker.recovery_timeout_s, memory=memory,
                                          storage=self._ckpt.storage, control=self._control, all_min=self._all_min)
         return restore.restore(sources, self._tracked, self._event)
 
@@ -420,7 +423,8 @@ def init(**overrides: Any) -> Job:
 
     Works under `unbroken run`, under plain `torchrun`, and in a plain ``python`` process
     (world size 1). Keyword arguments override the environment: ``save_dir``,
-    ``load_dir``, ``every_steps``, ``keep``, ``run_dir``, ``inject``, ``pg_timeout_s``;
+    ``load_dir``, ``every_steps``, ``keep``, ``run_dir``, ``inject``, and every field of
+    :class:`unbroken.config.WorkerSettings` (``pg_timeout_s``, ...);
     ``device`` and ``backend`` choose the device and the process-group backend.
 
     Under `unbroken run`, a FatalError here (e.g. a ConfigError) and in ``job.track()``,

@@ -1,0 +1,204 @@
+"""The controller's handlers (message -> event) and executor (action -> message), with a fake
+hub and fake connections: milliseconds, no sockets, no processes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from unbroken.config import LaunchConfig
+from unbroken.controller import machine as sm
+from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS, Connections
+from unbroken.controller.executor import Executor
+from unbroken.controller.monitor import Monitor
+from unbroken.controller.timing import RecoveryTiming
+from unbroken.controller.views import WorkerView
+from unbroken.names import Phase, WorkerState
+from unbroken.protocol import messages as m
+from unbroken.recovery.restore_point import RankOffer, RestorePoint
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class FakeEvents:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict]] = []
+
+    def emit(self, name: str, **fields) -> None:
+        self.lines.append((name, fields))
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.lines]
+
+
+class FakeConn:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+class FakeStorage:
+    def __init__(self, fail: bool = False) -> None:
+        self.commits: list[int] = []
+        self.fail = fail
+
+    def commit(self, step, world_size, meta=None) -> None:
+        if self.fail:
+            raise OSError("disk full")
+        self.commits.append(step)
+
+
+class FakeHub:
+    """What the handlers and the executor use of the Controller; `apply` records the events."""
+
+    def __init__(self, world_size: int = 2, *, run_machine: bool = False) -> None:
+        self.cfg = LaunchConfig(script="x", nproc_per_node=world_size)
+        self.host = "127.0.0.1"
+        self.events = FakeEvents()
+        self.lock = threading.RLock()
+        self.state = sm.JobState(world_size=world_size, nnodes=1, max_restarts=1)
+        self.workers = {r: WorkerView(rank=r, attempt=0, pid=100 + r) for r in range(world_size)}
+        self.fired: set[str] = set()
+        self.outcome = None
+        self.done = threading.Event()
+        self.recovery_deadline = None
+        self.storage = FakeStorage()
+        self.timing = RecoveryTiming()
+        self.monitor = Monitor(self.cfg.hang, 0.0)
+        self.connections = Connections(self)
+        self.applied: list = []
+        self.degraded_calls: list = []
+        self._run_machine = run_machine
+        self.executor = Executor(self)
+
+    def apply(self, event) -> None:
+        self.applied.append(event)
+        if self._run_machine:
+            self.state, actions = sm.transition(self.state, event)
+            self.executor.execute(actions)
+
+    def degraded(self, rank, attempt, reason) -> None:
+        self.degraded_calls.append((rank, attempt, reason))
+
+    def check_recovered(self) -> None:
+        pass
+
+
+def worker_msg(hub, rank, msg, conn=None):
+    WORKER_HANDLERS[type(msg)](hub.connections, rank, 0, conn or FakeConn(), msg)
+
+
+def test_a_message_that_is_its_own_event_gets_the_connections_rank_and_attempt():
+    hub = FakeHub()
+    worker_msg(hub, 1, m.StepSynced(rank=0, attempt=7, gen=0, step=5))  # a wrong rank in the body
+    assert hub.applied == [sm.StepSynced(1, 0, 0, 5)]
+
+
+def test_progress_done_moves_the_view_and_times_the_step():
+    hub = FakeHub()
+    worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=0, phase="compute", metrics={}))
+    worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=0, phase="sync", metrics={}))
+    assert len(hub.workers[0].compute_s) == 1
+    worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="done", metrics={"loss": 2.0}))
+    w = hub.workers[0]
+    assert (w.step, w.steps_in_attempt, w.metrics, w.phase) == (1, 1, {"loss": 2.0}, Phase.DONE)
+    worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="finished", metrics={}))
+    assert w.state == WorkerState.FINISHING and hub.applied == []
+
+
+def test_a_worker_exit_becomes_rank_exited_with_the_step_the_controller_saw():
+    hub = FakeHub()
+    hub.workers[1].step = 9
+    AGENT_HANDLERS[m.WorkerExited](hub.connections, 0, m.WorkerExited(rank=1, pid=101, attempt=0, exit_code=None,
+                                                                       signal=9, last_lines=["boom"]))
+    assert hub.applied == [sm.RankExited(1, 0, None, 9, 9, ("boom",))]
+    assert hub.workers[1].state == WorkerState.FAILED and hub.timing.fault_t is not None
+    AGENT_HANDLERS[m.WorkerExited](hub.connections, 0, m.WorkerExited(rank=0, pid=100, attempt=5, exit_code=0,
+                                                                       signal=None, last_lines=[]))
+    assert len(hub.applied) == 1  # another attempt's exit is ignored
+
+
+def test_a_restore_offer_on_another_ranks_connection_is_ignored():
+    hub = FakeHub()
+    worker_msg(hub, 0, m.RestoreOffer(rank=1, attempt=0, round=0, memory_steps=[3], storage_steps=[]))
+    assert hub.applied == []
+    worker_msg(hub, 0, m.RestoreOffer(rank=0, attempt=0, round=0, memory_steps=[3], storage_steps=[]))
+    assert hub.applied == [sm.RestoreOffered(0, 0, 0, RankOffer.of([3], []))]
+
+
+def test_a_fault_claim_is_granted_once():
+    hub, conn = FakeHub(), FakeConn()
+    worker_msg(hub, 0, m.ClaimFault(rank=0, fault_id="f1"), conn)
+    worker_msg(hub, 1, m.ClaimFault(rank=1, fault_id="f1"), conn)
+    assert [c.granted for c in conn.sent] == [True, False] and hub.events.names() == ["fault_injected"]
+
+
+def test_restore_rounds_decide_once_every_rank_offered_and_answer_a_repeat():
+    hub = FakeHub(run_machine=True)
+    conns = {r: FakeConn() for r in range(2)}
+    for r, conn in conns.items():
+        hub.workers[r].conn, hub.workers[r].state = conn, WorkerState.RUNNING
+    worker_msg(hub, 0, m.RestoreOffer(rank=0, attempt=0, round=0, memory_steps=[4, 2], storage_steps=[]), conns[0])
+    assert all(not c.sent for c in conns.values())
+    worker_msg(hub, 1, m.RestoreOffer(rank=1, attempt=0, round=0, memory_steps=[2], storage_steps=[4]), conns[1])
+    assert [c.sent for c in conns.values()] == [[m.RestoreAt(attempt=0, round=0, step=4)]] * 2
+    worker_msg(hub, 1, m.RestoreOffer(rank=1, attempt=0, round=0, memory_steps=[2], storage_steps=[4]), conns[1])
+    assert conns[1].sent[-1] == m.RestoreAt(attempt=0, round=0, step=4) and len(conns[0].sent) == 1
+    assert hub.events.names() == ["restore_decided"]
+
+
+def test_a_step_persisted_by_every_rank_commits_and_supersedes_older_ones():
+    hub = FakeHub(run_machine=True)
+    AGENT_HANDLERS[m.Persisted](hub.connections, 0, m.Persisted(step=10, ranks=[0], seconds=0.5))
+    AGENT_HANDLERS[m.Persisted](hub.connections, 0, m.Persisted(step=20, ranks=[0, 1], seconds=0.5))
+    assert hub.storage.commits == [20] and hub.state.persisted == ()
+    AGENT_HANDLERS[m.Persisted](hub.connections, 0, m.Persisted(step=30, ranks=[0], seconds=0.1, error="EIO"))
+    assert hub.state.persisted == () and hub.events.names() == ["checkpoint_persisted", "persist_failed"]
+    hub.storage.fail = True
+    AGENT_HANDLERS[m.Persisted](hub.connections, 0, m.Persisted(step=40, ranks=[0, 1], seconds=0.1))
+    assert hub.events.lines[-1] == ("persist_failed", {"step": 40, "error": "disk full"})
+
+
+def test_the_executor_turns_actions_into_the_messages_agents_and_workers_get():
+    hub = FakeHub()
+    agent, worker = FakeConn(), FakeConn()
+    hub.connections.agents[0] = agent
+    hub.workers[0].conn, hub.workers[0].state = worker, WorkerState.RUNNING
+    hub.executor.execute([sm.KillRank(1, "hung"), sm.CommitStep(gen=0, step=3),
+                          sm.OrderRegroup(2, 3, frozenset({1, 0})), sm.AbortGeneration(2, "lost rank 1")])
+    assert agent.sent == [m.KillWorker(rank=1, pid=101, reason="hung")]
+    assert worker.sent == [m.CommitStep(gen=0, step=3), m.Regroup(gen=2, resume_step=3, replaced=[0, 1]),
+                           m.Abort(gen=2, reason="lost rank 1")]
+    assert hub.recovery_deadline[0] == 2
+    assert hub.events.names() == ["kill_worker", "regroup", "abort_generation"]
+
+
+def test_the_executor_finishes_the_job_and_tells_every_agent():
+    hub = FakeHub()
+    agents = {0: FakeConn(), 1: FakeConn()}
+    hub.connections.agents.update(agents)
+    point = RestorePoint(step=-1, tiers=(), reason="nothing")
+    hub.executor.execute([sm.RestoreDecided(0, 0, point, None), sm.Finish(0, "done")])
+    assert hub.outcome.exit_code == 0 and hub.done.is_set()
+    assert all(c.sent == [m.Shutdown(exit_code=0, reason="done")] for c in agents.values())
+
+
+def test_recovery_timing_reports_the_in_flight_milestones():
+    timing = RecoveryTiming()
+    views = [WorkerView(rank=0, step=7), WorkerView(rank=1, step=6)]
+    timing.fault_began(10.0, views)
+    timing.fault_began(11.0, views)  # the first fault of a cascade counts
+    timing.decided(10.5)
+    timing.mark("joined", 10.6, first=True)
+    timing.mark("joined", 10.9, first=True)
+    timing.mark("regroup", 10.7)
+    timing.resumed(0.2)
+    fields = timing.recovered_in_flight(resume_step=6, now=11.0)
+    assert fields == dict(detect_s=0.5, replace_s=0.1, regroup_s=0.1, restore_s=0.2, total_s=1.0, steps_redone=1)
+    assert timing.check_recovered(views, 0, 12.0) is None  # rank 1 is not back at step 7 yet
+    views[1].step = 7
+    assert timing.check_recovered(views, 0, 12.0)["tier"] == "replicas"
+    assert timing.check_recovered(views, 0, 12.0) is None  # reported once

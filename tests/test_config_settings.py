@@ -1,0 +1,54 @@
+"""A worker setting is one field of WorkerSettings: its flag, env variable and check derived."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from unbroken.cli.main import build_parser, launch_config
+from unbroken.config import LaunchConfig, WorkerSettings, setting_env, setting_flag, worker_config_from_env, worker_env
+from unbroken.errors import ConfigError
+
+FIELDS = dataclasses.fields(WorkerSettings)
+
+
+def _changed(f: dataclasses.Field):
+    """A valid value of ``f`` other than its default."""
+    return (not f.default) if isinstance(f.default, bool) else f.default + 3
+
+
+def _argv(f: dataclasses.Field, value) -> list[str]:
+    return [f"--{setting_flag(f)}"] if isinstance(value, bool) else [f"--{setting_flag(f)}", str(value)]
+
+
+@pytest.mark.parametrize("f", FIELDS, ids=lambda f: f.name)
+def test_a_setting_goes_from_its_flag_through_the_environment_to_the_worker(f):
+    value = _changed(f)
+    args = build_parser().parse_args(["run", *_argv(f, value), "train.py"])
+    cfg = launch_config(args)
+    assert getattr(cfg.worker, f.name) == value
+    env = worker_env(cfg, rank=0, local_rank=0, attempt=0, controller="", store_host="h", store_port=1)
+    assert setting_env(f) in env
+    assert getattr(worker_config_from_env(env).worker, f.name) == value
+
+
+@pytest.mark.parametrize("f", FIELDS, ids=lambda f: f.name)
+def test_unset_means_the_default_and_init_overrides_win(f):
+    assert getattr(worker_config_from_env({}).worker, f.name) == f.default
+    assert getattr(worker_config_from_env({}, **{f.name: _changed(f)}).worker, f.name) == _changed(f)
+
+
+@pytest.mark.parametrize("f", [f for f in FIELDS if f.metadata["above"] is not None
+                               or f.metadata["at_least"] is not None], ids=lambda f: f.name)
+def test_a_value_out_of_range_names_the_flag(f):
+    bound = f.metadata["above"] if f.metadata["above"] is not None else f.metadata["at_least"] - 1
+    with pytest.raises(ConfigError, match=f"--{setting_flag(f)} must be"):
+        WorkerSettings(**{f.name: type(f.default)(bound)})
+
+
+def test_the_derived_names_are_the_documented_ones():
+    names = {f.name: (setting_flag(f), setting_env(f)) for f in FIELDS}
+    assert names["finite_check"] == ("no-finite-check", "UNBROKEN_FINITE_CHECK")
+    assert names["pg_timeout_s"] == ("pg-timeout-s", "UNBROKEN_PG_TIMEOUT_S")
+    assert LaunchConfig(script="x").worker == WorkerSettings()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -79,9 +80,27 @@ def test_per_rank_state_over_the_limit_names_the_biggest_object(monkeypatch):
         rollback.capture(0, tracked.rollback_tree(), tracked.per_rank_tree(), rank=2)
 
 
-def test_bytes_that_are_not_an_encoded_state_are_refused():
-    with pytest.raises(CheckpointCorrupt, match="per-rank state"):
-        rollback.decode_tree(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}", "per-rank state")
-    tree = {"a": [1, (2, 3.5)], "t": torch.ones(2)}
+def test_a_tree_round_trips_exactly():
+    tree = {"a": [1, (2, 3.5)], "t": torch.ones(2), "bf": torch.arange(4, dtype=torch.bfloat16).reshape(2, 2),
+            "empty": torch.empty(0, 3), "c": torch.tensor([1 + 2j])}
     back = rollback.decode_tree(rollback.encode_tree(tree), "x")
-    assert back["a"] == [1, (2, 3.5)] and torch.equal(back["t"], tree["t"])
+    assert back["a"] == [1, (2, 3.5)]
+    for key in ("t", "bf", "empty", "c"):
+        assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key]), key
+
+
+def _blob_with(header: dict, tail: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + tail
+
+
+@pytest.mark.parametrize("data", [
+    b"\x0a\x00\x00\x00\x00\x00\x00\x00{not json}", b"\x01\x02", b"\xff" * 8 + b"{}",
+    _blob_with({"format": "other"}),
+    _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "os", [1], 1]]}, b"\x00"),
+    _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "float32", [4], 16]]}, b"\x00"),
+    rollback.encode_tree({"x": torch.ones(2)}) + b"\x00",
+], ids=["not-json", "short", "length-past-end", "format", "not-a-dtype", "truncated", "trailing"])
+def test_bytes_that_are_not_an_encoded_state_are_refused(data):
+    with pytest.raises(CheckpointCorrupt, match="per-rank state"):
+        rollback.decode_tree(data, "per-rank state")

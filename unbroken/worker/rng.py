@@ -7,6 +7,7 @@ and the replica transfer carry it without pickle.
 
 from __future__ import annotations
 
+import array
 import random
 import sys
 from typing import Any
@@ -18,7 +19,7 @@ def capture() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     # Python's 625-word state as one tensor: the codec stores it as bytes, not 625 JSON numbers.
     state: dict[str, Any] = {"torch": torch.get_rng_state(),
-                             "python": [version, torch.tensor(internal, dtype=torch.int64), gauss]}
+                             "python": [version, torch.frombuffer(array.array("q", internal), dtype=torch.int64), gauss]}
     np = sys.modules.get("numpy")
     if np is not None:
         name, keys, pos, has_gauss, gauss = np.random.get_state()

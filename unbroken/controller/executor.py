@@ -18,11 +18,16 @@ import torch.distributed as dist
 from unbroken.controller import machine as sm
 from unbroken.controller.hub import Hub
 from unbroken.controller.rank_state import Found
+from unbroken.protocol.framing import MAX_FRAME_BYTES
 from unbroken.controller.views import Outcome
 from unbroken.errors import CheckpointError
 from unbroken.names import Rung, WorkerState
 from unbroken.protocol import messages as m
 
+
+
+#: The most per-rank state bytes one dump order carries (the rest of its frame is small).
+DUMP_STATES_BYTES = MAX_FRAME_BYTES * 3 // 4
 
 
 class Executor:
@@ -147,9 +152,21 @@ class Executor:
 
     # -- checkpoints: dump, persisted steps, restore decisions --------------------------------
     def _dump(self, action: sm.DumpOrder) -> None:
+        ctl = self._ctl
         assign = [list(p) for p in action.assign]
-        self._ctl.events.emit("dump", gen=action.gen, step=action.step, assign=assign)
-        self._ctl.connections.send_to_workers(m.Dump(gen=action.gen, step=action.step, assign=assign))
+        ctl.events.emit("dump", gen=action.gen, step=action.step, assign=assign)
+        order = m.Dump(gen=action.gen, step=action.step, assign=assign)
+        lost = {lost for lost, _ in action.assign}
+        ctl.connections.send_to_workers(order, set(ctl.workers) - {writer for _, writer in action.assign} - lost)
+        for writer in sorted({writer for _, writer in action.assign}):  # each gets the states it writes
+            states = {}
+            for rank in sorted(lost_rank for lost_rank, w in action.assign if w == writer):
+                own = ctl.rank_states.for_resume(rank, ctl.state.attempt, action.step)
+                if own is not None and sum(map(len, states.values())) + len(own.state) <= DUMP_STATES_BYTES:
+                    states[str(rank)] = own.state
+                ctl.events.emit("per_rank_state", rank=rank, resume_step=action.step, writer=writer,
+                                source=own.source if str(rank) in states else "none: the dump writes the writer's copy")
+            ctl.connections.send_to_workers(dataclasses.replace(order, states=states), {writer})
 
     def _commit_dump(self, action: sm.CommitDump) -> None:
         ctl = self._ctl

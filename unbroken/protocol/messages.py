@@ -246,6 +246,8 @@ class Dump(Message):
     gen: int
     step: int
     assign: list[list[int]]
+    # the lost ranks' own per-rank states for ``step`` (rank as str -> encoded), those this rank writes
+    states: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
 
 @message("dumped")

@@ -55,8 +55,9 @@ class DumpTarget(Protocol):
     def check_dump(self) -> None:
         """CheckpointError unless a storage tier can take a dump."""
 
-    def write_dump(self, step: int, ranks: list[int]) -> None:
-        """Write this rank's state as the state of each of ``ranks`` (a replica's is bit-identical)."""
+    def write_dump(self, step: int, ranks: list[int], states: dict[str, bytes]) -> None:
+        """Write this rank's state as the state of each of ``ranks`` (a replica's is bit-identical),
+        with a lost rank's own per-rank state from ``states`` (rank as str -> encoded)."""
 
 
 class InFlight:
@@ -184,7 +185,7 @@ class InFlight:
             if self._tracked.step_pending():
                 raise CheckpointError("a parameter gather was cut: this rank holds no consistent copy")
             self._injector.at(order.step, Phase.CHECKPOINT)  # a fault planned for the dump fires here
-            self._dump_target.write_dump(order.step, ranks)
+            self._dump_target.write_dump(order.step, ranks, order.states)
         except Exception as exc:  # noqa: BLE001 - any failure is reported; the ladder goes on to `exit`
             if not isinstance(exc, (CheckpointError, OSError)) and not self.is_recoverable(exc):
                 raise

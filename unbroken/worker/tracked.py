@@ -90,6 +90,10 @@ class TrackedState:
         self._load_objects(tree["objects"], sorted(self.per_rank), "per-rank state")
         rng.restore(tree["rng"])
 
+    def with_per_rank(self, tree: dict[str, Any], per_rank: dict[str, Any]) -> dict[str, Any]:
+        """A :meth:`tree` with another rank's per-rank part (from :meth:`per_rank_tree`) in it."""
+        return {"tracked": {**tree["tracked"], **per_rank["objects"]}, "rng": per_rank["rng"]}
+
     def rollback_tree(self) -> dict[str, Any]:
         """The replicated objects that may change inside a step (not modules, optimizers or
         recoverable state), as they are now."""

@@ -35,13 +35,15 @@ def _flags(scenario: str, tmp) -> list[str]:
         "two-kills": ["--inject", "kill:rank=1:step=5:at=compute,kill:rank=2:step=5:at=compute"],
         "retry": ["--inject", "corrupt:rank=2:step=5"],
         "restart-memory": [*exit_only, "--inject", "kill:rank=1:step=6:at=sync"],
+        "dump": ["--recover-strategy", "dump,exit", "--save", ckpt, "--ckpt-every-steps", "4",
+                 "--inject", "kill:rank=2:step=6:at=sync"],
         "restart-storage": [*exit_only, "--ckpt-every-steps", "0", "--persist-every-steps", "2",
                             "--inject", "kill:rank=1:step=6:at=sync"],
     }[scenario]
 
 
 SCENARIOS = ["kill-compute", "kill-sync", "kill-update", "hang", "kill-rank-0", "two-kills", "retry",
-             "restart-memory", "restart-storage", "load"]
+             "restart-memory", "restart-storage", "dump", "load"]
 #: The default run's representatives, one per data source (the rest of the matrix is slow).
 FAST = {("sampler", "kill-compute"), ("per-rank-seed", "kill-sync"), ("loader", "kill-update")}
 
@@ -63,7 +65,11 @@ def test_bit_exact_through_the_fault(tmp_path, references, source, scenario):
     assert_ok(result)
     assert_bit_exact(references(source), out)
     restarted = bool(events(run_dir, "attempt_started")[1:])
-    assert restarted == scenario.startswith("restart-"), "in flight where expected, restarted where asked"
+    assert restarted == (scenario.startswith("restart-") or scenario == "dump"), "in flight unless asked"
+    if scenario == "dump":  # the lost rank's file holds its own per-rank state, not its writer's
+        assert events(run_dir, "dump_committed") and not events(run_dir, "dump_per_rank_fallback")
+        (recovered,) = events(run_dir, "recovered")
+        assert recovered["restored_step"] == events(run_dir, "dump_committed")[0]["step"]
     if scenario in ("kill-compute", "kill-sync", "kill-update", "two-kills", "kill-rank-0", "hang"):
         sources = [e["source"] for e in events(run_dir, "per_rank_state")]
         assert sources and not any(s.startswith("fallback") for s in sources), sources

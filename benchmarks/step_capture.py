@@ -79,7 +79,7 @@ def build(size: dict, batch_size: int, block_size: int):
     def step(index: int, capture: bool) -> float:
         started = time.process_time()
         if capture:  # (a), (b): what Job._begin_step and the 'compute' report do
-            cap = rollback.capture(index, tracked.rollback_tree(), tracked.per_rank_tree(), rank=3)
+            cap = rollback.capture(index, *tracked.step_start(), rank=3)
             pack_frame(m.encode(m.Progress(rank=3, attempt=0, step=index, phase="compute", metrics={},
                                            state=cap.per_rank)))
         starts = sampler.take(batch_size)

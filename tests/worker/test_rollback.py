@@ -104,3 +104,28 @@ def _blob_with(header: dict, tail: bytes = b"") -> bytes:
 def test_bytes_that_are_not_an_encoded_state_are_refused(data):
     with pytest.raises(CheckpointCorrupt, match="per-rank state"):
         rollback.decode_tree(data, "per-rank state")
+
+
+class DrawsOnRead(Position):
+    """Like a StatefulDataLoader without a live iterator: reading its state draws from the RNG."""
+
+    def state_dict(self) -> dict:
+        torch.rand(2)
+        random.random()
+        return super().state_dict()
+
+
+def test_reading_the_state_never_moves_the_rng_streams():
+    tracked = _tracked()
+    tracked.add("loader", DrawsOnRead(), HOOKS)
+    torch.manual_seed(9)
+    random.seed(9)
+    want = (torch.rand(3), random.random())
+    torch.manual_seed(9)
+    random.seed(9)
+    local, per_rank = tracked.step_start()
+    tracked.tree()
+    tracked.per_rank_tree()
+    got = (torch.rand(3), random.random())
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    assert sorted(local) == ["ema", "sched"] and sorted(per_rank["objects"]) == ["data", "loader"]

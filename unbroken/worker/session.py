@@ -309,8 +309,7 @@ class Job:
     def _begin_step(self) -> None:
         self._step_started = time.monotonic()
         if self._control is not None:  # to redo this step exactly if it is dropped
-            self._step_capture = rollback.capture(self._step, self._tracked.rollback_tree(),
-                                                  self._tracked.per_rank_tree(), rank=self.rank)
+            self._step_capture = rollback.capture(self._step, *self._tracked.step_start(), rank=self.rank)
         self._in_step, self._committed_this_step = True, False
 
     def _survive(self) -> int:

@@ -20,6 +20,7 @@ but modules, torch optimizers and RecoverableState objects), and the RNG streams
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -82,8 +83,27 @@ class TrackedState:
 
     def per_rank_tree(self) -> dict[str, Any]:
         """This rank's own state: the per-rank objects and the RNG streams, as they are now."""
-        return {"objects": {n: self.state_of(self.objects[n]) for n in sorted(self.per_rank)},
-                "rng": rng.capture()}
+        states, streams = self._states(sorted(self.per_rank))
+        return {"objects": states, "rng": streams}
+
+    def step_start(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(:meth:`rollback_tree`, :meth:`per_rank_tree`) of now, in one pass."""
+        local = [n for n, o in self.objects.items() if n not in self.per_rank and not _committed_state(o)]
+        states, streams = self._states(local + sorted(self.per_rank))
+        return ({n: states[n] for n in local},
+                {"objects": {n: states[n] for n in sorted(self.per_rank)}, "rng": streams})
+
+    def _states(self, names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The states of ``names`` and the RNG streams as they were before reading them. Reading
+        must not move the streams: some objects draw from the global RNG in ``state_dict()``
+        (a StatefulDataLoader without a live iterator creates one there), which would make a run
+        that reads state at other moments (a rollback, a restart) draw differently from one that
+        does not. torch's and Python's streams are put back if a read moved them."""
+        streams, python_before = rng.capture(), random.getstate()
+        states = {n: self.state_of(self.objects[n]) for n in names}
+        if random.getstate() != python_before or not torch.equal(torch.get_rng_state(), streams["torch"]):
+            rng.restore(streams)
+        return states, streams
 
     def load_per_rank(self, tree: dict[str, Any]) -> None:
         """Load a tree made by :meth:`per_rank_tree` (CheckpointError if an object is missing)."""
@@ -136,8 +156,8 @@ class TrackedState:
 
     def tree(self) -> dict[str, Any]:
         """The state tree of a checkpoint: every tracked object's state, and the RNG streams."""
-        return {"tracked": {name: self.state_of(obj) for name, obj in self.objects.items()},
-                "rng": rng.capture()}
+        states, streams = self._states(list(self.objects))
+        return {"tracked": states, "rng": streams}
 
     def load_one(self, obj: Any, state: Any) -> None:
         if isinstance(obj, torch.Tensor):

@@ -69,11 +69,21 @@ PERSIST_EVERY = 5  # persister phase: every 5th snapshot goes to storage
 TRAIN_DIM, TRAIN_BATCH = 4096, 128  # persister phase: 64 MiB weight matrices, batch rows
 
 
-def make_state(size_mb: int) -> dict:
+def make_state(size_mb: int, device: torch.device) -> dict:
     numel = size_mb * (1 << 20) // 4 // N_TENSORS
     g = torch.Generator().manual_seed(0)
-    model = {f"layers.{i}.weight": torch.rand(numel, generator=g) for i in range(N_TENSORS)}
+    model = {f"layers.{i}.weight": torch.rand(numel, generator=g).to(device) for i in range(N_TENSORS)}
     return {"model": model, "step": 0}
+
+
+def host_buffer(t: torch.Tensor) -> torch.Tensor:
+    """Where a copy of ``t`` lands on the host: pinned memory for a device tensor."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def fsync_path(path: Path) -> None:
@@ -115,9 +125,11 @@ class Bench:
     def __init__(self, state: dict, root: Path, job_id: str) -> None:
         self.state, self.root, self.job_id = state, root, job_id
         self.tensors = list(state["model"].values())
+        self.device = self.tensors[0].device
         self.figures: dict[str, dict[str, list[float]]] = {r: {} for r in ROWS}
         self.resident_after_drop: list[int] = []
-        self.floor_dst = [torch.empty_like(t) for t in self.tensors]
+        # The floor: a copy into preallocated host memory (pinned for device tensors).
+        self.floor_dst = [host_buffer(t) for t in self.tensors]
         for d, t in zip(self.floor_dst, self.tensors):  # touch + warm
             d.zero_()
             d.copy_(t)
@@ -145,7 +157,8 @@ class Bench:
     def floor_copy(self) -> None:
         start = time.perf_counter()
         for d, t in zip(self.floor_dst, self.tensors):
-            d.copy_(t)
+            d.copy_(t, non_blocking=True)
+        sync(self.device)
         blocked = time.perf_counter() - start
         start = time.perf_counter()
         clones = [t.clone() for t in self.tensors]  # the floor of a restore into new tensors
@@ -198,7 +211,8 @@ class Bench:
         durable = time.perf_counter() - start
         self.cold(path)
         start = time.perf_counter()
-        loaded = torch.load(path, weights_only=True)
+        loaded = torch.load(path, weights_only=True, map_location=self.device)
+        sync(self.device)
         restore = time.perf_counter() - start
         del loaded
         path.unlink()
@@ -212,7 +226,8 @@ class Bench:
         durable = time.perf_counter() - start
         self.cold(path)
         start = time.perf_counter()
-        loaded = safetensors.torch.load_file(str(path))
+        loaded = safetensors.torch.load_file(str(path), device=str(self.device))
+        sync(self.device)
         restore = time.perf_counter() - start
         del loaded
         path.unlink()
@@ -457,6 +472,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None,
                         help="storage directory (default: a temp dir on disk, not /dev/shm)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--device", default="cpu",
+                        help="where the state lives: cpu, or cuda (staged device -> pinned host -> shm)")
     parser.add_argument("--persister-size-mb", type=int, default=256,
                         help="weights of the persister-slowdown training loop (0: skip it)")
     parser.add_argument("--persister-steps", type=int, default=10,
@@ -478,7 +495,10 @@ def main() -> None:
     job_id = f"bench-{uuid.uuid4().hex[:8]}"
     bench, persister, load_start = None, None, list(os.getloadavg())  # other work skews times
     try:
-        state = make_state(args.size_mb)
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here")
+        state = make_state(args.size_mb, device)
         bench = Bench(state, root, job_id)
         for _ in range(args.repeats):  # interleaved: each method once per repeat
             for name in ROWS[1:]:  # floor_copy runs inside unbroken(), just before the write
@@ -500,7 +520,7 @@ def main() -> None:
         cold = ("cold (fadvise DONTNEED; fincore: "
                 f"{max(res) if res else '?'} bytes still cached at most)" if res else
                 "fadvise DONTNEED asked, residency unknown (no fincore)")
-        params = {"size_mb": args.size_mb, "repeats": args.repeats, "tensors": N_TENSORS,
+        params = {"size_mb": args.size_mb, "repeats": args.repeats, "tensors": N_TENSORS, "device": args.device,
                   "storage_dir": str(base), "shm_dir": str(SHM_DIR), "storage_reads": cold,
                   "persister_size_mb": args.persister_size_mb,
                   "persister_steps": args.persister_steps,

@@ -16,7 +16,7 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install -q "${UNBROKEN_TORCH:-torch==2.13.0}"
 fi
-.venv/bin/pip install -q -e ".[test]"
+.venv/bin/pip install -q -e ".[test,plot]"
 if [ "$what" = demo ]; then
   exec .venv/bin/unbroken demo "${@:2}"
 else

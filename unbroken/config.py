@@ -193,6 +193,7 @@ class LaunchConfig:
     sub_health_policy: str = "ignore"
     crash_loop_limit: int = 3  # the same failure this many times in a row ends the job (0: never)
     straggler_factor: float = 0.0  # a rank computing this many times slower than the job's median is degraded
+    metrics_port: int | None = None  # Prometheus /metrics, /status.json and the live page (None: off; 0: a free port)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hang: HangConfig = field(default_factory=HangConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
@@ -210,6 +211,8 @@ class LaunchConfig:
                  f"a job with --nnodes > 1 needs a shared secret: set {ENV_SECRET} on every node")
         _require(not (self.standby and (self.master_port == 0 or not self.secret)),
                  f"--standby joins a running job: give its --master-addr/--master-port and set {ENV_SECRET}")
+        _require(self.metrics_port is None or 0 <= self.metrics_port < 65536,
+                 f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         _require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
         _require(self.stop_grace_s >= 0, f"stop grace must be >= 0 s, got {self.stop_grace_s}")
         _require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")

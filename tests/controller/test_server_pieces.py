@@ -53,6 +53,14 @@ class FakeStorage:
         self.commits.append(step)
 
 
+class FakeLive:
+    def __init__(self) -> None:
+        self.steps: list[tuple] = []
+
+    def on_step(self, rank, step, metrics) -> None:
+        self.steps.append((rank, step, metrics))
+
+
 class FakeHub:
     """What the handlers and the executor use of the Controller; `apply` records the events."""
 
@@ -72,6 +80,7 @@ class FakeHub:
         self.monitor = Monitor(self.cfg.hang, 0.0)
         self.rank_states = RankStates(limit_bytes=1 << 16)
         self.connections = Connections(self)
+        self.live = FakeLive()
         self.applied: list = []
         self.degraded_calls: list = []
         self._run_machine = run_machine
@@ -108,6 +117,7 @@ def test_progress_done_moves_the_view_and_times_the_step():
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="done", metrics={"loss": 2.0}))
     w = hub.workers[0]
     assert (w.step, w.steps_in_attempt, w.metrics, w.phase) == (1, 1, {"loss": 2.0}, Phase.DONE)
+    assert hub.live.steps == [(0, 1, {"loss": 2.0})]
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="finished", metrics={}))
     assert w.state == WorkerState.FINISHING and hub.applied == []
 

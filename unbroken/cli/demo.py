@@ -118,6 +118,23 @@ def _recovery_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def _timeline(console: Console, run_dir: Path) -> None:
+    """The goodput table and the timeline picture of the faulty run (the picture needs matplotlib)."""
+    from unbroken.cli.ops import goodput_table
+    from unbroken.errors import ConfigError
+    from unbroken.ops import goodput
+    from unbroken.ops.plot import write_png
+
+    events = read_events(run_dir)
+    console.print(goodput_table(goodput.breakdown(events)))
+    try:
+        path = write_png(events, run_dir / "timeline.png", title="unbroken demo: 4 ranks, kill + memory fault + "
+                         "NaN + hang; step progress per rank, recovery phases shaded")
+        console.print(f"timeline picture: {path}  (again: unbroken report {run_dir} --plot out.png)")
+    except ConfigError as exc:
+        console.print(f"no timeline picture: {exc}")
+
+
 def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, live: bool = True) -> int:
     console = Console(width=None if sys.stdout.isatty() else 170)  # logs: no truncated columns
     root = Path(run_dir or f"runs/demo-{secrets.token_hex(3)}").absolute()
@@ -151,6 +168,7 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
                   + (f", final loss (rank 0): {losses[0]:.4f}" if losses and losses[0] is not None else ""))
     console.print(f"final weights equal to the fault-free run, bit for bit: "
                   f"{'[green]yes' if equal else '[red]NO'}")
+    _timeline(console, faulty.run_dir)
     ok = result.exit_code == 0 and equal and len(recovered) == len(rows) == 4
     console.print("[bold green]demo passed" if ok else "[bold red]demo FAILED")
     return 0 if ok else 1

@@ -1,4 +1,4 @@
-"""The `unbroken` command line: `run`, `demo`, `ckpt`. The only place that prints.
+"""The `unbroken` command line: `run`, `demo`, `ckpt`, `status`, `report`. The only place that prints.
 
 Usage errors exit with code 2 and a message naming the flag, the value and what is allowed.
 """
@@ -89,6 +89,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
               "is more than F times the job's median (default 0: off)")
     flag("sub-health-policy", choices=["ignore", "grace-exit"], default="ignore",
          help="a rank reported degraded: ignore it, or dump the state and restart cleanly (default ignore)")
+    flag("metrics-port", type=_int, default=None, metavar="PORT",
+         help="serve Prometheus /metrics, /status.json and a live page on PORT of --master-addr "
+              "(node 0; default: off; 0: a free port, written to the event log)")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
     p.add_argument("script", help="training script")
@@ -116,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nproc-per-node", type=_int, default=4)
     demo.add_argument("--run-dir", default=None)
     demo.add_argument("--plain", action="store_true", help="no live view (for logs and CI)")
+    from unbroken.cli.ops import add_ops_commands
+
+    add_ops_commands(sub)
     ckpt = sub.add_parser("ckpt", help="inspect, verify and export checkpoints")
     ckpt.add_argument("action", choices=["ls", "show", "verify", "export"])
     ckpt.add_argument("dir")
@@ -157,6 +163,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         sub_health_policy=args.sub_health_policy,
         straggler_factor=args.straggler_factor,
         crash_loop_limit=args.crash_loop_limit,
+        metrics_port=args.metrics_port,
         checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
         worker=WorkerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkerSettings)}),
@@ -216,7 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     else:
         logging.basicConfig(level=logging.WARNING, format="unbroken: %(message)s")
-    commands = {"run": cmd_run, "demo": cmd_demo, "ckpt": cmd_ckpt}
+    from unbroken.cli.ops import cmd_report, cmd_status
+
+    commands = {"run": cmd_run, "demo": cmd_demo, "ckpt": cmd_ckpt, "status": cmd_status, "report": cmd_report}
     try:
         return commands[args.command](args)
     except ConfigError as exc:

@@ -200,6 +200,7 @@ def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg:
         return
     w.step = msg.step  # a completed step: the progress the hang monitor watches
     w.metrics = dict(msg.metrics)
+    ctl.live.on_step(rank, msg.step, w.metrics)
     ctl.check_recovered()
     if rank == 0:
         for slow, why in ctl.monitor.new_stragglers(ctl.workers.values()):

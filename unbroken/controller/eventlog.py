@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 EVENTS_FILE = "events.jsonl"
 
@@ -24,6 +24,8 @@ class EventLog:
         self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._lock = threading.Lock()
         self._records: list[dict[str, Any]] = []
+        # Called with each record after it is logged, in the emitting thread (the live monitor).
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"t": round(time.time(), 6), "event": event, **fields}
@@ -33,6 +35,8 @@ class EventLog:
             if not self._file.closed:
                 self._file.write(line + "\n")
                 self._file.flush()
+        for listener in self.listeners:
+            listener(record)
         return record
 
     def records(self, event: str | None = None) -> list[dict[str, Any]]:

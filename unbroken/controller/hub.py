@@ -31,6 +31,12 @@ class Sender(Protocol):
     def send_to_workers(self, msg: Message, ranks: set[int] | None = None) -> None: ...
 
 
+class StepListener(Protocol):
+    """Live status and metrics (:class:`unbroken.ops.monitor.JobMonitor`): told of each completed step."""
+
+    def on_step(self, rank: int, step: int, metrics: dict) -> None: ...
+
+
 class Hub(Protocol):
     """The controller's shared state and operations; used only under :attr:`lock`."""
 
@@ -49,6 +55,7 @@ class Hub(Protocol):
     monitor: Monitor
     rank_states: RankStates
     connections: Sender
+    live: StepListener
 
     def apply(self, event: Event) -> None: ...
 

@@ -10,7 +10,8 @@ guards them, and the pieces that each do one job:
   (it owns the job's TCPStore, a fresh one per attempt);
 * :class:`~unbroken.controller.monitor.Monitor` -- step times, the hang and straggler rules;
 * :class:`~unbroken.controller.timing.RecoveryTiming` -- how long each recovery took;
-* the event log (``events.jsonl``) and the storage tier the persisted steps commit into.
+* the event log (``events.jsonl``), the live status/metrics (:class:`~unbroken.ops.monitor.JobMonitor`,
+  fed by the log and by completed steps) and the storage tier the persisted steps commit into.
 
 Threads: one per control connection (the protocol server's), one hang monitor. All state is
 guarded by :attr:`Controller.lock`; actions are carried out under it (they only send small
@@ -33,6 +34,7 @@ from unbroken.controller.monitor import MONITOR_INTERVAL_S, Monitor
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
+from unbroken.ops.monitor import JobMonitor
 from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES
 from unbroken.protocol.wire import Server
 
@@ -69,6 +71,9 @@ class Controller:
         self._server = Server(host, port, cfg.secret.encode(), self.connections.serve)
         self._monitor_thread = threading.Thread(target=self._monitor_loop, name="unbroken-hang-monitor",
                                                 daemon=True)
+        self.live = JobMonitor(run_dir=cfg.run_dir, job_id=cfg.job_id, world_size=cfg.world_size, events=events,
+                               snapshot=self.snapshot, host=host, metrics_port=cfg.metrics_port)
+        events.listeners.append(self.live.on_record)  # status, metrics and the page follow the log
 
     @property
     def port(self) -> int:
@@ -81,6 +86,7 @@ class Controller:
     def start(self) -> None:
         self._server.start()
         self._monitor_thread.start()
+        self.live.start()
         self.events.emit("controller_started", address=self.address, world_size=self.cfg.world_size,
                          nnodes=self.cfg.nnodes, max_restarts=self.cfg.max_restarts,
                          recover_strategy=list(self.cfg.recover_strategy))
@@ -102,6 +108,7 @@ class Controller:
         while self.connections.agents and time.monotonic() < deadline:
             time.sleep(0.02)
         self._server.close()
+        self.live.close()
         self._executor.close()
 
     # -- views for status and the demo ---------------------------------------------------

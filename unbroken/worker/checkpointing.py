@@ -49,9 +49,10 @@ class Checkpointer:
     failed snapshot."""
 
     def __init__(self, cfg: WorkerConfig, *, managed: bool, tracked: TrackedState, injector: FaultInjector,
-                 all_min: Callable[[int], int], event: EventSink) -> None:
+                 all_min: Callable[[int], int], event: EventSink, metrics: dict[str, Any]) -> None:
         self._cfg, self._tracked, self._injector = cfg, tracked, injector
         self._all_min, self._event = all_min, event
+        self._metrics = metrics  # the session's progress metrics: the memory tier's size goes there
         ckpt = cfg.checkpoint
         self.storage = StorageTier(ckpt.resume_dir, keep=ckpt.keep) if ckpt.resume_dir else None
         self.memory_tier = managed and bool(cfg.job_id) and ckpt.every_steps > 0
@@ -94,6 +95,7 @@ class Checkpointer:
                 hold = ckpt.persist_every_steps if ckpt.save_dir else 0  # kept until the agent persisted it
                 self._snapshots = SnapshotWriter(ckpt.shm_dir, self._cfg.job_id, self._cfg.rank, hold_every=hold)
             self._snapshots.write(step, self._tracked.tree(), {"step": step})
+            self._metrics["shm_bytes"] = sum(p.stat().st_size for p in self._snapshots.paths if p.exists())
         except CheckpointError as exc:  # e.g. /dev/shm too small: storage checkpoints go on
             self.memory_tier = False
             self._save_failed(step, exc)

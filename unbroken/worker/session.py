@@ -79,7 +79,8 @@ class Job:
         self._control = self._build_control()
         self._injector = self._build_injector()
         self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
-                                  injector=self._injector, all_min=self._all_min, event=self._event)
+                                  injector=self._injector, all_min=self._all_min, event=self._event,
+                                  metrics=self._metrics)
         store, group = self._build_process_group(backend or _default_backend(self.device))
         self._inflight = InFlight(cfg, device=self.device, control=self._control, store=store, group=group,
                                   tracked=self._tracked, injector=self._injector, dump=self._ckpt)
@@ -139,13 +140,9 @@ class Job:
     def track(self, *, per_rank: Iterable[str] = (), replicated: Iterable[str] = (), **objects: Any) -> None:
         """Declare training state: objects with ``state_dict``/``load_state_dict``, or tensors.
 
-        Modules, optimizers, LR schedulers, recoverable objects and tensors are replicated
-        (equal on every rank); every other object (a sampler, a loader, your own) is per rank:
-        a replacement gets its own copy. ``per_rank``/``replicated`` name tracked objects
-        (of this call or an earlier one) whose class differs from that default. Objects that
-        recover themselves (:class:`unbroken.worker.api.RecoverableState`, e.g.
-        ``ShardedOptimizer``) are wired to this session.
-        """
+        Replicated or per rank: see :mod:`unbroken.worker.tracked`; ``per_rank``/``replicated``
+        name tracked objects whose class differs from the default. Recoverable objects
+        (:class:`unbroken.worker.api.RecoverableState`) are wired to this session."""
         hooks = SessionHooks(on_phase=self._on_optimizer_phase, should_abort=self._inflight.should_abort,
                              defer_completion=self.cfg.mode == "managed")
         with self._fatal_exits():
@@ -181,19 +178,28 @@ class Job:
                 if not self._inflight.note_fault(index, exc):
                     raise
                 continue
-            yield index
+            try:
+                yield index
+            except GeneratorExit:  # the script left the loop early (`break`): no more step progress
+                self._report_finished()
+                raise
             if self._inflight.fault_noted:
                 continue
             if self._step == index:  # the loop body did not use `with job.step():`
                 self._end_step(index)
             try:
+                ckpt_started = time.monotonic()
                 self._check_replicas()
                 self._ckpt.after_step(self._step)
+                self._metrics["ckpt_s"] = time.monotonic() - ckpt_started  # the step's checkpoint stall
             except Exception as exc:  # a peer lost during the check or checkpoint, or an odd copy: recover
                 if not self._inflight.note_fault(index, exc):
                     raise
                 continue
             self._report_progress()
+        self._report_finished()
+
+    def _report_finished(self) -> None:
         if self._control is not None:  # past the loop: no step progress to expect any more
             self._control.progress(self._step, Phase.FINISHED, {})
 
@@ -244,8 +250,7 @@ class Job:
         if name not in STEP_PHASES and name != Phase.CHECKPOINT:
             raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(STEP_PHASES)}, checkpoint)")
         self._phase = name
-        if self._control is not None:  # the controller's view of where each rank is; at the step's
-            # start it also keeps this rank's own state, for a replacement if this rank is lost
+        if self._control is not None:  # where each rank is (and, at 'compute', its own step-start state)
             state = self._step_capture.per_rank if name == Phase.COMPUTE and self._step_capture else b""
             self._control.progress(self._step, name, {}, state=state)
         if name == Phase.SYNC and self._control is not None and self.cfg.worker.finite_check:
@@ -313,8 +318,7 @@ class Job:
         self._in_step, self._committed_this_step = True, False
 
     def _survive(self) -> int:
-        """Drop the step in flight (gradients, and everything it changed before its commit: data
-        positions, RNG draws, ...), then recover in flight; the step to resume at."""
+        """Drop the step in flight (gradients, what it changed before its commit), recover; the step to resume at."""
         pause_phase = self._phase if self._in_step else Phase.COMPUTE  # between steps: the next one's start
         self._tracked.drop_grads()
         capture = self._step_capture
@@ -354,10 +358,7 @@ class Job:
 
     def report(self, **metrics: Any) -> None:
         """Attach metrics (loss, ...) to this step's progress report."""
-        for key, value in metrics.items():
-            if isinstance(value, torch.Tensor):
-                value = value.item()
-            self._metrics[key] = value
+        self._metrics.update({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
 
     def checkpoint(self) -> None:
         """Checkpoint the state now (after the last completed step), to storage too."""

@@ -1,0 +1,477 @@
+"""Render the Kubernetes manifests of an unbroken job: a JobSet, its controller's headless
+Service and the entrypoint's ConfigMap, from a values file.
+
+    python deploy/k8s/render.py [--values FILE]... [--set KEY=VALUE]... [--out FILE]
+
+Defaults come from ``values.yaml`` beside this file; each ``--values`` file and then each
+``--set`` (``memoryTier.stateBytesPerRank=6Gi``) overrides them. Every value is checked, and
+so is the resulting ``unbroken run`` command line, with unbroken's own parser: a bad value
+exits 2 naming the key, the value and what is allowed, and nothing is written.
+
+It runs where you develop (it imports unbroken, torch and PyYAML), not in the cluster. Why a
+renderer and not a Helm chart: see README, "Running on Kubernetes".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ENTRYPOINT = HERE.parent / "unbroken-entrypoint.sh"
+ENTRYPOINT_DIR = "/opt/unbroken"
+CONTAINER = "unbroken"  # the podFailurePolicy rules name it
+NODE_JOB, STANDBY_JOB = "node", "standby"
+EXIT_USAGE = 2
+SECRET_KEY = "UNBROKEN_JOB_SECRET"
+
+# MindCluster's label values -> ours (seeds: `subHealthyStrategy: graceExit`, `fault-scheduling: grace`).
+SUB_HEALTHY = {"ignore": "ignore", "graceExit": "grace-exit"}
+# fault-scheduling: how a failed or evicted pod is handled. grace: SIGTERM and time to stop cleanly,
+# then new pods; force: the same with a short grace; off: no new pods, the JobSet fails.
+FAULT_SCHEDULING = {"grace": 60, "force": 5, "off": 60}
+
+_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+          "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_FREE_FORM = {"resources", "nodeSelector"}  # Kubernetes' own structures, passed on as they are
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class RenderError(ValueError):
+    """A value that cannot be rendered; the message names the key, the value and what is allowed."""
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- values
+
+def load_values(files: list[str], sets: list[str]) -> dict[str, Any]:
+    """The defaults, overridden by each file in order, then by each KEY=VALUE."""
+    values = _read_yaml(HERE / "values.yaml")
+    for path in files:
+        _merge(values, _read_yaml(Path(path)), where=path)
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise RenderError(f"--set {item!r}: give KEY=VALUE, e.g. --set nodes=4")
+        tree: dict[str, Any] = {}
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+        _merge(values, tree, where=f"--set {item}")
+    return values
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise RenderError(f"cannot read the values file {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise RenderError(f"the values file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise RenderError(f"the values file {str(path)!r} must hold a mapping of keys")
+    return data
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any], *, where: str, prefix: str = "", strict: bool = True) -> None:
+    """Values of `new` over `into`; a key the defaults do not have is a typo (RenderError),
+    except inside Kubernetes' own structures (resources, nodeSelector)."""
+    for key, value in new.items():
+        if strict and key not in into:
+            raise RenderError(f"{where}: unknown key {prefix + key!r} (known here: {', '.join(into)})")
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value, where=where, prefix=f"{prefix}{key}.",
+                   strict=strict and key not in _FREE_FORM)
+        else:
+            into[key] = value
+
+
+def parse_quantity(key: str, value: Any) -> int:
+    """A Kubernetes quantity (``512Mi``, ``6Gi``, ``1000000``) in bytes."""
+    match = _QUANTITY.match(str(value))
+    if match is None:
+        raise RenderError(f"{key}: {value!r} is not a byte quantity (allowed: a whole number with "
+                          "an optional suffix Ki, Mi, Gi, Ti, k, M, G or T, e.g. 6Gi)")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _int(values: dict[str, Any], key: str, *, low: int, high: int = 2**31 - 1) -> int:
+    node = _lookup(values, key)
+    if isinstance(node, bool) or not isinstance(node, int) or not low <= node <= high:
+        raise RenderError(f"{key}: {node!r} must be a whole number in [{low}, {high}]")
+    return node
+
+
+def _lookup(values: dict[str, Any], key: str) -> Any:
+    node: Any = values
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise RenderError(f"{key}: missing (see deploy/k8s/values.yaml for every key)")
+        node = node[part]
+    return node
+
+
+def _choice(values: dict[str, Any], key: str, allowed: dict[str, Any]) -> Any:
+    raw = _lookup(values, key)
+    if raw is False and "off" in allowed:  # YAML 1.1 reads a bare `off` as false
+        raw = values[key] = "off"
+    if raw not in allowed:
+        raise RenderError(f"{key}: unknown value {raw!r} (allowed: {', '.join(allowed)})")
+    return allowed[raw]
+
+
+def check_values(values: dict[str, Any]) -> None:
+    """Check the values the manifests are built from (the command line is checked afterwards)."""
+    for key in ("name", "namespace"):
+        raw = _lookup(values, key)
+        limit = 40 if key == "name" else 63  # name: room for "-controller" and JobSet's suffixes
+        if not isinstance(raw, str) or len(raw) > limit or not _DNS_LABEL.match(raw):
+            raise RenderError(f"{key}: {raw!r} must be a DNS label: lower-case letters, digits and '-', "
+                              f"at most {limit} characters")
+    for key in ("image", "script", "secretName", "workingDir"):
+        raw = _lookup(values, key)
+        if not isinstance(raw, str) or not raw:
+            raise RenderError(f"{key}: {raw!r} must be a non-empty string")
+    _int(values, "nodes", low=1)
+    _int(values, "procPerNode", low=1)
+    _int(values, "standbyNodes", low=0)
+    _int(values, "controlPort", low=1, high=65535)
+    _int(values, "metricsPort", low=0, high=65535)
+    _int(values, "jobsetMaxRestarts", low=0)
+    if values["metricsPort"] == values["controlPort"]:
+        raise RenderError(f"metricsPort: {values['metricsPort']} is also controlPort; give two different ports")
+    _choice(values, "subHealthyStrategy", SUB_HEALTHY)
+    _choice(values, "faultScheduling", FAULT_SCHEDULING)
+    grace = values.get("terminationGracePeriodSeconds")
+    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int) or grace < 5):
+        raise RenderError(f"terminationGracePeriodSeconds: {grace!r} must be null or a whole number >= 5 "
+                          "(unbroken run needs a few seconds to stop its workers)")
+    for key in ("scriptArgs", "extraArgs", "env", "tolerations"):
+        if not isinstance(values.get(key), list):
+            raise RenderError(f"{key}: {values.get(key)!r} must be a list")
+    for key in ("resources", "nodeSelector", "storage", "memoryTier"):
+        if not isinstance(values.get(key), dict):
+            raise RenderError(f"{key}: {values.get(key)!r} must be a mapping")
+    mount = _lookup(values, "storage.mountPath")
+    if not isinstance(mount, str) or not mount.startswith("/") or mount.rstrip("/") in ("", "/dev/shm"):
+        raise RenderError(f"storage.mountPath: {mount!r} must be an absolute path other than / and /dev/shm")
+    for key in ("memoryTier.stateBytesPerRank", "memoryTier.extraBytes"):
+        parse_quantity(key, _lookup(values, key))
+    _int(values, "memoryTier.everySteps", low=0)
+    _check_memory_limit(values)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def shm_size_bytes(values: dict[str, Any]) -> int:
+    """The size of the memory-backed /dev/shm: the memory tier's two slots per rank for every
+    rank of the pod, plus what unbroken's capacity check keeps free (max(256 MiB, 10% of the
+    free bytes)), plus ``memoryTier.extraBytes``; rounded up to MiB."""
+    from unbroken.checkpoint.memory import MIN_HEADROOM_BYTES
+    from unbroken.checkpoint.shm_files import shm_slots_bytes
+
+    extra = parse_quantity("memoryTier.extraBytes", values["memoryTier"]["extraBytes"])
+    if not values["memoryTier"]["everySteps"]:
+        return _round_mib(max(extra, 64 << 20))
+    state = parse_quantity("memoryTier.stateBytesPerRank", values["memoryTier"]["stateBytesPerRank"])
+    needed = shm_slots_bytes(state) * values["procPerNode"]
+    # The check passes when needed + max(MIN, free // 10) <= free, with free = the size at start.
+    size = max(needed + MIN_HEADROOM_BYTES, math.ceil(needed * 10 / 9) + 1)
+    return _round_mib(size + extra)
+
+
+def _round_mib(n: int) -> int:
+    return -(-n // (1 << 20)) << 20
+
+
+def _check_memory_limit(values: dict[str, Any]) -> None:
+    limit = (values["resources"].get("limits") or {}).get("memory")
+    if limit is None:
+        return
+    shm = shm_size_bytes(values)
+    if parse_quantity("resources.limits.memory", limit) <= shm:
+        raise RenderError(
+            f"resources.limits.memory: {limit} leaves nothing for training: the memory-backed /dev/shm "
+            f"({shm >> 20}Mi, for memoryTier) counts against the container's memory limit. Raise the limit, "
+            "or lower memoryTier.stateBytesPerRank / procPerNode, or set memoryTier.everySteps=0")
+
+
+# ----------------------------------------------------------------------------- the command
+
+def controller_host(values: dict[str, Any]) -> str:
+    return f"{values['name']}-controller"
+
+
+def shared_storage(values: dict[str, Any]) -> bool:
+    """Whether every pod sees the same storage tier: a claim, or a single pod. The storage tier's
+    commit needs every rank's files in one place (README: Limitations)."""
+    return bool(values["storage"]["claimName"]) or values["nodes"] + values["standbyNodes"] == 1
+
+
+def persist_every_steps(values: dict[str, Any]) -> int:
+    return values["storage"]["persistEverySteps"] if shared_storage(values) else 0
+
+
+def run_args(values: dict[str, Any], *, standby: bool = False) -> list[str]:
+    """The ``unbroken run`` command line of one pod; $(UNBROKEN_NODE_RANK) is expanded by the kubelet."""
+    storage, tier = values["storage"], values["memoryTier"]
+    mount = storage["mountPath"].rstrip("/")
+    args = ["unbroken", "run",
+            "--nnodes", str(values["nodes"]), "--nproc-per-node", str(values["procPerNode"]),
+            "--master-addr", controller_host(values), "--master-port", str(values["controlPort"]),
+            "--rdzv-id", values["name"],
+            "--run-dir", f"{mount}/runs/{values['name']}",
+            "--save", f"{mount}/checkpoints/{values['name']}",
+            "--ckpt-every-steps", str(tier["everySteps"]),
+            "--persist-every-steps", str(persist_every_steps(values)),
+            "--keep-checkpoints", str(storage["keepCheckpoints"]),
+            "--shm-dir", "/dev/shm",
+            "--max-restarts", str(values["maxRestarts"]),
+            "--recover-strategy", str(values["recoverStrategy"]),
+            "--sub-health-policy", SUB_HEALTHY[values["subHealthyStrategy"]]]
+    args += ["--standby"] if standby else ["--node-rank", "$(UNBROKEN_NODE_RANK)"]
+    if values["metricsPort"] and not standby:
+        args += ["--metrics-port", str(values["metricsPort"])]
+    args += [str(a) for a in values["extraArgs"]]
+    return args + [values["script"], *(str(a) for a in values["scriptArgs"])]
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print and exit: report instead
+        raise RenderError(message)
+
+
+def check_command(args: list[str], *, warn: Callable[[str], None] = _warn) -> None:
+    """Parse ``args`` (``unbroken run ...``) with unbroken's own flags and config checks, as
+    node 0 would see them; RenderError on a usage error. Only `warn` is told anything."""
+    from unbroken.cli.main import _add_run_flags, launch_config
+    from unbroken.config import ENV_SECRET
+    from unbroken.errors import ConfigError
+
+    parser = _RaisingParser(prog="unbroken run")
+    _add_run_flags(parser)
+    flags = [a.replace("$(UNBROKEN_NODE_RANK)", "0") for a in args[2:]]
+    if "--shm-dir" in flags:  # the pod's /dev/shm; the machine rendering may have none (macOS)
+        flags[flags.index("--shm-dir") + 1] = tempfile.gettempdir()
+    if "--metrics-port" in flags and "--metrics-port" not in parser.format_help():
+        warn("render.py: warning: this unbroken has no `unbroken run --metrics-port` yet; the image's "
+             "unbroken must have it, or render with --set metricsPort=0")
+        i = flags.index("--metrics-port")
+        del flags[i:i + 2]
+    shown = " ".join(args)
+    try:
+        namespace = parser.parse_args(flags)
+        # --nnodes > 1 needs the job secret in the environment: the pods get it from the Secret.
+        saved = os.environ.get(ENV_SECRET)
+        os.environ[ENV_SECRET] = saved or "render-check"
+        try:
+            launch_config(namespace)
+        finally:
+            if saved is None:
+                del os.environ[ENV_SECRET]
+    except (RenderError, ConfigError) as exc:
+        raise RenderError(f"the rendered command `{shown}` is not valid: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- manifests
+
+def _labels(values: dict[str, Any]) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "unbroken", "app.kubernetes.io/instance": values["name"],
+            # MindCluster's labels, for tools that read them; unbroken reads the flags.
+            "fault-scheduling": str(values["faultScheduling"]),
+            "subHealthyStrategy": str(values["subHealthyStrategy"])}
+
+
+def _meta(values: dict[str, Any], name: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "namespace": values["namespace"], "labels": _labels(values), **extra}
+
+
+def entrypoint_configmap(values: dict[str, Any]) -> dict[str, Any]:
+    """The entrypoint script (deploy/unbroken-entrypoint.sh), mounted into every pod: the image
+    needs only unbroken, not this file."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(values, f"{values['name']}-entrypoint"),
+            "data": {ENTRYPOINT.name: ENTRYPOINT.read_text(encoding="utf-8")}}
+
+
+def controller_service(values: dict[str, Any]) -> dict[str, Any]:
+    """The headless Service that names node 0's pod: every agent's --master-addr, and the
+    Prometheus scrape target. Not-ready pods are published: the controller must be reachable
+    while it starts."""
+    ports = [{"name": "control", "port": values["controlPort"], "targetPort": "control", "protocol": "TCP"}]
+    annotations = {}
+    if values["metricsPort"]:
+        ports.append({"name": "metrics", "port": values["metricsPort"], "targetPort": "metrics",
+                      "protocol": "TCP"})
+        annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(values["metricsPort"])}
+    selector = {"jobset.sigs.k8s.io/jobset-name": values["name"],
+                "jobset.sigs.k8s.io/replicatedjob-name": NODE_JOB,
+                "batch.kubernetes.io/job-completion-index": "0"}
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(values, controller_host(values), **({"annotations": annotations} if annotations else {})),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector, "ports": ports}}
+
+
+def _container(values: dict[str, Any], *, standby: bool) -> dict[str, Any]:
+    env = [{"name": SECRET_KEY, "valueFrom": {"secretKeyRef": {"name": values["secretName"], "key": SECRET_KEY}}},
+           {"name": "UNBROKEN_WAIT_FOR_HOST", "value": controller_host(values)}]
+    if not standby:  # the pod's index in the Indexed Job is its node rank
+        env.append({"name": "UNBROKEN_NODE_RANK", "valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}})
+    ports = [{"name": "control", "containerPort": values["controlPort"], "protocol": "TCP"}]
+    if values["metricsPort"]:
+        ports.append({"name": "metrics", "containerPort": values["metricsPort"], "protocol": "TCP"})
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"},
+              {"name": "entrypoint", "mountPath": ENTRYPOINT_DIR, "readOnly": True},
+              {"name": "storage", "mountPath": values["storage"]["mountPath"]}]
+    container = {"name": CONTAINER, "image": values["image"], "imagePullPolicy": values["imagePullPolicy"],
+                 "workingDir": values["workingDir"],
+                 "command": ["bash", f"{ENTRYPOINT_DIR}/{ENTRYPOINT.name}"],
+                 "args": run_args(values, standby=standby),
+                 "env": env + list(values["env"]), "ports": ports, "volumeMounts": mounts}
+    if values["resources"]:
+        container["resources"] = values["resources"]
+    return container
+
+
+def _pod_spec(values: dict[str, Any], *, standby: bool) -> dict[str, Any]:
+    grace = values.get("terminationGracePeriodSeconds") or FAULT_SCHEDULING[values["faultScheduling"]]
+    claim = values["storage"]["claimName"]
+    storage = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
+    spec = {"restartPolicy": "Never",  # unbroken restarts its workers itself; a failed pod is the Job's
+            "terminationGracePeriodSeconds": grace,
+            "containers": [_container(values, standby=standby)],
+            "volumes": [
+                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_size_bytes(values) >> 20}Mi"}},
+                {"name": "entrypoint", "configMap": {"name": f"{values['name']}-entrypoint"}},
+                {"name": "storage", **storage}]}
+    if values["nodeSelector"]:
+        spec["nodeSelector"] = values["nodeSelector"]
+    if values["tolerations"]:
+        spec["tolerations"] = values["tolerations"]
+    return spec
+
+
+def _replicated_job(values: dict[str, Any], name: str, pods: int, *, standby: bool) -> dict[str, Any]:
+    # Exit codes that no new pod can fix end the Job with reason PodFailurePolicy; so does an
+    # eviction (DisruptionTarget); the JobSet's rules below tell them apart by the message.
+    pod_failure_policy = {"rules": [
+        {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                              "values": [EXIT_USAGE, _exit_fatal()]}},
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}
+    return {"name": name, "replicas": 1, "template": {"spec": {
+        "completionMode": "Indexed", "completions": pods, "parallelism": pods,
+        "backoffLimit": 0,  # one failed pod fails the Job: the JobSet decides what follows
+        "podFailurePolicy": pod_failure_policy,
+        "template": {"metadata": {"labels": _labels(values),
+                                  "annotations": {"recover-strategy": str(values["recoverStrategy"])}},
+                     "spec": _pod_spec(values, standby=standby)}}}}
+
+
+def _exit_fatal() -> int:
+    from unbroken.errors import EXIT_FATAL
+
+    return EXIT_FATAL
+
+
+def failure_policy(values: dict[str, Any]) -> dict[str, Any]:
+    """Our exit codes -> JobSet actions (first matching rule wins; none matching: RestartJobSet).
+    A restart deletes every old pod before it makes new ones (BlockingRecreate): an old node 0
+    must not be found under the controller's name by the new agents.
+
+    EXIT_FATAL (97) or a usage error (2) -> FailJobSet; an evicted or preempted pod -> new pods,
+    not counted against maxRestarts; any other failure (1: the in-pod restarts were spent, a
+    node was lost) -> RestartJobSet, at most jobsetMaxRestarts times. fault-scheduling=off:
+    never new pods."""
+    fatal = {"name": "fatal", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
+             "onJobFailureMessagePatterns": [f"failed with exit code ({EXIT_USAGE}|{_exit_fatal()}) matching FailJob rule"]}
+    if values["faultScheduling"] == "off":
+        return {"maxRestarts": 0, "rules": [fatal, {"name": "anyFailure", "action": "FailJobSet"}]}
+    evicted = {"name": "evicted", "action": "RestartJobSetAndIgnoreMaxRestarts",
+               "onJobFailureReasons": ["PodFailurePolicy"],
+               "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"]}
+    restartable = {"name": "restartable", "action": "RestartJobSet", "onJobFailureReasons": ["BackoffLimitExceeded"]}
+    return {"maxRestarts": values["jobsetMaxRestarts"], "restartStrategy": "BlockingRecreate",
+            "rules": [fatal, evicted, restartable]}
+
+
+def jobset(values: dict[str, Any]) -> dict[str, Any]:
+    jobs = [_replicated_job(values, NODE_JOB, values["nodes"], standby=False)]
+    if values["standbyNodes"]:
+        jobs.append(_replicated_job(values, STANDBY_JOB, values["standbyNodes"], standby=True))
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+            "metadata": _meta(values, values["name"], annotations={"recover-strategy": str(values["recoverStrategy"])}),
+            "spec": {"network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+                     # The job is done when every node pod is; standby pods then end with it.
+                     "successPolicy": {"operator": "All", "targetReplicatedJobs": [NODE_JOB]},
+                     "failurePolicy": failure_policy(values),
+                     "replicatedJobs": jobs}}
+
+
+def render(values: dict[str, Any], *, warn: Callable[[str], None] = _warn) -> list[dict[str, Any]]:
+    """Every manifest of the job, checked; RenderError on a bad value."""
+    check_values(values)
+    if values["storage"]["persistEverySteps"] and not shared_storage(values):
+        warn("render.py: warning: storage.claimName is empty and the job has several pods: no storage "
+             "checkpoints (--persist-every-steps 0), only the memory tier; give a ReadWriteMany claim")
+    check_command(run_args(values), warn=warn)
+    if values["standbyNodes"]:
+        check_command(run_args(values, standby=True), warn=lambda _: None)
+    return [entrypoint_configmap(values), controller_service(values), jobset(values)]
+
+
+def to_yaml(manifests: list[dict[str, Any]], values: dict[str, Any]) -> str:
+    head = (f"# unbroken job {values['name']!r}: rendered by deploy/k8s/render.py; apply with\n"
+            f"#   kubectl create secret generic {values['secretName']} -n {values['namespace']} "
+            f"--from-literal={SECRET_KEY}=\"$(openssl rand -hex 32)\"\n"
+            "#   kubectl apply -f THIS_FILE\n")
+    return head + yaml.dump_all(manifests, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes multi-line strings (the entrypoint script) as readable `|` blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="render.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--values", action="append", default=[], metavar="FILE", help="a values file (repeatable)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one value (repeatable)")
+    parser.add_argument("--out", default="-", metavar="FILE", help="where to write (default: stdout)")
+    args = parser.parse_args(argv)
+    try:
+        values = load_values(args.values, args.set)
+        text = to_yaml(render(values), values)
+    except RenderError as exc:
+        print(f"render.py: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

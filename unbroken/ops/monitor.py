@@ -1,0 +1,174 @@
+"""The live view of a job: fed by the controller, read by `unbroken status`, /metrics and the page.
+
+A :class:`JobMonitor` lives in the controller's process (node 0's agent). It owns the job's
+metrics (:class:`~unbroken.ops.metrics.JobMetrics`), the job-level step records it adds to
+the event log (one ``step`` record each time every rank has completed one more step: the
+source of the goodput breakdown and the timeline), each rank's last fault, the
+``status.json`` file of the run directory (rewritten every second by its own thread, mode
+0600) and, with ``--metrics-port``, the HTTP server (:mod:`unbroken.ops.web`).
+
+Threads: :meth:`on_record` and :meth:`on_step` run in the controller's threads (under its
+lock: they only update counters); the status thread calls the controller's ``snapshot``
+(which takes that lock) and never holds the monitor's lock while doing so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from unbroken.controller.eventlog import EventLog
+from unbroken.ops import goodput
+from unbroken.ops.metrics import JobMetrics
+
+log = logging.getLogger(__name__)
+
+STATUS_FILE = "status.json"
+STATUS_INTERVAL_S = 1.0
+GOODPUT_INTERVAL_S = 5.0
+_FAULTS = {"hang_detected": "hang", "memory_fault": "memory fault", "non_finite": "NaN/Inf",
+           "sdc_detected": "silent corruption", "sub_health": "degraded"}
+
+
+class JobMonitor:
+    """Live state of one job for status, metrics and the page (see the module docstring)."""
+
+    def __init__(self, *, run_dir: str | os.PathLike, job_id: str, world_size: int, events: EventLog,
+                 snapshot: Callable[[], dict[str, Any]], host: str = "127.0.0.1",
+                 metrics_port: int | None = None) -> None:
+        self.run_dir, self.job_id, self.world_size = Path(run_dir), job_id, world_size
+        self.events, self._snapshot = events, snapshot
+        self.metrics = JobMetrics(world_size)
+        self._lock = threading.RLock()
+        self._rank_steps: dict[int, int] = {}
+        self._rank_metrics: dict[int, dict[str, Any]] = {}
+        self._job_step = -1
+        self._gen = 0
+        self._last_fault: dict[int, str] = {}
+        self._goodput_t = 0.0
+        self._goodput_ratio = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._status_loop, name="unbroken-status", daemon=True)
+        self._server = None
+        if metrics_port is not None:
+            from unbroken.ops.web import MetricsServer
+
+            self._server = MetricsServer(self, host, metrics_port)
+        self.address: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._server is not None:
+            self._server.start()
+            self.address = self._server.address
+            self.events.emit("metrics_started", address=self.address)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the status thread and the server; write the final status.json."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._write_status(final=True)
+        if self._server is not None:
+            self._server.close()
+
+    # -- feeds (controller threads) -----------------------------------------------------------
+    def on_record(self, record: dict[str, Any]) -> None:
+        """Every event-log record, after it is logged."""
+        with self._lock:
+            name = record.get("event")
+            if name in ("abort_generation", "regroup"):
+                self._gen = max(self._gen, int(record.get("gen") or 0))
+            if name == "regroup":  # a roll-back: the job step goes back to where it resumes
+                resume = int(record.get("resume_step") or 0)
+                self._job_step = min(self._job_step, resume)
+                self._rank_steps = {r: min(s, resume) for r, s in self._rank_steps.items()}
+            elif name == "attempt_started":
+                self._rank_steps, self._job_step = {}, -1
+            self._note_fault(record)
+        self.metrics.observe(record, self.events.records)
+
+    def on_step(self, rank: int, step: int, metrics: dict[str, Any]) -> None:
+        """A rank completed ``step`` steps; logs a ``step`` record when every rank has."""
+        with self._lock:
+            self._rank_steps[rank] = step
+            self._rank_metrics[rank] = metrics
+            if len(self._rank_steps) < self.world_size:
+                return
+            job_step = min(self._rank_steps.values())
+            if job_step <= self._job_step:
+                return
+            self._job_step = job_step
+            ms = list(self._rank_metrics.values())
+            fields = {"step": job_step, "step_s": round(max(float(m.get("step_s") or 0.0) for m in ms), 6),
+                      "ckpt_s": round(max(float(m.get("ckpt_s") or 0.0) for m in ms), 6)}
+            if any("shm_bytes" in m for m in ms):
+                fields["shm_bytes"] = sum(int(m.get("shm_bytes") or 0) for m in ms)
+        self.events.emit("step", **fields)
+
+    def _note_fault(self, r: dict[str, Any]) -> None:
+        name, rank = r.get("event"), r.get("rank")
+        if rank is None:
+            return
+        if name in _FAULTS:
+            what = _FAULTS[name]
+        elif name == "worker_exited" and (r.get("signal") or r.get("exit_code") not in (0, None)):
+            what = f"signal {r['signal']}" if r.get("signal") else f"exit {r.get('exit_code')}"
+        else:
+            return
+        self._last_fault[rank] = f"{what} at step {r.get('step')} ({time.strftime('%H:%M:%S', time.localtime(r['t']))})"
+
+    # -- views -------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The live rank table and the job's counters (what status.json and /status.json hold)."""
+        snap = self._snapshot()
+        with self._lock:
+            faults, gen, job_step = dict(self._last_fault), self._gen, self._job_step
+        ranks = []
+        for w in snap["workers"]:
+            m = w.get("metrics") or {}
+            ranks.append({"rank": w["rank"], "pid": w["pid"], "state": w["state"], "step": w["step"],
+                          "phase": w["phase"], "step_s": m.get("step_s"), "loss": m.get("loss"),
+                          "last_fault": faults.get(w["rank"], ""), "generation": gen})
+        alive = sum(1 for r in ranks if r["state"] in ("starting", "running"))
+        self.metrics.ranks_alive.set(alive)
+        return {"job_id": self.job_id, "run_dir": str(self.run_dir), "pid": os.getpid(), "updated_t": time.time(),
+                "phase": snap["phase"], "attempt": snap["attempt"], "restarts_used": snap["restarts_used"],
+                "generation": gen, "job_step": max(job_step, 0), "median_step_s": snap["median_step_s"],
+                "world_size": self.world_size, "ranks_alive": alive, "metrics_address": self.address,
+                "goodput": round(self._goodput_ratio, 4), "ranks": ranks}
+
+    def timeline_events(self) -> list[dict[str, Any]]:
+        return self.events.records()
+
+    # -- the status thread ----------------------------------------------------------------------
+    def _status_loop(self) -> None:
+        while not self._stop.wait(STATUS_INTERVAL_S):
+            try:
+                self._write_status()
+            except Exception as exc:  # noqa: BLE001  (a status write must never stop the job)
+                log.warning("status: could not write %s: %s", self.run_dir / STATUS_FILE, exc)
+
+    def _update_goodput(self, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self._goodput_t >= GOODPUT_INTERVAL_S:
+            self._goodput_t = now
+            self._goodput_ratio = goodput.breakdown(self.events.records(), now_t=now).goodput
+            self.metrics.goodput.set(self._goodput_ratio)
+
+    def _write_status(self, final: bool = False) -> None:
+        self._update_goodput(force=final)
+        status = self.status()
+        status["final"] = final
+        path = self.run_dir / STATUS_FILE
+        tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(status, f, default=str)
+        os.replace(tmp, path)

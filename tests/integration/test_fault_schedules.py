@@ -24,14 +24,16 @@ KINDS = [("kill", ("compute", "sync", "update")), ("exit", ("compute", "sync", "
 
 
 def schedule(seed: int) -> list[str]:
-    """The faults of schedule ``seed``: 1-3, at least two steps apart, on steps 1..STEPS-3."""
+    """The faults of schedule ``seed``: 1-3, at least two steps apart, on steps 1..STEPS-3. The
+    first one's kind and phase rotate with the seed, so 20 schedules cover every kind and phase."""
     rng = random.Random(seed)
     count = rng.randint(1, 3)
     steps = sorted(rng.sample(range(1, STEPS - 2, 2), count))
     faults = []
-    for step in steps:
-        kind, phases = rng.choice(KINDS)
-        faults.append(f"{kind}:rank={rng.randrange(NPROC)}:step={step}:at={rng.choice(phases)}")
+    for i, step in enumerate(steps):
+        kind, phases = KINDS[seed % len(KINDS)] if i == 0 else rng.choice(KINDS)
+        phase = phases[(seed // len(KINDS)) % len(phases)] if i == 0 else rng.choice(phases)
+        faults.append(f"{kind}:rank={rng.randrange(NPROC)}:step={step}:at={phase}")
     return faults
 
 

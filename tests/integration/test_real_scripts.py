@@ -35,7 +35,7 @@ def _flags(scenario: str, tmp) -> list[str]:
         "two-kills": ["--inject", "kill:rank=1:step=5:at=compute,kill:rank=2:step=5:at=compute"],
         "retry": ["--inject", "corrupt:rank=2:step=5"],
         "restart-memory": [*exit_only, "--inject", "kill:rank=1:step=6:at=sync"],
-        "dump": ["--recover-strategy", "dump,exit", "--save", ckpt, "--ckpt-every-steps", "4",
+        "dump": ["--recover-strategy", "dump,exit", "--save", ckpt, "--ckpt-every-steps", "5",
                  "--inject", "kill:rank=2:step=6:at=sync"],
         "restart-storage": [*exit_only, "--ckpt-every-steps", "0", "--persist-every-steps", "2",
                             "--inject", "kill:rank=1:step=6:at=sync"],

@@ -3,6 +3,7 @@ hub and fake connections: milliseconds, no sockets, no processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from unbroken.controller import machine as sm
 from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS, Connections
 from unbroken.controller.executor import Executor
 from unbroken.controller.monitor import Monitor
+from unbroken.controller.rank_state import RankStates
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import WorkerView
 from unbroken.names import Phase, WorkerState
@@ -76,6 +78,7 @@ class FakeHub:
         self.storage = FakeStorage()
         self.timing = RecoveryTiming()
         self.monitor = Monitor(self.cfg.hang, 0.0)
+        self.rank_states = RankStates(limit_bytes=1 << 16)
         self.connections = Connections(self)
         self.live = FakeLive()
         self.applied: list = []
@@ -180,10 +183,31 @@ def test_the_executor_turns_actions_into_the_messages_agents_and_workers_get():
     hub.executor.execute([sm.KillRank(1, "hung"), sm.CommitStep(gen=0, step=3),
                           sm.OrderRegroup(2, 3, frozenset({1, 0})), sm.AbortGeneration(2, "lost rank 1")])
     assert agent.sent == [m.KillWorker(rank=1, pid=101, reason="hung")]
-    assert worker.sent == [m.CommitStep(gen=0, step=3), m.Regroup(gen=2, resume_step=3, replaced=[0, 1]),
+    assert worker.sent == [m.CommitStep(gen=0, step=3),
+                           m.Regroup(gen=2, resume_step=3, replaced=[0, 1], fallback=[0, 1]),
                            m.Abort(gen=2, reason="lost rank 1")]
     assert hub.recovery_deadline[0] == 2
-    assert hub.events.names() == ["kill_worker", "regroup", "abort_generation"]
+    assert hub.events.names() == ["kill_worker", "regroup", "per_rank_state", "per_rank_state", "abort_generation"]
+
+
+def test_a_replaced_rank_gets_its_own_per_rank_state_in_its_regroup_order():
+    hub = FakeHub(world_size=3)
+    conns = {r: FakeConn() for r in range(3)}
+    for r, conn in conns.items():
+        hub.workers[r].conn, hub.workers[r].state = conn, WorkerState.RUNNING
+    # What rank 1 reported: the start of step 3 (compute), then the state after computing 3.
+    WORKER_HANDLERS[m.Progress](hub.connections, 1, 0, conns[1], m.Progress(
+        rank=1, attempt=0, step=3, phase="compute", metrics={}, state=b"start-3"))
+    WORKER_HANDLERS[m.StepSynced](hub.connections, 1, 0, conns[1], m.StepSynced(
+        rank=1, attempt=0, gen=0, step=3, state=b"after-3"))
+    assert hub.applied[-1] == m.StepSynced(rank=1, attempt=0, gen=0, step=3)  # the machine never sees the bytes
+    hub.executor.execute([sm.OrderRegroup(2, 4, frozenset({1, 2}))])  # rolled forward: step 3 committed
+    base = m.Regroup(gen=2, resume_step=4, replaced=[1, 2], fallback=[2])
+    assert conns[0].sent == [base]
+    assert conns[1].sent == [dataclasses.replace(base, rank_state=b"after-3")]
+    assert conns[2].sent == [base]  # rank 2 reported nothing: it takes rank 0's copy
+    sources = {f["rank"]: f["source"] for n, f in hub.events.lines if n == "per_rank_state"}
+    assert sources[1] == "after compute of step 3" and sources[2].startswith("fallback: rank 0's copy")
 
 
 def test_the_executor_finishes_the_job_and_tells_every_agent():

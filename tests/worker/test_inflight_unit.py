@@ -41,7 +41,7 @@ class FakeDump:
     def check_dump(self) -> None:
         pass
 
-    def write_dump(self, step, ranks) -> None:
+    def write_dump(self, step, ranks, states=None) -> None:
         self.written.append((step, ranks))
 
 
@@ -51,8 +51,7 @@ def make(control, *, replacement=False, dump=None):
     tracked.add("w", torch.arange(4.0), SessionHooks(lambda *a: None, lambda: False, True))
     injector = FaultInjector([], 0, lambda fault: True)
     return InFlight(cfg, device=torch.device("cpu"), control=control, store=dist.HashStore(), group=None,
-                    tracked=tracked, injector=injector, rng_at_step_start=lambda: {"torch": torch.get_rng_state()},
-                    dump=dump or FakeDump())
+                    tracked=tracked, injector=injector, dump=dump or FakeDump())
 
 
 def test_a_noted_fault_makes_a_recovery_pending_and_survive_moves_to_the_next_generation():

@@ -17,6 +17,7 @@ from typing import Any
 
 from unbroken.controller import machine as sm
 from unbroken.controller.hub import Hub
+from unbroken.controller.rank_state import Point
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.names import LIVE_WORKER_STATES, STEP_PHASES, Phase, WorkerState
 from unbroken.protocol import messages as m
@@ -202,6 +203,8 @@ AGENT_HANDLERS: dict[type, AgentHandler] = {
 def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Progress) -> None:
     ctl = self._ctl
     w = ctl.workers[rank]
+    if msg.state and msg.phase == Phase.COMPUTE:
+        ctl.rank_states.note(rank, attempt, msg.step, Point.START, msg.state)
     w.phase = msg.phase
     w.in_step_loop = w.in_step_loop or msg.phase in STEP_PHASES
     if msg.phase == Phase.FINISHED:
@@ -215,6 +218,12 @@ def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg:
     if rank == 0:
         for slow, why in ctl.monitor.new_stragglers(ctl.workers.values()):
             ctl.degraded(slow, attempt, why)
+
+
+def _step_synced(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.StepSynced) -> None:
+    if msg.state:
+        self._ctl.rank_states.note(rank, attempt, msg.step, Point.AFTER_COMPUTE, msg.state)
+    self._ctl.apply(dataclasses.replace(msg, rank=rank, attempt=attempt, state=b""))
 
 
 def _claim_fault(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.ClaimFault) -> None:
@@ -281,7 +290,7 @@ def _relabelled(event_of: Callable[[Any], Any]) -> WorkerHandler:
 
 
 WORKER_HANDLERS: dict[type, WorkerHandler] = {
-    m.Progress: _progress, m.StepSynced: _relabelled(lambda msg: msg), m.ClaimFault: _claim_fault,
+    m.Progress: _progress, m.StepSynced: _step_synced, m.ClaimFault: _claim_fault,
     m.Dumped: _dumped, m.Damaged: _damaged,
     m.Degraded: lambda self, rank, attempt, conn, msg: self._ctl.degraded(rank, attempt, msg.reason),
     m.SessionReady: _relabelled(lambda msg: msg), m.Paused: _paused, m.WorkerRegister: _register_again,

@@ -9,6 +9,7 @@ attempt's random key prefix, handed to workers only over the control plane (rend
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,11 +18,17 @@ import torch.distributed as dist
 
 from unbroken.controller import machine as sm, rendezvous
 from unbroken.controller.hub import Hub
+from unbroken.controller.rank_state import Found
+from unbroken.protocol.framing import MAX_FRAME_BYTES
 from unbroken.controller.views import Outcome
 from unbroken.errors import CheckpointError
 from unbroken.names import Rung, WorkerState
 from unbroken.protocol import messages as m
 
+
+
+#: The most per-rank state bytes one dump order carries (the rest of its frame is small).
+DUMP_STATES_BYTES = MAX_FRAME_BYTES * 3 // 4
 
 
 class Executor:
@@ -117,8 +124,25 @@ class Executor:
         ctl.timing.mark("regroup", time.monotonic())
         ctl.events.emit("regroup", gen=action.gen, resume_step=action.resume_step,
                         replaced=sorted(action.replaced), direction=action.direction, reason=action.reason)
-        ctl.connections.send_to_workers(m.Regroup(gen=action.gen, resume_step=action.resume_step,
-                                                  replaced=sorted(action.replaced)))
+        replaced = sorted(action.replaced)
+        found = self._own_states(replaced, action.resume_step)
+        order = m.Regroup(gen=action.gen, resume_step=action.resume_step, replaced=replaced,
+                          fallback=[r for r in replaced if found[r] is None])
+        ctl.connections.send_to_workers(order, set(ctl.workers) - set(replaced))
+        for r in replaced:  # each replaced rank's order carries its own per-rank state
+            own = found[r]
+            ctl.connections.send_to_workers(dataclasses.replace(order, rank_state=own.state) if own else order, {r})
+
+    def _own_states(self, replaced: list[int], resume_step: int) -> dict[int, Found | None]:
+        """Each replaced rank's own per-rank state for ``resume_step``, and an event saying where it
+        comes from (a survivor's copy when the controller kept none)."""
+        ctl = self._ctl
+        found = {r: ctl.rank_states.for_resume(r, ctl.state.attempt, resume_step) for r in replaced}
+        src = min(set(ctl.workers) - set(replaced), default=-1)
+        for r, own in found.items():
+            source = own.source if own else f"fallback: rank {src}'s copy (none of rank {r}'s own was kept)"
+            ctl.events.emit("per_rank_state", rank=r, resume_step=resume_step, source=source)
+        return found
 
     def _recovered(self, action: sm.Recovered) -> None:
         ctl = self._ctl
@@ -132,9 +156,21 @@ class Executor:
 
     # -- checkpoints: dump, persisted steps, restore decisions --------------------------------
     def _dump(self, action: sm.DumpOrder) -> None:
+        ctl = self._ctl
         assign = [list(p) for p in action.assign]
-        self._ctl.events.emit("dump", gen=action.gen, step=action.step, assign=assign)
-        self._ctl.connections.send_to_workers(m.Dump(gen=action.gen, step=action.step, assign=assign))
+        ctl.events.emit("dump", gen=action.gen, step=action.step, assign=assign)
+        order = m.Dump(gen=action.gen, step=action.step, assign=assign)
+        lost = {lost for lost, _ in action.assign}
+        ctl.connections.send_to_workers(order, set(ctl.workers) - {writer for _, writer in action.assign} - lost)
+        for writer in sorted({writer for _, writer in action.assign}):  # each gets the states it writes
+            states = {}
+            for rank in sorted(lost_rank for lost_rank, w in action.assign if w == writer):
+                own = ctl.rank_states.for_resume(rank, ctl.state.attempt, action.step)
+                if own is not None and sum(map(len, states.values())) + len(own.state) <= DUMP_STATES_BYTES:
+                    states[str(rank)] = own.state
+                ctl.events.emit("per_rank_state", rank=rank, resume_step=action.step, writer=writer,
+                                source=own.source if str(rank) in states else "none: the dump writes the writer's copy")
+            ctl.connections.send_to_workers(dataclasses.replace(order, states=states), {writer})
 
     def _commit_dump(self, action: sm.CommitDump) -> None:
         ctl = self._ctl

@@ -12,6 +12,7 @@ from unbroken.config import LaunchConfig
 from unbroken.controller.api import Event, JobState
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.monitor import Monitor
+from unbroken.controller.rank_state import RankStates
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
 from unbroken.protocol.messages import Message
@@ -52,6 +53,7 @@ class Hub(Protocol):
     storage: StorageTier | None
     timing: RecoveryTiming
     monitor: Monitor
+    rank_states: RankStates
     connections: Sender
     live: StepListener
 

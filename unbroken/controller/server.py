@@ -34,9 +34,11 @@ from unbroken.controller.eventlog import EventLog
 from unbroken.controller.executor import Executor
 from unbroken.controller.hangs import RankProgress
 from unbroken.controller.monitor import MONITOR_INTERVAL_S, Monitor
+from unbroken.controller.rank_state import RankStates
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
 from unbroken.ops.monitor import JobMonitor
+from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES
 from unbroken.protocol.wire import Server
 
 __all__ = ["Controller", "Outcome", "WorkerView", "MONITOR_INTERVAL_S"]
@@ -67,6 +69,7 @@ class Controller:
             if ckpt.save_dir else None
         self.timing = RecoveryTiming()
         self.monitor = Monitor(cfg.hang, cfg.straggler_factor)
+        self.rank_states = RankStates(PER_RANK_LIMIT_BYTES)  # each rank's own state, for its replacement
         self.connections = Connections(self)
         self._executor = Executor(self)
         self._server = Server(host, port, cfg.secret.encode(), self.connections.serve,

@@ -14,6 +14,11 @@ from unbroken.protocol.schema import (  # noqa: F401  (re-exported: the protocol
     PROTOCOL_VERSION, Message, decode, encode, message, message_types)
 
 
+#: The most bytes one rank's encoded per-rank state may take (worker/rollback.py): it travels
+#: in control-plane frames (at most MAX_FRAME_BYTES = 1 MiB), up to two of them in one order.
+PER_RANK_LIMIT_BYTES = 256 * 1024
+
+
 # ---------------------------------------------------------------- the messages
 # agent -> controller
 
@@ -112,6 +117,7 @@ class Progress(Message):
     step: int
     phase: str
     metrics: dict[str, Any]
+    state: bytes = b""  # with phase 'compute': the rank's own state at the step's start (worker/rollback.py)
 
 
 @message("heartbeat")
@@ -164,6 +170,7 @@ class StepSynced(Message):
     attempt: int
     gen: int
     step: int
+    state: bytes = b""  # the rank's own state after the step's compute (a roll forward resumes from it)
 
 
 @message("commit_step")
@@ -191,9 +198,15 @@ class Paused(Message):
 
 @message("regroup")
 class Regroup(Message):
+    """Join generation ``gen`` and resume at ``resume_step``. A replaced rank's copy carries its own
+    per-rank state for that step (``rank_state``, as the controller kept it); the replaced ranks
+    in ``fallback`` have none there and take a survivor's copy instead."""
+
     gen: int
     resume_step: int
     replaced: list[int]
+    rank_state: bytes = b""
+    fallback: list[int] = dataclasses.field(default_factory=list)
 
 
 @message("resumed")
@@ -248,6 +261,8 @@ class Dump(Message):
     gen: int
     step: int
     assign: list[list[int]]
+    # the lost ranks' own per-rank states for ``step`` (rank as str -> encoded), those this rank writes
+    states: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
 
 @message("dumped")

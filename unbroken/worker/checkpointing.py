@@ -35,6 +35,7 @@ from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, ShmCapacityError
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
+from unbroken.worker.rollback import decode_tree
 from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
@@ -145,10 +146,22 @@ class Checkpointer:
         if self.storage is None or self._cfg.checkpoint.save_dir is None:
             raise CheckpointError("no storage tier (--save DIR) to dump to")
 
-    def write_dump(self, step: int, ranks: list[int]) -> None:
+    def write_dump(self, step: int, ranks: list[int], states: dict[str, bytes]) -> None:
+        """This rank's file of ``step``, and each lost rank's in ``ranks``: the replicated state is
+        ours (a replica's is bit-identical), the per-rank state the lost rank's own (``states``,
+        from the controller); without it, ours, and an event says so."""
         state: dict[str, Any] = self._tracked.tree()
-        for rank in ranks:  # a replica's state is the lost rank's state, bit for bit
-            self.storage.save_rank(step, rank, self._cfg.world_size, state, {"step": step, "dump": True})
+        for rank in ranks:
+            tree = state
+            if rank != self._cfg.rank:
+                own = states.get(str(rank))
+                if own is not None:
+                    tree = self._tracked.with_per_rank(state, decode_tree(own, f"rank {rank}'s per-rank state"))
+                else:
+                    log.warning("rank %d: dump of step %d: the controller kept no per-rank state of rank %d; "
+                                "writing this rank's copy instead", self._cfg.rank, step, rank)
+                    self._event("dump_per_rank_fallback", step=step, lost_rank=rank)
+            self.storage.save_rank(step, rank, self._cfg.world_size, tree, {"step": step, "dump": True})
 
     def close(self) -> None:
         """Wait for the last snapshot's commit and unmap the slots (the files stay for the agent)."""

@@ -13,8 +13,12 @@ The order names the next generation, the step to resume at (the first uncommitte
 see :mod:`unbroken.recovery.consistency`) and the replaced ranks. Every rank then builds
 the generation's process group on a fresh store prefix and takes part in the same
 sequence of collectives: recoverable state (:class:`~unbroken.worker.api.RecoverableState`)
-first rebuilds itself from live holders, then every plain tracked object and the RNG state
-go from the lowest surviving rank to the replaced ones. A second fault meanwhile aborts the
+first rebuilds itself from live holders, then every replicated plain object goes from the
+lowest surviving rank to the replaced ones. Per-rank state (the RNG streams, per-rank
+objects: :mod:`unbroken.worker.tracked`) is each rank's own: a replaced process loads the
+copy the controller kept of *its* state (in the order); only for ranks the order lists in
+``fallback`` (the controller had none) does the lowest survivor's copy go instead. A rank
+repaired in place (rung `retry`) keeps its own per-rank state. A second fault meanwhile aborts the
 transfer and the whole sequence starts again for the next generation.
 
 States: ``running`` (``pending`` False) -> a fault noted (:meth:`note_fault`) or an abort
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -40,8 +43,8 @@ from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, State
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
 from unbroken.protocol.messages import Dump, Regroup
-from unbroken.worker import rng as rng_state
 from unbroken.worker.control import ControlClient
+from unbroken.worker.rollback import decode_tree
 from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
@@ -52,8 +55,9 @@ class DumpTarget(Protocol):
     def check_dump(self) -> None:
         """CheckpointError unless a storage tier can take a dump."""
 
-    def write_dump(self, step: int, ranks: list[int]) -> None:
-        """Write this rank's state as the state of each of ``ranks`` (a replica's is bit-identical)."""
+    def write_dump(self, step: int, ranks: list[int], states: dict[str, bytes]) -> None:
+        """Write this rank's state as the state of each of ``ranks`` (a replica's is bit-identical),
+        with a lost rank's own per-rank state from ``states`` (rank as str -> encoded)."""
 
 
 class InFlight:
@@ -63,15 +67,15 @@ class InFlight:
 
     def __init__(self, cfg: WorkerConfig, *, device: torch.device, control: ControlClient | None,
                  store: dist.Store | None, group: dist.ProcessGroup | None, tracked: TrackedState,
-                 injector: FaultInjector, rng_at_step_start: Callable[[], dict[str, Any]],
-                 dump: DumpTarget) -> None:
+                 injector: FaultInjector, dump: DumpTarget) -> None:
         self._cfg, self._device, self._control, self._store = cfg, device, control, store
         self._tracked, self._injector = tracked, injector
-        self._rng_at_step_start, self._dump_target = rng_at_step_start, dump
+        self._dump_target = dump
         self.gen = 0
         self.group = group
         self.graveyard: list[Any] = []  # never emptied early: see FACTS.md
         self.needs_state = cfg.replacement  # a replacement receives its state from replicas
+        self._keeps_own = False  # repaired in place (rung `retry`): its per-rank state is its own
         self.damaged: StateDamaged | None = None  # this rank's state is damaged: repair from replicas
         self.pause_phase: str = Phase.COMPUTE
         self.fault_noted = False  # a fault inside a step: recover before the next one
@@ -120,7 +124,7 @@ class InFlight:
         reported = control.abort_gen
         if self.damaged is not None:  # rung `retry`: this process stays; its state comes from replicas
             control.damaged(str(self.damaged), self.damaged.kind)
-            self.damaged, self.needs_state = None, True
+            self.damaged, self.needs_state, self._keeps_own = None, True, True
         else:
             control.paused(reported, step, phase)
         return self._transfer_until_done(started, self._await_order(reported))
@@ -181,7 +185,7 @@ class InFlight:
             if self._tracked.step_pending():
                 raise CheckpointError("a parameter gather was cut: this rank holds no consistent copy")
             self._injector.at(order.step, Phase.CHECKPOINT)  # a fault planned for the dump fires here
-            self._dump_target.write_dump(order.step, ranks)
+            self._dump_target.write_dump(order.step, ranks, order.states)
         except Exception as exc:  # noqa: BLE001 - any failure is reported; the ladder goes on to `exit`
             if not isinstance(exc, (CheckpointError, OSError)) and not self.is_recoverable(exc):
                 raise
@@ -195,7 +199,7 @@ class InFlight:
             try:
                 if self.needs_state:
                     self._injector.at(order.resume_step, Phase.RESTORE)
-                self._transfer(set(order.replaced))
+                self._transfer(order)
             except Exception as exc:  # a peer lost during the transfer: the next generation comes
                 if not self.is_recoverable(exc):
                     raise
@@ -206,7 +210,7 @@ class InFlight:
                 order = self._await_order(reported)
                 continue
             restore_s = time.monotonic() - regroup_t
-            self.needs_state = False
+            self.needs_state = self._keeps_own = False
             self._control.resumed(order.gen, order.resume_step, restore_s)
             log.info("rank %d: resumed at step %d in generation %d after %.3f s (restore %.3f s)",
                      self._cfg.rank, order.resume_step, order.gen, time.monotonic() - started, restore_s)
@@ -217,22 +221,25 @@ class InFlight:
             obj.set_process_group(self.group)
             obj.recover(replaced)
 
-    def _transfer(self, replaced: set[int]) -> None:
+    def _transfer(self, order: Regroup) -> None:
         """The collective sequence every rank runs after a regroup (same order everywhere)."""
-        rank = self._cfg.rank
+        rank, replaced = self._cfg.rank, set(order.replaced)
         alive = [r for r in range(self._cfg.world_size) if r not in replaced]
         src = alive[0]
-        receiving = rank in replaced
+        receiving = rank in replaced and not self._keeps_own
         common: dict[str, Any] = dict(device=self._device, should_abort=self.should_abort, graveyard=self.graveyard)
         self._recover_recoverable(replaced)
         for name, obj in self._tracked.plain():
             state = self._tracked.state_of(obj) if rank == src else None
             got = broadcast_state(state, src, self.group, what=f"transfer of {name!r} from rank {src}", **common)
-            if receiving:
+            if rank in replaced:
                 self._tracked.load_one(obj, got)
-        # The RNG streams are replicated state (every rank seeds them the same): the replaced
-        # ranks continue the source's stream from the start of the step to redo.
-        rng = broadcast_state(self._rng_at_step_start() if rank == src else None, src, self.group,
-                              what=f"transfer of the RNG state from rank {src}", **common)
-        if receiving:
-            rng_state.restore(rng)
+        if order.fallback:  # the controller kept no per-rank state for these: a survivor's copy
+            state = self._tracked.per_rank_tree() if rank == src else None
+            got = broadcast_state(state, src, self.group, what=f"transfer of the per-rank state from rank {src}",
+                                  **common)
+            if receiving and rank in order.fallback:
+                self._tracked.load_per_rank(got)
+        if receiving and rank not in order.fallback:
+            self._tracked.load_per_rank(decode_tree(order.rank_state, f"rank {rank}'s per-rank state of step "
+                                                                      f"{order.resume_step} from the controller"))

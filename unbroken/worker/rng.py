@@ -7,6 +7,7 @@ and the replica transfer carry it without pickle.
 
 from __future__ import annotations
 
+import array
 import random
 import sys
 from typing import Any
@@ -15,7 +16,10 @@ import torch
 
 
 def capture() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    version, internal, gauss = random.getstate()
+    # Python's 625-word state as one tensor: the codec stores it as bytes, not 625 JSON numbers.
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "python": [version, torch.frombuffer(array.array("q", internal), dtype=torch.int64), gauss]}
     np = sys.modules.get("numpy")
     if np is not None:
         name, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -28,7 +32,8 @@ def capture() -> dict[str, Any]:
 def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    words = internal.tolist() if isinstance(internal, torch.Tensor) else internal  # older checkpoints: a list
+    random.setstate((version, tuple(words), gauss))
     np = sys.modules.get("numpy")
     if np is not None and "numpy" in state:
         name, keys, pos, has_gauss, gauss_value = state["numpy"]

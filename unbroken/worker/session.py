@@ -22,7 +22,7 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Iterator, NoReturn
+from typing import Any, Iterable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalErr
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import first_group, integrity, restore, rng, wrappers
+from unbroken.worker import first_group, integrity, restore, rollback, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
@@ -71,7 +71,7 @@ class Job:
         self._last_step_s = 0.0
         self._restored = False
         self._in_step = False
-        self._step_rng: dict[str, Any] | None = None
+        self._step_capture: rollback.StepCapture | None = None  # the step start, under `unbroken run`
         self._committed_this_step = False
         self._step_completed = False  # the last step yielded by steps() completed (its block ended)
         self._announced_ready = False
@@ -83,8 +83,7 @@ class Job:
         backend = backend or _default_backend(self.device)
         store, group, self._owns_default_group = first_group.build(cfg, backend)
         self._inflight = InFlight(cfg, device=self.device, control=self._control, store=store, group=group,
-                                  tracked=self._tracked, injector=self._injector,
-                                  rng_at_step_start=self._rng_at_step_start, dump=self._ckpt)
+                                  tracked=self._tracked, injector=self._injector, dump=self._ckpt)
         if self._inflight.needs_state:
             # A replacement joins the next generation's group now, so the script builds its
             # model and optimizer on a group of the right size; its state comes in steps().
@@ -115,12 +114,12 @@ class Job:
                              degraded=self.report_degraded)
 
     # -- the training-loop API ---------------------------------------------------------
-    def track(self, **objects: Any) -> None:
+    def track(self, *, per_rank: Iterable[str] = (), replicated: Iterable[str] = (), **objects: Any) -> None:
         """Declare training state: objects with ``state_dict``/``load_state_dict``, or tensors.
 
-        Objects that recover themselves (:class:`unbroken.worker.api.RecoverableState`, e.g.
-        ``ShardedOptimizer``) are wired to this session.
-        """
+        Replicated or per rank: see :mod:`unbroken.worker.tracked`; ``per_rank``/``replicated``
+        name tracked objects whose class differs from the default. Recoverable objects
+        (:class:`unbroken.worker.api.RecoverableState`) are wired to this session."""
         hooks = SessionHooks(on_phase=self._on_optimizer_phase, should_abort=self._inflight.should_abort,
                              defer_completion=self.cfg.mode == "managed")
         with self._fatal_exits():
@@ -128,6 +127,7 @@ class Job:
                 if obj is not None:
                     self._tracked.add(name, obj, hooks)
                     wrappers.prepare(obj, functools.partial(self._advance, Phase.UPDATE))
+            self._tracked.classify(per_rank, replicated)
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from where the job resumes up to ``total`` (exclusive).
@@ -232,8 +232,9 @@ class Job:
         if name == Phase.UPDATE:
             self._commit()  # before anything changes; only then is this rank in 'update' (it vouches for the commit)
         self._phase = name
-        if self._control is not None:  # the controller's view of where each rank is
-            self._control.progress(self._step, name, {})
+        if self._control is not None:  # where each rank is (and, at 'compute', its own step-start state)
+            state = self._step_capture.per_rank if name == Phase.COMPUTE and self._step_capture else b""
+            self._control.progress(self._step, name, {}, state=state)
         if name == Phase.SYNC and self._control is not None and self.cfg.worker.finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
         self._injector.at(self._step if step is None else step, name)
@@ -253,7 +254,8 @@ class Job:
         """Entering ``update``: the reduction is done; wait until the controller commits the step."""
         if self._control is None or self._committed_this_step:
             return
-        if not self._control.wait_commit(self._inflight.gen, self._step):
+        after_compute = rollback.encode_tree(self._tracked.per_rank_tree())  # a roll forward resumes here
+        if not self._control.wait_commit(self._inflight.gen, self._step, state=after_compute):
             raise CollectiveAborted(f"rank {self.rank}: step {self._step} was not committed (abort order for "
                                     f"generation {self._control.abort_gen}: {self._control.abort_reason})")
         self._committed_this_step = True
@@ -296,22 +298,20 @@ class Job:
     # -- the step in flight ---------------------------------------------------------------
     def _begin_step(self) -> None:
         self._step_started = time.monotonic()
-        if self._control is not None:
-            self._step_rng = rng.capture()  # to redo this step exactly if it is aborted
+        if self._control is not None:  # to redo this step exactly if it is dropped
+            self._step_capture = rollback.capture(self._step, *self._tracked.step_start(), rank=self.rank)
         self._in_step, self._committed_this_step = True, False
         self._step_completed = False
 
     def _survive(self) -> int:
-        """Drop the step in flight (gradients, RNG draws), then recover in flight; the step to resume at."""
+        """Drop the step in flight (gradients, what it changed before its commit), recover; the step to resume at."""
         pause_phase = self._phase if self._in_step else Phase.COMPUTE  # between steps: the next one's start
         self._tracked.drop_grads()
-        if self._in_step and self._step_rng is not None:
-            rng.restore(self._step_rng)
+        capture = self._step_capture
+        if self._in_step and capture is not None and not self._committed_this_step:
+            self._tracked.load_rollback(capture.local(), capture.per_rank_tree())
         self._in_step = False
         return self._inflight.survive(self._step, pause_phase)
-
-    def _rng_at_step_start(self) -> dict[str, Any]:
-        return self._step_rng if self._in_step and self._step_rng is not None else rng.capture()
 
     def _end_step(self, index: int) -> None:
         self._step_completed = True

@@ -5,15 +5,27 @@ A :class:`TrackedState` lives in one rank's training thread, owned by its
 (modules, optimizers, schedulers, samplers, tensors) by name and turns them into the state
 tree checkpoints and transfers carry (``{"tracked": {name: state_dict}, "rng": ...}``) and
 back. Objects implementing :class:`~unbroken.worker.api.RecoverableState` are kept apart:
-they rebuild themselves from their replicas; every other object is plain (replicated).
+they rebuild themselves from their replicas; every other object is *plain*.
+
+Whose state (DESIGN.md section 11): modules, torch optimizers, LR schedulers,
+RecoverableState objects and tensors are **replicated** (equal on every data-parallel rank;
+a replacement gets them from a live replica). Every other object (samplers, loaders, user
+objects) and the RNG streams are **per rank** (the safe default: a replacement gets *its
+own* copy, kept by the controller). ``job.track(..., per_rank=[...], replicated=[...])``
+overrides the default for plain objects by name.
+
+What rolls back when a step is dropped: every object the commit rule does not cover (all
+but modules, torch optimizers and RecoverableState objects), and the RNG streams.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import random
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from unbroken.errors import CheckpointError, ConfigError
 from unbroken.worker import rng
@@ -25,6 +37,7 @@ class TrackedState:
 
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
+        self.per_rank: set[str] = set()  # names of the per-rank objects (see the module docstring)
         self.frozen = False  # set once job.steps() began: tracking more is a usage error
 
     def add(self, name: str, obj: Any, hooks: SessionHooks) -> None:
@@ -36,8 +49,28 @@ class TrackedState:
         if self.frozen:
             raise ConfigError(f"job.track({name}=...) after job.steps() started: track all state first")
         self.objects[name] = obj
+        self.per_rank.discard(name)
+        if _per_rank_by_default(obj):
+            self.per_rank.add(name)
         if isinstance(obj, RecoverableState):
             obj.attach(hooks)
+
+    def classify(self, per_rank: Iterable[str], replicated: Iterable[str]) -> None:
+        """Override the default class of tracked plain objects by name (ConfigError if a name is
+        not tracked, named twice, or names an object the commit rule covers)."""
+        per_rank, replicated = _names("per_rank", per_rank), _names("replicated", replicated)
+        both = sorted(per_rank & replicated)
+        if both:
+            raise ConfigError(f"job.track(): {both} named in both per_rank and replicated; name each once")
+        for name in sorted(per_rank | replicated):
+            if name not in self.objects:
+                raise ConfigError(f"job.track(): per_rank/replicated name {name!r} is not a tracked object "
+                                  f"(tracked: {sorted(self.objects)})")
+        for name in sorted(per_rank):
+            if _committed_state(self.objects[name]) or isinstance(self.objects[name], torch.Tensor):
+                raise ConfigError(f"job.track(): {name!r} (a {type(self.objects[name]).__name__}) cannot be per "
+                                  "rank: modules, optimizers, recoverable state and tensors are replicated")
+        self.per_rank = (self.per_rank | per_rank) - replicated
 
     # -- what recovers itself, and what is plain ------------------------------------------
     def recoverable(self) -> list[RecoverableState]:
@@ -45,7 +78,60 @@ class TrackedState:
 
     def plain(self) -> Iterator[tuple[str, Any]]:
         """(name, object) of every tracked object that is replicated as a whole."""
-        return ((n, o) for n, o in self.objects.items() if not isinstance(o, RecoverableState))
+        return ((n, o) for n, o in self.objects.items()
+                if not isinstance(o, RecoverableState) and n not in self.per_rank)
+
+    def per_rank_tree(self) -> dict[str, Any]:
+        """This rank's own state: the per-rank objects and the RNG streams, as they are now."""
+        states, streams = self._states(sorted(self.per_rank))
+        return {"objects": states, "rng": streams}
+
+    def step_start(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(:meth:`rollback_tree`, :meth:`per_rank_tree`) of now, in one pass."""
+        local = [n for n, o in self.objects.items() if n not in self.per_rank and not _committed_state(o)]
+        states, streams = self._states(local + sorted(self.per_rank))
+        return ({n: states[n] for n in local},
+                {"objects": {n: states[n] for n in sorted(self.per_rank)}, "rng": streams})
+
+    def _states(self, names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The states of ``names`` and the RNG streams as they were before reading them. Reading
+        must not move the streams: some objects draw from the global RNG in ``state_dict()``
+        (a StatefulDataLoader without a live iterator creates one there), which would make a run
+        that reads state at other moments (a rollback, a restart) draw differently from one that
+        does not. torch's and Python's streams are put back if a read moved them."""
+        streams, python_before = rng.capture(), random.getstate()
+        states = {n: self.state_of(self.objects[n]) for n in names}
+        if random.getstate() != python_before or not torch.equal(torch.get_rng_state(), streams["torch"]):
+            rng.restore(streams)
+        return states, streams
+
+    def load_per_rank(self, tree: dict[str, Any]) -> None:
+        """Load a tree made by :meth:`per_rank_tree` (CheckpointError if an object is missing)."""
+        self._load_objects(tree["objects"], sorted(self.per_rank), "per-rank state")
+        rng.restore(tree["rng"])
+
+    def with_per_rank(self, tree: dict[str, Any], per_rank: dict[str, Any]) -> dict[str, Any]:
+        """A :meth:`tree` with another rank's per-rank part (from :meth:`per_rank_tree`) in it."""
+        return {"tracked": {**tree["tracked"], **per_rank["objects"]}, "rng": per_rank["rng"]}
+
+    def rollback_tree(self) -> dict[str, Any]:
+        """The replicated objects that may change inside a step (not modules, optimizers or
+        recoverable state), as they are now."""
+        return {n: self.state_of(o) for n, o in self.objects.items()
+                if n not in self.per_rank and not _committed_state(o)}
+
+    def load_rollback(self, local: dict[str, Any], per_rank: dict[str, Any]) -> None:
+        """Put back a step start: ``local`` from :meth:`rollback_tree`, ``per_rank`` from
+        :meth:`per_rank_tree`."""
+        self._load_objects(local, sorted(local), "step-start capture")
+        self.load_per_rank(per_rank)
+
+    def _load_objects(self, states: dict[str, Any], names: list[str], what: str) -> None:
+        missing = sorted(set(names) - set(states))
+        if missing:
+            raise CheckpointError(f"{what} has no state for tracked object(s) {missing} (it holds {sorted(states)})")
+        for name in names:
+            self.load_one(self.objects[name], states[name])
 
     def step_pending(self) -> bool:
         """A recoverable object's committed step was cut before it completed."""
@@ -70,8 +156,8 @@ class TrackedState:
 
     def tree(self) -> dict[str, Any]:
         """The state tree of a checkpoint: every tracked object's state, and the RNG streams."""
-        return {"tracked": {name: self.state_of(obj) for name, obj in self.objects.items()},
-                "rng": rng.capture()}
+        states, streams = self._states(list(self.objects))
+        return {"tracked": states, "rng": streams}
 
     def load_one(self, obj: Any, state: Any) -> None:
         if isinstance(obj, torch.Tensor):
@@ -90,3 +176,22 @@ class TrackedState:
         for name, obj in self.objects.items():
             self.load_one(obj, tracked[name])
         rng.restore(state["rng"])
+
+
+def _committed_state(obj: Any) -> bool:
+    """Covered by the commit rule (unchanged until the step commits): needs no rollback copy."""
+    return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, RecoverableState))
+
+
+def _per_rank_by_default(obj: Any) -> bool:
+    return not (_committed_state(obj) or isinstance(obj, (torch.Tensor, LRScheduler)))
+
+
+def _names(what: str, names: Iterable[str]) -> set[str]:
+    if isinstance(names, str):
+        raise ConfigError(f"job.track({what}=...): give a list of tracked names, not the string {names!r}")
+    out = set(names)
+    bad = sorted(repr(n) for n in out if not isinstance(n, str))
+    if bad:
+        raise ConfigError(f"job.track({what}=...): names must be strings, got {', '.join(bad)}")
+    return out

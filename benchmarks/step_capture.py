@@ -1,0 +1,150 @@
+"""Per-step cost of the step-start rollback capture and the per-rank state copies.
+
+    python benchmarks/step_capture.py                 # the example GPT, two sizes
+    python benchmarks/step_capture.py --steps 400 --json step_capture.json
+
+Under `unbroken run` every step of a rank (a) captures, at its start, every tracked object the
+commit rule does not cover plus the RNG streams (worker/rollback.py: the replicated part kept
+locally, the per-rank part encoded), (b) sends the per-rank part with its 'compute' report and
+(c) encodes it again after compute for its commit report. This benchmark runs the example GPT
+(examples/train_gpt.py: AdamW, a cosine LR scheduler, dropout, a tracked sampler that advances
+inside the step, per-rank seeds) in one process and times the same loop with and without
+(a)-(c), including the control-plane framing of the two messages (not the socket write).
+Blocks of steps alternate A B A B. Figures: the A/B ratio of the median step times (noisy on a
+loaded machine), and the capture's own time per step (median, timed around (a)-(c)) with the
+ratio it gives, (step + capture) / step: the figure the target is checked against. CPU time of this process (time.process_time), so that other load on
+the machine counts less. A benchmark never asserts a time: the target is printed, met or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO))
+
+import train_gpt  # noqa: E402
+
+from unbroken.protocol import messages as m  # noqa: E402
+from unbroken.protocol.framing import pack_frame  # noqa: E402
+from unbroken.worker import rollback  # noqa: E402
+from unbroken.worker.api import SessionHooks  # noqa: E402
+from unbroken.worker.tracked import TrackedState  # noqa: E402
+
+TARGET_RATIO = 1.02
+SIZES = {"example (n_embd 64, 2 layers)": dict(n_embd=64, n_layer=2, n_head=2),
+         "n_embd 256, 4 layers": dict(n_embd=256, n_layer=4, n_head=4)}
+
+
+class Sampler:
+    """Batch start offsets, advanced inside the step: state that must roll back (per rank)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.position, self._g = size, 0, torch.Generator().manual_seed(rank)
+
+    def take(self, count: int) -> torch.Tensor:
+        self.position += count
+        return torch.randint(self.size, (count,), generator=self._g)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "generator": self._g.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+        self._g.set_state(state["generator"])
+
+
+def build(size: dict, batch_size: int, block_size: int):
+    torch.manual_seed(1)
+    data, vocab = train_gpt.load_data()
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=len(vocab), block_size=block_size, dropout=0.1, **size))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    sampler = Sampler(len(data) - block_size - 1, rank=3)
+    tracked = TrackedState()
+    hooks = SessionHooks(on_phase=lambda name, step: None, should_abort=lambda: False, defer_completion=False)
+    for name, obj in dict(model=model, optimizer=opt, scheduler=sched, data=sampler).items():
+        tracked.add(name, obj, hooks)
+    torch.manual_seed(1000 + 3)  # per-rank seed
+    random.seed(3)
+
+    def step(index: int, capture: bool) -> tuple[float, float]:
+        started = time.process_time()
+        capture_s = 0.0
+        if capture:  # (a), (b): what Job._begin_step and the 'compute' report do
+            cap = rollback.capture(index, *tracked.step_start(), rank=3)
+            pack_frame(m.encode(m.Progress(rank=3, attempt=0, step=index, phase="compute", metrics={},
+                                           state=cap.per_rank)))
+            capture_s += time.process_time() - started
+        starts = sampler.take(batch_size)
+        x = torch.stack([data[s:s + block_size] for s in starts.tolist()])
+        y = torch.stack([data[s + 1:s + 1 + block_size] for s in starts.tolist()])
+        _, loss = model(x, y)
+        loss.backward()
+        if capture:  # (c): the commit report
+            commit_started = time.process_time()
+            after = rollback.encode_tree(tracked.per_rank_tree())
+            pack_frame(m.encode(m.StepSynced(rank=3, attempt=0, gen=0, step=index, state=after)))
+            capture_s += time.process_time() - commit_started
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return time.process_time() - started, capture_s
+
+    return step
+
+
+def measure(size: dict, args: argparse.Namespace) -> dict:
+    step = build(size, args.batch_size, args.block_size)
+    for i in range(args.warmup):
+        step(i, i % 2 == 0)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    capture_times: list[float] = []
+    block = args.block
+    for i in range(args.steps):
+        with_capture = (i // block) % 2 == 1
+        step_s, capture_s = step(i, with_capture)
+        times[with_capture].append(step_s)
+        if with_capture:
+            capture_times.append(capture_s)
+    base, full = statistics.median(times[False]), statistics.median(times[True])
+    capture = statistics.median(capture_times)
+    return {"step_ms": round(base * 1e3, 3), "step_with_capture_ms": round(full * 1e3, 3),
+            "ab_ratio": round(full / base, 4), "capture_us": round(capture * 1e6, 1),
+            "ratio": round((base + capture) / base, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=300, help="timed steps per size (half with the capture)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--block", type=int, default=10, help="steps per A/B block")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    results = {}
+    print(f"{'model':32} {'step ms':>8} {'A/B: +capture ms':>17} {'A/B ratio':>10} {'capture us':>11} "
+          f"{'ratio':>7}  target <= {TARGET_RATIO}")
+    for name, size in SIZES.items():
+        r = results[name] = measure(size, args)
+        met = "met" if r["ratio"] <= TARGET_RATIO else "NOT met"
+        print(f"{name:32} {r['step_ms']:8.3f} {r['step_with_capture_ms']:17.3f} {r['ab_ratio']:10.4f} "
+              f"{r['capture_us']:11.1f} {r['ratio']:7.4f}  {met}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""Replicated vs per-rank state, and the step-start capture a dropped step puts back."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from unbroken.errors import CheckpointCorrupt, ConfigError
+from unbroken.worker import rollback
+from unbroken.worker.api import SessionHooks
+from unbroken.worker.tracked import TrackedState
+
+HOOKS = SessionHooks(on_phase=lambda name, step: None, should_abort=lambda: False, defer_completion=False)
+
+
+class Position:
+    """A user object with state that moves inside a step."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "buffer": torch.arange(3) + self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def _tracked() -> TrackedState:
+    tracked = TrackedState()
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for name, obj in dict(model=model, opt=opt, sched=torch.optim.lr_scheduler.StepLR(opt, 2),
+                          data=Position(), ema=torch.zeros(2)).items():
+        tracked.add(name, obj, HOOKS)
+    return tracked
+
+
+def test_objects_the_commit_rule_does_not_cover_are_per_rank_by_default():
+    tracked = _tracked()
+    assert tracked.per_rank == {"data"}
+    assert [n for n, _ in tracked.plain()] == ["model", "opt", "sched", "ema"]
+    assert sorted(tracked.rollback_tree()) == ["ema", "sched"]  # data rolls back in the per-rank part
+    tracked.classify(per_rank=["sched"], replicated=["data"])
+    assert tracked.per_rank == {"sched"}
+
+
+@pytest.mark.parametrize("per_rank,replicated,words", [
+    (["model"], [], "cannot be per rank"), (["ema"], [], "cannot be per rank"),
+    (["nope"], [], "not a tracked object"), (["data"], ["data"], "both"), ("data", [], "not the string")])
+def test_a_bad_override_is_a_config_error_naming_it(per_rank, replicated, words):
+    with pytest.raises(ConfigError, match=words):
+        _tracked().classify(per_rank, replicated)
+
+
+def test_a_dropped_step_gets_its_start_back_exactly():
+    tracked = _tracked()
+    random.seed(5)
+    torch.manual_seed(5)
+    capture = rollback.capture(3, tracked.rollback_tree(), tracked.per_rank_tree(), rank=0)
+    want = (torch.rand(4), random.random())
+    tracked.objects["data"].position += 8  # the step moves everything
+    tracked.objects["ema"].add_(1.0)
+    tracked.objects["sched"].step()
+    tracked.load_rollback(capture.local(), capture.per_rank_tree())
+    assert tracked.objects["data"].position == 0
+    assert tracked.objects["ema"].tolist() == [0.0, 0.0]
+    assert tracked.objects["sched"].last_epoch == 0
+    got = (torch.rand(4), random.random())
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+def test_per_rank_state_over_the_limit_names_the_biggest_object(monkeypatch):
+    tracked = _tracked()
+    monkeypatch.setattr(rollback, "PER_RANK_LIMIT_BYTES", 1000)
+    with pytest.raises(ConfigError, match=r"over the 1000-byte limit.*'data'.*replicated=\['data'\]"):
+        rollback.capture(0, tracked.rollback_tree(), tracked.per_rank_tree(), rank=2)
+
+
+def test_a_tree_round_trips_exactly():
+    tree = {"a": [1, (2, 3.5)], "t": torch.ones(2), "bf": torch.arange(4, dtype=torch.bfloat16).reshape(2, 2),
+            "empty": torch.empty(0, 3), "c": torch.tensor([1 + 2j])}
+    back = rollback.decode_tree(rollback.encode_tree(tree), "x")
+    assert back["a"] == [1, (2, 3.5)]
+    for key in ("t", "bf", "empty", "c"):
+        assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key]), key
+
+
+def _blob_with(header: dict, tail: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + tail
+
+
+@pytest.mark.parametrize("data", [
+    b"\x0a\x00\x00\x00\x00\x00\x00\x00{not json}", b"\x01\x02", b"\xff" * 8 + b"{}",
+    _blob_with({"format": "other"}),
+    _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "os", [1], 1]]}, b"\x00"),
+    _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "float32", [4], 16]]}, b"\x00"),
+    rollback.encode_tree({"x": torch.ones(2)}) + b"\x00",
+], ids=["not-json", "short", "length-past-end", "format", "not-a-dtype", "truncated", "trailing"])
+def test_bytes_that_are_not_an_encoded_state_are_refused(data):
+    with pytest.raises(CheckpointCorrupt, match="per-rank state"):
+        rollback.decode_tree(data, "per-rank state")
+
+
+class DrawsOnRead(Position):
+    """Like a StatefulDataLoader without a live iterator: reading its state draws from the RNG."""
+
+    def state_dict(self) -> dict:
+        torch.rand(2)
+        random.random()
+        return super().state_dict()
+
+
+def test_reading_the_state_never_moves_the_rng_streams():
+    tracked = _tracked()
+    tracked.add("loader", DrawsOnRead(), HOOKS)
+    torch.manual_seed(9)
+    random.seed(9)
+    want = (torch.rand(3), random.random())
+    torch.manual_seed(9)
+    random.seed(9)
+    local, per_rank = tracked.step_start()
+    tracked.tree()
+    tracked.per_rank_tree()
+    got = (torch.rand(3), random.random())
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    assert sorted(local) == ["ema", "sched"] and sorted(per_rank["objects"]) == ["data", "loader"]

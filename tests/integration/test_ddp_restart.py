@@ -37,6 +37,7 @@ def test_ddp_job_restart_from_memory_is_bit_exact(tmp_path, reference):
     assert {(e["step"], e["tier"]) for e in restored} == {(5, "memory")} and len(restored) == 4
 
 
+@pytest.mark.slow  # from memory stays in the default run
 @pytest.mark.timeout(240)
 def test_ddp_restart_from_storage_is_bit_exact(tmp_path, reference):
     ckpt = tmp_path / "ckpt"

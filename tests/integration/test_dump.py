@@ -42,6 +42,7 @@ def test_dump_is_refused_without_replicas_and_the_job_falls_to_exit(tmp_path):
     assert not events(run_dir, "dump_committed")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_second_kill_during_the_dump_commits_nothing(tmp_path, sharded_reference):
     ckpt = tmp_path / "ckpt"
@@ -56,6 +57,7 @@ def test_a_second_kill_during_the_dump_commits_nothing(tmp_path, sharded_referen
     assert recovered["restored_step"] == 5  # the newest committed checkpoint
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_dump_that_hangs_is_cut_at_the_recovery_deadline(tmp_path, sharded_reference):
     """The dump is bounded in time: a survivor hanging while it writes does not stall the job;
@@ -95,6 +97,7 @@ def test_sub_health_grace_exit_dumps_and_restarts_cleanly(tmp_path, sharded_refe
                 and not e.get("signal")], "a worker failed instead of being stopped"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_sub_health_is_only_logged_under_the_default_policy(tmp_path, sharded_reference):
     result, out, run_dir = train(tmp_path, "ignored", steps=STEPS, train_args=SHARDED,

@@ -56,8 +56,12 @@ def _check_in_flight(result, out, run_dir, reference, replaced: set[int]) -> dic
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("optimizer", ["full-replication", "sharded-n2"])
-@pytest.mark.parametrize("phase", ["compute", "sync", "update"])
+@pytest.mark.parametrize("phase,optimizer", [
+    # Two in the default run (a kill at sync with shards, at update with full replication); the
+    # other four in the slow set (`pytest -m slow`).
+    pytest.param(phase, optimizer, marks=() if (phase, optimizer) in {("sync", "sharded-n2"), ("update", "full-replication")}
+                 else pytest.mark.slow, id=f"{phase}-{optimizer}")
+    for optimizer in ("full-replication", "sharded-n2") for phase in ("compute", "sync", "update")])
 def test_sigkill_recovered_in_place_bit_exact(tmp_path, reference, sharded_reference, phase, optimizer):
     sharded = optimizer == "sharded-n2"
     result, out, run_dir = train(tmp_path, f"kill-{phase}", steps=STEPS, train_args=SHARDED if sharded else [],
@@ -77,6 +81,7 @@ def test_hung_worker_killed_and_recovered_in_place(tmp_path, reference):
     assert detected["rank"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_workers_in_different_blocks_killed_at_once_recovered_in_flight(tmp_path, sharded_reference):
     # N = 2 over 4 ranks: blocks {0, 1} and {2, 3}; rank 0 holds shard 0 (with rank 2),
@@ -102,6 +107,7 @@ def test_both_holders_of_a_shard_lost_falls_back_to_the_checkpoint(tmp_path, sha
     assert recovered["tier"] == "memory" and recovered["step"] - recovered["restored_step"] == 2  # steps lost
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_replacement_killed_while_restoring_is_recovered(tmp_path, reference):
     result, out, run_dir = train(tmp_path, "cascade", steps=STEPS,

@@ -16,9 +16,9 @@ def sharded_reference(tmp_path_factory):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("fault", ["corrupt:rank=1:step=6:what=params",
-                                   "corrupt:rank=2:step=6:what=optimizer",
-                                   "corrupt:rank=3:step=6:what=grads:at=sync"])
+@pytest.mark.parametrize("fault", ["corrupt:rank=2:step=6:what=optimizer",  # the default run's; the others slow
+                                   pytest.param("corrupt:rank=1:step=6:what=params", marks=pytest.mark.slow),
+                                   pytest.param("corrupt:rank=3:step=6:what=grads:at=sync", marks=pytest.mark.slow)])
 def test_memory_fault_repaired_by_retry_bit_exact(tmp_path, sharded_reference, fault):
     result, out, run_dir = train(tmp_path, "retry", steps=STEPS, train_args=SHARDED, flags=["--inject", fault])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -73,6 +73,7 @@ def test_a_flipped_bit_is_found_by_the_cross_replica_check_and_repaired(tmp_path
     assert done["replaced"] == [1] and done["resume_step"] == 6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_without_the_check_a_flipped_bit_goes_unnoticed(tmp_path, plain_reference):
     """The control for the test above: the same flip without the check ends with other weights

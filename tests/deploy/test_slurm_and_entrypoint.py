@@ -110,6 +110,7 @@ def test_sbatch_script_outside_slurm_is_a_usage_error(tmp_path):
     assert "not inside a Slurm allocation" in result.stderr
 
 
+@pytest.mark.slow  # the sbatch run above is the default run's real job
 @pytest.mark.timeout(120)
 def test_entrypoint_turns_a_fatal_job_into_exit_97(tmp_path):
     """`unbroken run` exits 1 for every failed job; the entrypoint tells EXIT_FATAL apart so
@@ -120,6 +121,7 @@ def test_entrypoint_turns_a_fatal_job_into_exit_97(tmp_path):
     assert "exited with EXIT_FATAL" in result.stderr  # the log still shows unbroken's own reason
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_entrypoint_stops_a_job_cleanly_on_sigterm(tmp_path):
     """SIGTERM (pod deletion, scancel) -> `unbroken run` stops its workers and exits 130; the

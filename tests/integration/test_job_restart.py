@@ -56,6 +56,7 @@ def test_hung_worker_is_detected_killed_and_the_job_restarted(tmp_path, referenc
     assert restart["t"] - injected["t"] <= bound_s, (restart["t"] - injected["t"], bound_s)
 
 
+@pytest.mark.slow  # a plain torchrun job restart stays in test_plain_scripts
 @pytest.mark.timeout(200)
 def test_sigkill_under_plain_torchrun_resumes_bit_exact(tmp_path, reference):
     """The same script under plain torchrun: job-level restart with our checkpoints."""

@@ -23,8 +23,11 @@ if [ "$what" = demo ]; then
 else
   .venv/bin/python -m pytest -q "${@:2}" || status=$?
 fi
-# `unbroken` is installed in .venv, not on PATH: say how to call it next.
-echo
-echo "unbroken is installed in .venv: run 'source .venv/bin/activate' to get 'unbroken run ...' on your PATH"
-echo "(or call .venv/bin/unbroken directly), then e.g.: unbroken run --nproc-per-node 4 examples/train_gpt.py"
+# `unbroken` is installed in .venv, not on PATH: say how to call it next (after the demo only:
+# the test run ends on pytest's own summary line, which CI reads).
+if [ "$what" = demo ]; then
+  echo
+  echo "unbroken is installed in .venv: run 'source .venv/bin/activate' to get 'unbroken run ...' on your PATH"
+  echo "(or call .venv/bin/unbroken directly), then e.g.: unbroken run --nproc-per-node 4 examples/train_gpt.py"
+fi
 exit "$status"

@@ -23,6 +23,17 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 
 
+def run_machine(state, *events):
+    """Feed ``events`` to the controller's pure state machine; (final state, every action)."""
+    from unbroken.controller import machine as sm
+
+    actions = []
+    for event in events:
+        state, more = sm.transition(state, event)
+        actions += more
+    return state, actions
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

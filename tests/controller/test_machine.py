@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from unbroken.controller import machine as sm
+
+from tests.conftest import run_machine as run
 from unbroken.errors import EXIT_FATAL
 
 
@@ -18,12 +20,6 @@ def start(world=4, nnodes=1, max_restarts=3, allowed=("recover-in-place", "recov
     return state
 
 
-def run(state, *events):
-    actions = []
-    for event in events:
-        state, more = sm.transition(state, event)
-        actions += more
-    return state, actions
 
 
 def kinds(actions):

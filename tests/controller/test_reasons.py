@@ -7,6 +7,8 @@ import pytest
 
 from unbroken.config import HangConfig
 from unbroken.controller import machine as sm
+
+from tests.conftest import run_machine as run
 from unbroken.controller.executor import _committed
 from unbroken.controller.monitor import Monitor
 from unbroken.controller.views import WorkerView
@@ -26,12 +28,6 @@ def start(world=4, nnodes=1, ready=True, **kw):
     return state
 
 
-def run(state, *events):
-    actions = []
-    for event in events:
-        state, more = sm.transition(state, event)
-        actions += more
-    return state, actions
 
 
 def finish_reason(actions) -> str:

@@ -15,6 +15,12 @@ group moves to a new generation; two pieces of its reducer's state need care:
   iteration after the redone step (rank 0's layout, the same as before: the order is
   deterministic), so no rank's collectives go out of step.
 
+Under ``unbroken run`` the session instead keeps one layout for the whole job: parameter order,
+forced when the script tracks its DDP (``worker/wrappers.py``, so that a job restart is
+bit-exact too). After a regroup every rank calls :func:`realign_buckets`: the reducer's reset
+(survivors may be mid-backward) followed by the same forced layout, at the same point of the
+transfer on every rank; nobody rebuilds later, and no layout needs to travel.
+
 Private torch APIs used (torch 2.13): ``Reducer._reset_state``, ``DDP._has_rebuilt_buckets``,
 ``DDP._get_ddp_logging_data()['rebuilt_per_bucket_param_indices']``, the ``dist.Reducer``
 constructor as DDP's ``_ddp_init_helper`` calls it, ``DDP._comm_hooks``.
@@ -34,6 +40,20 @@ def reset_after_abort(ddp: DistributedDataParallel) -> None:
     """A survivor: forget the aborted step's reduction and rebuild buckets with the others."""
     ddp.reducer._reset_state()
     ddp._has_rebuilt_buckets = False
+
+
+def realign_buckets(ddp: DistributedDataParallel) -> bool:
+    """Every rank after a regroup: reset the reducer, lay the buckets out in parameter order.
+
+    A collective on the DDP's group (the reducer broadcasts rank 0's bucket indices): every
+    rank calls it at the same point. Returns True if the buckets were rebuilt (False where the
+    reducer never rebuilds: ``find_unused_parameters`` without ``static_graph``, on every rank).
+    """
+    ddp.reducer._reset_state()
+    ddp.reducer._push_all_rebuilt_params()
+    rebuilt = bool(ddp.reducer._rebuild_buckets())
+    ddp._has_rebuilt_buckets = True  # DDP's forward would otherwise try to rebuild again
+    return rebuilt
 
 
 def bucket_layout(ddp: DistributedDataParallel) -> Layout | None:

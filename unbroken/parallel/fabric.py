@@ -30,6 +30,7 @@ import inspect
 import time
 import uuid
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -53,7 +54,7 @@ class Fabric:
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float = 30.0,
-                 name: str | None = None) -> None:
+                 name: str | None = None, graveyard: list[Any] | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside the world of {world_size} ranks (allowed: 0..{world_size - 1})")
         if timeout_s <= 0:
@@ -61,9 +62,11 @@ class Fabric:
         self._store, self.rank, self.world_size = store, rank, world_size
         self.timeout = timedelta(seconds=timeout_s)
         self.signal = AbortSignal()
-        self.graveyard: list[Any] = []
+        self.graveyard: list[Any] = [] if graveyard is None else graveyard  # the owner's list, if given
         self.groups: list[SurvivingGroup] = []
+        self.before_reduce: Callable[[], None] | None = None  # called before each reduction is issued
         self._gen = -1
+        self._held = False
         self.backend_name = f"unbroken_{name or uuid.uuid4().hex[:12]}"
         dist.Backend.register_backend(self.backend_name, self._create, extended_api=True, devices=["cpu"])
 
@@ -84,11 +87,33 @@ class Fabric:
         """torch's plugin hook: a new group of ``opts.group_size`` ranks (``new_group``, a mesh dim)."""
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         group = SurvivingGroup(opts.group_rank, opts.group_size, ranks, f"g{opts.group_id}",
-                               self.signal, self.graveyard)
+                               self.signal, self.graveyard, before_reduce=self._reducing)
+        group.held = self._held
         self.groups.append(group)
         if self._gen >= 0:  # created after the job joined a generation: every member builds it now
             group._attach(self._gen, self._backend_for(group, self._gen))
         return group
+
+    def _reducing(self) -> None:
+        if self.before_reduce is not None:
+            self.before_reduce()
+
+    @property
+    def world(self) -> SurvivingGroup:
+        """The default group (built by :meth:`init_world`)."""
+        return self.groups[0]
+
+    def hold(self) -> None:
+        """Make every group's collectives complete locally until :meth:`release` (see SurvivingGroup)."""
+        self._held = True
+        for group in self.groups:
+            group.held = True
+
+    def release(self) -> None:
+        """Collectives go to the current generation's backends again."""
+        self._held = False
+        for group in self.groups:
+            group.held = False
 
     def _backend_for(self, group: SurvivingGroup, gen: int) -> Any:  # a ProcessGroupGloo (a Backend)
         store = dist.PrefixStore(f"gen{gen}/{group.key}/", self._store)
@@ -117,6 +142,10 @@ class Fabric:
         return sum(1 for w in self.graveyard if isinstance(w, dist.Work))
 
     def close(self) -> None:
-        """Tear the default group down; abandoned backends stay referenced by the caller's fabric."""
+        """Tear the default group down and drop every group's backend; abandoned backends stay in
+        the graveyard. Only with no collective pending on a current backend (FACTS.md: dropping
+        such a group blocks until its timeout)."""
+        for group in self.groups:
+            group._backend = None
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -54,6 +54,7 @@ class AbortSignal:
         self._lock = threading.Lock()
         self._pending: set[AbortableWork] = set()
         self.reason = ""
+        self.failed = False  # a collective of this generation failed or was aborted (cleared by clear())
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -70,6 +71,7 @@ class AbortSignal:
         with self._lock:
             self._event.clear()
             self.reason = ""
+            self.failed = False
 
     def _track(self, work: AbortableWork) -> bool:
         """Register ``work``; False when the signal is already set (the caller fails it)."""
@@ -135,6 +137,9 @@ class AbortableWork(dist.Work):
         self._complete(value, None)
 
     def _fail(self, err: BaseException) -> None:
+        # Seen through C++ (DDP's reducer) the error is a plain RuntimeError: the flag is how
+        # the session tells a collective lost to a fault from a bug of the script's.
+        self._signal.failed = True
         inner_pending = self._inner is not None and not self._inner.is_completed()
         if self._complete(None, err) and inner_pending:
             self._graveyard.append(self._inner)  # never dropped early: FACTS.md
@@ -149,11 +154,17 @@ class AbortableWork(dist.Work):
         self._signal._untrack(self)
         try:
             self._inner.wait()
-            value = self._inner.result()
+            value = self._inner_value()
         except Exception as err:  # noqa: BLE001 - the op's error is the result
             self._fail(err)
             return
         self._complete(value, None)
+
+    def _inner_value(self) -> Any:
+        try:  # the future's value: Work.result() is deprecated (it warns once per process)
+            return self._inner.get_future().value()
+        except RuntimeError:  # works with no future (gloo's _allgather_base)
+            return self._inner.result()
 
     def is_success(self) -> bool:
         return self._completed and self._error is None
@@ -198,17 +209,26 @@ class SurvivingGroup(dist.ProcessGroup):
 
     Owned by one :class:`~unbroken.parallel.fabric.Fabric` (which builds it, attaches each
     generation's backend and holds the abort signal). ``global_ranks`` are the job ranks of
-    its members, in group-rank order.
+    its members, in group-rank order. ``before_reduce`` is called before each reduction is
+    issued (the session marks its step's phase ``sync`` there).
+
+    *Held* (:attr:`held`, set by the fabric): attached to a generation, but collectives
+    complete locally as when detached. A replacement holds its groups while the script builds
+    its wrappers (whose constructors issue collectives the busy survivors would not match),
+    and releases them when it takes part in the state transfer.
     """
 
     def __init__(self, rank: int, size: int, global_ranks: list[int], key: str,
-                 signal: AbortSignal, graveyard: list[Any]) -> None:
+                 signal: AbortSignal, graveyard: list[Any],
+                 before_reduce: Callable[[], None] | None = None) -> None:
         super().__init__(rank, size)
         self.global_ranks = list(global_ranks)
         self.key = key  # names its store prefix in each generation: gen<g>/<key>/
         self._signal, self._graveyard = signal, graveyard
+        self._before_reduce = before_reduce
         self._backend: Any = None  # a ProcessGroupGloo (torch Backend) or None
         self._gen = -1  # -1: detached, no generation joined yet
+        self.held = False
         self._group_name = ""
 
     # --- generations (called by the fabric) ---
@@ -244,13 +264,17 @@ class SurvivingGroup(dist.ProcessGroup):
 
     def _issue(self, op: str, args: tuple, local: Callable[[], Any] | None) -> AbortableWork:
         what = f"{op} on group {self.key!r} generation {self._gen}"
-        if self._backend is None:
+        if self._backend is None or self.held:
             if local is None:
+                state = "while it is held (a replacement building its wrappers)" if self.held else \
+                    "before this rank joined a generation"
                 raise DetachedCollective(
-                    f"{op} on group {self.key!r} before this rank joined a generation: only "
-                    "broadcast, all-gather and barrier complete locally before the first "
-                    "generation (a reduction would be wrong); join a generation first")
+                    f"{op} on group {self.key!r} {state}: only broadcast, all-gather and barrier "
+                    "complete locally then (a reduction would be wrong); issue reductions in the "
+                    "training loop, after unbroken has joined this rank to the survivors")
             return AbortableWork(None, self._signal, self._graveyard, what, result=local())
+        if local is None and self._before_reduce is not None:
+            self._before_reduce()
         inner = getattr(self._backend, op)(*args)
         return AbortableWork(inner, self._signal, self._graveyard, what)
 

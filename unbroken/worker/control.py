@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
@@ -44,6 +45,9 @@ class ControlClient:
         # A rank of generation g must leave it as soon as abort_gen > g.
         self.abort_gen = gen
         self.abort_reason = ""
+        # Called from the reader thread with (abort_gen, reason) on each abort order (and when the
+        # controller is lost): the session fires its surviving groups' abort signal there.
+        self.on_abort: Callable[[int, str], None] | None = None
         self._commit = threading.Condition()
         self.committed_step = -1
         self._restore_at: dict[int, int] = {}  # restore round -> decided step, set by the reader thread
@@ -64,6 +68,7 @@ class ControlClient:
                 self.abort_gen, self.abort_reason = max(self.abort_gen, msg.gen), msg.reason
                 with self._commit:
                     self._commit.notify_all()
+                self._tell_abort()
             elif isinstance(msg, m.CommitStep):
                 with self._commit:
                     self.committed_step = max(self.committed_step, msg.step)
@@ -77,8 +82,15 @@ class ControlClient:
                 self._replies.put(msg)
         self._closed.set()
         self.abort_gen = LOST_CONTROLLER_GEN  # without the controller nothing commits: leave any wait
+        self.abort_reason = self.abort_reason or "the controller connection was lost"
         with self._commit:
             self._commit.notify_all()
+        self._tell_abort()
+
+    def _tell_abort(self) -> None:
+        listener = self.on_abort
+        if listener is not None:
+            listener(self.abort_gen, self.abort_reason)
 
     def _beat_loop(self) -> None:
         while not self._closed.wait(HEARTBEAT_INTERVAL_S):

@@ -2,22 +2,48 @@
 
 Called once per process from :class:`unbroken.worker.session.Job`'s constructor, in the
 training thread. Later generations' groups are built by :mod:`unbroken.worker.inflight`.
+
+Under `unbroken run` on CPU the default group is the world
+:class:`~unbroken.parallel.group.SurvivingGroup` of a :class:`~unbroken.parallel.fabric.Fabric`:
+a wrapper built on the default group (stock ``DistributedDataParallel(model)``) then holds a
+group that moves to each new generation, and survives an in-flight recovery. The session's
+own collectives (``job.all_reduce``, transfers, ``ShardedOptimizer``) use the world group's
+current gloo backend directly (:data:`Start.group`), as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from unbroken.config import WorkerConfig
+from unbroken.parallel.fabric import Fabric
+
+FABRIC_PREFIX = "fabric/"  # the fabric's keys on the attempt's store: fabric/gen<g>/<group>/
 
 
-def build(cfg: WorkerConfig, backend: str) -> tuple[dist.Store | None, dist.ProcessGroup | None, bool]:
-    """(store, group, owns the default group). The store is the controller's, one per attempt,
-    under `unbroken run` (None elsewhere); the group is None for a replacement (it joins the
-    next generation's when the regroup order comes). A default group the script built is used
-    as it is (the script destroys it)."""
+@dataclass
+class Start:
+    """What a worker starts with. ``group``: generation 0's group for the session's own
+    collectives (None for a replacement: it joins the next generation's when the regroup order
+    comes); ``fabric``: the job's surviving groups (None outside `unbroken run`, on CUDA, or when
+    the script built the default group itself)."""
+
+    store: dist.Store | None
+    group: dist.ProcessGroup | None
+    owns_default_group: bool
+    fabric: Fabric | None = None
+
+
+def build(cfg: WorkerConfig, backend: str, device: torch.device,
+          before_reduce: Callable[[], None] | None = None) -> Start:
+    """The store is the controller's, one per attempt, under `unbroken run` (None elsewhere). A
+    default group the script built is used as it is (the script destroys it). ``before_reduce``:
+    called before each reduction on a surviving group."""
     timeout = timedelta(seconds=cfg.worker.pg_timeout_s)
     store = None
     if cfg.mode == "managed":
@@ -26,10 +52,12 @@ def build(cfg: WorkerConfig, backend: str) -> tuple[dist.Store | None, dist.Proc
         tcp = dist.TCPStore(cfg.master_addr, cfg.master_port, world_size=cfg.world_size,
                             is_master=False, timeout=timeout)
         store = dist.PrefixStore(f"{cfg.store_prefix}/", tcp)
+        if not dist.is_initialized() and device.type == "cpu" and backend == "gloo":
+            return _surviving_start(cfg, store, before_reduce)
         if cfg.replacement:
-            return store, None, False
+            return Start(store, None, False)
     if dist.is_initialized():
-        return store, dist.group.WORLD, False
+        return Start(store, dist.group.WORLD, False)
     if cfg.mode == "managed":
         dist.init_process_group(backend, store=dist.PrefixStore("gen0/", store), rank=cfg.rank,
                                 world_size=cfg.world_size, timeout=timeout)
@@ -37,4 +65,25 @@ def build(cfg: WorkerConfig, backend: str) -> tuple[dist.Store | None, dist.Proc
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return store, dist.group.WORLD, True
+    return Start(store, dist.group.WORLD, True)
+
+
+def _surviving_start(cfg: WorkerConfig, store: dist.Store, before_reduce: Callable[[], None] | None) -> Start:
+    """The default group is the fabric's world group; a first-generation rank joins generation 0
+    now, a replacement stays detached until the regroup order."""
+    fabric = Fabric(dist.PrefixStore(FABRIC_PREFIX, store), cfg.rank, cfg.world_size,
+                    timeout_s=cfg.worker.pg_timeout_s)
+    fabric.before_reduce = before_reduce
+    fabric.init_world()
+    if cfg.replacement:
+        return Start(store, None, True, fabric)
+    fabric.switch(0)  # InFlight starts every first-generation rank at 0
+    return Start(store, fabric.world.backend, True, fabric)
+
+
+def destroy(fabric: Fabric | None) -> None:
+    """Tear down the default group this worker built (nothing may be pending on it)."""
+    if fabric is not None:
+        fabric.close()
+    else:
+        dist.destroy_process_group()

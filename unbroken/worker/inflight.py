@@ -42,7 +42,10 @@ from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
+from unbroken.parallel import ddp as ddp_generations
+from unbroken.parallel.fabric import Fabric
 from unbroken.protocol.messages import Dump, Regroup
+from unbroken.worker import wrappers
 from unbroken.worker.control import ControlClient
 from unbroken.worker.rollback import decode_tree
 from unbroken.worker.tracked import TrackedState
@@ -67,8 +70,9 @@ class InFlight:
 
     def __init__(self, cfg: WorkerConfig, *, device: torch.device, control: ControlClient | None,
                  store: dist.Store | None, group: dist.ProcessGroup | None, tracked: TrackedState,
-                 injector: FaultInjector, dump: DumpTarget) -> None:
+                 injector: FaultInjector, dump: DumpTarget, fabric: Fabric | None = None) -> None:
         self._cfg, self._device, self._control, self._store = cfg, device, control, store
+        self._fabric = fabric  # the job's surviving groups (the default group), if any
         self._tracked, self._injector = tracked, injector
         self._dump_target = dump
         self.gen = 0
@@ -81,6 +85,16 @@ class InFlight:
         self.fault_noted = False  # a fault inside a step: recover before the next one
         self._paused_step = 0
         self._order: Regroup | None = None
+        if fabric is not None:
+            self.graveyard = fabric.graveyard  # one graveyard (the groups hold it): close() checks it
+            if control is not None:
+                control.on_abort = self._fire_abort
+
+    def _fire_abort(self, abort_gen: int, reason: str) -> None:
+        """The control reader thread: an abort order for the fabric's generation fails its collectives
+        (a stock DDP's all-reduce among them) at once."""
+        if abort_gen > self._fabric.generation:
+            self._fabric.signal.fire(reason or f"abort order for generation {abort_gen}")
 
     # -- is a recovery due? -------------------------------------------------------------
     def should_abort(self) -> bool:
@@ -99,6 +113,8 @@ class InFlight:
             return False
         if isinstance(exc, (StateDamaged, CollectiveAborted)):
             return True
+        if isinstance(exc, RuntimeError) and self._fabric is not None and self._fabric.signal.failed:
+            return True  # a collective on a surviving group (e.g. DDP's) failed or was aborted
         notes = getattr(exc, "__notes__", ())
         return isinstance(exc, RuntimeError) and any(n.startswith("unbroken: during the") for n in notes)
 
@@ -136,14 +152,24 @@ class InFlight:
         optimizer on a process group of the right size; the state arrives in :meth:`join`.
         """
         self._order = self._await_order(self._control.abort_gen)
+        if self._fabric is not None:  # the script's wrappers are built next: their collectives stay local
+            self._fabric.hold()
 
     def join(self) -> int:
         """A replacement's side, in ``job.steps()``: receive the state; returns the step to resume at."""
         order, self._order = self._order, None
+        if self._fabric is not None:
+            self._fabric.release()
         return self._transfer_until_done(time.monotonic(), order)
 
     # -- the regroup ----------------------------------------------------------------------
     def _adopt_group(self, gen: int) -> None:
+        if self._fabric is not None:  # every surviving group moves; the old backends go to the graveyard
+            self._fabric.switch(gen)
+            self.gen, self.group = gen, self._fabric.world.backend
+            if self.should_abort():  # an abort order came while switching: switch() cleared the signal
+                self._fabric.signal.fire(self._control.abort_reason or f"abort order for generation {gen}")
+            return
         group = generation_group(self._store, gen, rank=self._cfg.rank, world_size=self._cfg.world_size,
                                  timeout_s=self._cfg.worker.pg_timeout_s, device=self._device)
         if self.group is not None:
@@ -243,3 +269,10 @@ class InFlight:
         if receiving and rank not in order.fallback:
             self._tracked.load_per_rank(decode_tree(order.rank_state, f"rank {rank}'s per-rank state of step "
                                                                       f"{order.resume_step} from the controller"))
+        self._realign_wrappers()
+
+    def _realign_wrappers(self) -> None:
+        """Every rank, last in the transfer: each surviving DDP's reducer reset and its buckets laid out
+        as at track (parameter order), so every rank's buckets match the fault-free run's."""
+        for ddp in wrappers.surviving_ddps(self._tracked.objects.values()):
+            ddp_generations.realign_buckets(ddp)

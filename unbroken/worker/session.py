@@ -4,14 +4,12 @@ A :class:`Job` lives in one training process (one rank) and runs in its main thr
 joins the job (process group, controller link), knows which objects are training state
 (:meth:`Job.track`), resumes the loop at the right step (:meth:`Job.steps`), marks the
 fault boundary of each step (:meth:`Job.step`), reports step and phase and fires injected
-faults. What it delegates, each piece owning its own state: the tracked objects
-(:class:`~unbroken.worker.tracked.TrackedState`), in-flight recovery with the process group
-of the current generation (:class:`~unbroken.worker.inflight.InFlight`), checkpoint writing
-(:class:`~unbroken.worker.checkpointing.Checkpointer`) and the restore at a (re)start
-(:func:`unbroken.worker.restore.restore`).
+faults. It delegates, each piece owning its own state: the tracked objects (``TrackedState``),
+in-flight recovery with the groups of the current generation (``InFlight``), checkpoint writing
+(``Checkpointer``) and the restore at a (re)start (:func:`unbroken.worker.restore.restore`).
 
-Phases of a step, in order: ``compute`` -> ``sync`` -> ``update`` -> ``done`` (the
-optimizer reports ``sync``/``update``/``done`` through :meth:`Job.phase`).
+Phases of a step, in order: ``compute`` -> ``sync`` -> ``update`` -> ``done`` (the optimizer,
+``job.all_reduce`` or a DDP's all-reduce report ``sync``/``update``/``done``).
 """
 
 from __future__ import annotations
@@ -81,9 +79,12 @@ class Job:
                                   injector=self._injector, all_min=self._all_min, event=self._event,
                                   metrics=self._metrics)
         backend = backend or _default_backend(self.device)
-        store, group, self._owns_default_group = first_group.build(cfg, backend)
-        self._inflight = InFlight(cfg, device=self.device, control=self._control, store=store, group=group,
-                                  tracked=self._tracked, injector=self._injector, dump=self._ckpt)
+        start = first_group.build(cfg, backend, self.device,  # DDP's all-reduce marks 'sync':
+                                  before_reduce=functools.partial(self._advance, Phase.SYNC))
+        self._owns_default_group, self._fabric = start.owns_default_group, start.fabric
+        self._inflight = InFlight(cfg, device=self.device, control=self._control, store=start.store,
+                                  group=start.group, tracked=self._tracked, injector=self._injector,
+                                  dump=self._ckpt, fabric=self._fabric)
         if self._inflight.needs_state:
             # A replacement joins the next generation's group now, so the script builds its
             # model and optimizer on a group of the right size; its state comes in steps().
@@ -177,8 +178,8 @@ class Job:
             self._report_progress()
         self._report_finished()
 
-    def _report_finished(self) -> None:
-        if self._control is not None:  # past the loop: no step progress to expect any more
+    def _report_finished(self) -> None:  # past the loop: no step progress to expect any more
+        if self._control is not None:
             self._control.progress(self._step, Phase.FINISHED, {})
 
     @contextlib.contextmanager
@@ -263,7 +264,7 @@ class Job:
     # -- collectives that can be abandoned ----------------------------------------------
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        """The process group of the current generation (changes after an in-flight recovery)."""
+        """The group of the current generation, for unbroken's collectives (DDP: use the default group)."""
         return self._inflight.group
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -391,7 +392,7 @@ class Job:
         for obj in self._tracked.recoverable():
             obj.release_process_groups()
         self._inflight.group = None
-        dist.destroy_process_group()
+        first_group.destroy(self._fabric)
         gc.collect()  # the group objects go now, while the interpreter is whole
 
     def _event(self, name: str, **fields: Any) -> None:

@@ -16,6 +16,12 @@ overrides the default for plain objects by name.
 
 What rolls back when a step is dropped: every object the commit rule does not cover (all
 but modules, torch optimizers and RecoverableState objects), and the RNG streams.
+
+One part of a module is per rank and changes inside a step: the running statistics of its
+normalization layers (BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``),
+which every forward moves with the rank's own batch. They travel with the per-rank state
+(key ``buffers``), so a dropped step puts them back, and a replaced rank gets its own (with a
+DDP's ``broadcast_buffers``, rank 0's are the ones every rank's next forward starts from).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 from torch.optim.lr_scheduler import LRScheduler
 
 from unbroken.errors import CheckpointError, ConfigError
@@ -84,14 +91,24 @@ class TrackedState:
     def per_rank_tree(self) -> dict[str, Any]:
         """This rank's own state: the per-rank objects and the RNG streams, as they are now."""
         states, streams = self._states(sorted(self.per_rank))
-        return {"objects": states, "rng": streams}
+        return self._with_buffers({"objects": states, "rng": streams})
 
     def step_start(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(:meth:`rollback_tree`, :meth:`per_rank_tree`) of now, in one pass."""
         local = [n for n, o in self.objects.items() if n not in self.per_rank and not _committed_state(o)]
         states, streams = self._states(local + sorted(self.per_rank))
         return ({n: states[n] for n in local},
-                {"objects": {n: states[n] for n in sorted(self.per_rank)}, "rng": streams})
+                self._with_buffers({"objects": {n: states[n] for n in sorted(self.per_rank)}, "rng": streams}))
+
+    def _with_buffers(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """``tree`` with the running statistics of the tracked modules' norm layers (if any)."""
+        buffers = {}
+        for name, obj in self.objects.items():
+            if isinstance(obj, torch.nn.Module):
+                stats = {key: t.detach().clone() for key, t in _norm_stats(obj)}
+                if stats:
+                    buffers[name] = stats
+        return {**tree, "buffers": buffers} if buffers else tree
 
     def _states(self, names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The states of ``names`` and the RNG streams as they were before reading them. Reading
@@ -109,6 +126,13 @@ class TrackedState:
         """Load a tree made by :meth:`per_rank_tree` (CheckpointError if an object is missing)."""
         self._load_objects(tree["objects"], sorted(self.per_rank), "per-rank state")
         rng.restore(tree["rng"])
+        for name, stats in tree.get("buffers", {}).items():
+            module = self.objects.get(name)
+            if not isinstance(module, torch.nn.Module):
+                raise CheckpointError(f"per-rank state has norm statistics for {name!r}, which is not a tracked module")
+            with torch.no_grad():
+                for key, value in stats.items():
+                    module.get_buffer(key).copy_(value)
 
     def with_per_rank(self, tree: dict[str, Any], per_rank: dict[str, Any]) -> dict[str, Any]:
         """A :meth:`tree` with another rank's per-rank part (from :meth:`per_rank_tree`) in it."""
@@ -176,6 +200,15 @@ class TrackedState:
         for name, obj in self.objects.items():
             self.load_one(obj, tracked[name])
         rng.restore(state["rng"])
+
+
+def _norm_stats(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(buffer name, tensor) of the running statistics of ``module``'s norm layers."""
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, _NormBase) and layer.track_running_stats:
+            for key, t in layer.named_buffers(prefix=prefix, recurse=False):
+                if t is not None:
+                    yield key, t
 
 
 def _committed_state(obj: Any) -> bool:

@@ -10,6 +10,13 @@ once per tracked object:
 * a **DistributedDataParallel** module gets its gradient buckets laid out now, in parameter
   order, as every later iteration uses them (see :func:`rebuild_ddp_buckets`), so that a job
   restarted from a checkpoint sums every gradient element exactly as the fault-free run did.
+
+Which DDP recovers in flight (:func:`in_flight_blocker`): one built on the default group of a
+worker under `unbroken run` on CPU (stock ``DistributedDataParallel(model)``), which is a
+:class:`~unbroken.parallel.group.SurvivingGroup`. A DDP on any other group (one the script built
+itself: ``dist.new_group``, a default group it initialised before ``unbroken.init()``,
+``job.process_group``, NCCL on a GPU) cannot be moved to a new generation: such a job gets a
+bit-exact job restart instead, and the controller's decision names the reason.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from unbroken.parallel.group import SurvivingGroup
 from unbroken.worker.api import RecoverableState
 
 log = logging.getLogger(__name__)
@@ -70,10 +78,16 @@ def rebuild_ddp_buckets(ddp: DistributedDataParallel) -> bool:
     return rebuilt
 
 
+def surviving_ddps(objects: Iterable[Any]) -> list[DistributedDataParallel]:
+    """The tracked DDP modules built on a SurvivingGroup (they recover in flight)."""
+    return [o for o in objects if isinstance(o, DistributedDataParallel) and isinstance(o.process_group, SurvivingGroup)]
+
+
 def in_flight_blocker(objects: Iterable[Any]) -> str:
     """Why the tracked ``objects`` cannot be recovered in flight ("" when they can)."""
     for obj in objects:
-        if isinstance(obj, DistributedDataParallel):
-            return ("it tracks a DistributedDataParallel module, whose gradient all-reduce runs on a process "
-                    "group that unbroken cannot abort or move to a new generation")
+        if isinstance(obj, DistributedDataParallel) and not isinstance(obj.process_group, SurvivingGroup):
+            return ("it tracks a DistributedDataParallel module built on a process group unbroken cannot abort "
+                    f"or move to a new generation ({type(obj.process_group).__name__}); under `unbroken run` on "
+                    "CPU build it on the default group (no process_group argument) to recover it in flight")
     return ""

@@ -1,5 +1,7 @@
-"""Stock DistributedDataParallel with the unbroken loop API: a job restart is bit-exact, from
-the memory tier and from storage (4 real gloo ranks, per-rank seeds and dropout, a sampler).
+"""Stock DistributedDataParallel with the unbroken loop API on a group the script built itself
+(not in-flight recoverable): a job restart is bit-exact, from the memory tier and from storage
+(4 real gloo ranks, per-rank seeds and dropout, a sampler). A DDP on the default group is
+recovered in flight instead: tests/integration/test_ddp_in_flight.py.
 
 Why it needs care: DDP rebuilds its gradient buckets after its first iteration, and gloo's
 sum of an element depends on its offset in the bucket; ``job.track`` lays the buckets out
@@ -14,7 +16,7 @@ from tests.integration.helpers import events
 from tests.integration.real_scripts import assert_same_state, run_real
 
 STEPS = 12
-SCRIPT = ["--wrapper", "ddp", "--per-rank-seed", "--data", "sampler"]
+SCRIPT = ["--wrapper", "ddp-own-group", "--per-rank-seed", "--data", "sampler"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def test_ddp_job_restart_from_memory_is_bit_exact(tmp_path, reference):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert_same_state(reference, out)
     (decision,) = events(run_dir, "decision")
-    # Not in flight (DDP's group cannot move to a new generation), and the reason says so.
+    # Not in flight (this DDP's group cannot move to a new generation), and the reason says so.
     assert decision["rung"] == "exit" and "DistributedDataParallel" in decision["reason"], decision
     restored = events(run_dir, "restored")
     assert {(e["step"], e["tier"]) for e in restored} == {(5, "memory")} and len(restored) == 4

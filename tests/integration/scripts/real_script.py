@@ -12,7 +12,10 @@ differs by rank:
   dropout in the model, so every rank draws a different random stream each step;
 * ``--optimizer plain|sharded``: AdamW after ``job.all_reduce`` of the gradients (the manual
   path, with or without ``--phases``), or ``unbroken.optim.ShardedOptimizer``;
-* ``--wrapper ddp``: stock ``DistributedDataParallel`` around the model;
+* ``--wrapper ddp``: stock ``DistributedDataParallel(model)`` on the default group (recovered in
+  flight); ``--wrapper ddp-own-group``: on a gloo group the script builds itself (``new_group``:
+  not in-flight recoverable, a job restart); ``--batchnorm``: a BatchNorm layer in the model
+  (running statistics, broadcast from rank 0 by DDP each forward);
 * ``--data step``: the batch is a pure function of (step, rank), nothing advances inside a step;
 * ``--log PATH``: post-step code, appending ``<step>`` to ``PATH.rank<r>`` at the end of the
   ``with job.step():`` block and to ``PATH.after.rank<r>`` after it when ``job.step_completed``.
@@ -31,6 +34,7 @@ import random
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -75,14 +79,15 @@ class ShardSampler:
 
 
 class Net(nn.Module):
-    def __init__(self, dropout: float) -> None:
+    def __init__(self, dropout: float, batchnorm: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(DIM, 64)
+        self.norm = nn.BatchNorm1d(64) if batchnorm else nn.Identity()
         self.drop = nn.Dropout(dropout)
         self.fc2 = nn.Linear(64, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(F.relu(self.fc1(x))))
+        return self.fc2(self.drop(F.relu(self.norm(self.fc1(x)))))
 
 
 def make_dataset(seed: int) -> torch.utils.data.TensorDataset:
@@ -138,7 +143,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.2)
     p.add_argument("--optimizer", choices=("plain", "sharded"), default="plain")
     p.add_argument("--phases", action="store_true", help="plain: mark job.phase('sync'/'update') by hand")
-    p.add_argument("--wrapper", choices=("none", "ddp"), default="none")
+    p.add_argument("--wrapper", choices=("none", "ddp", "ddp-own-group"), default="none")
+    p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--step-sleep-s", type=float, default=0.0)
     p.add_argument("--log", default="")
     p.add_argument("--out", required=True)
@@ -160,12 +166,14 @@ def main() -> None:
     job = unbroken.init()
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     random.seed(args.seed)
-    model = Net(args.dropout).to(job.device)
+    model = Net(args.dropout, args.batchnorm).to(job.device)
     if args.per_rank_seed:
         torch.manual_seed(args.seed * 1000 + job.rank)  # dropout differs by rank from here on
         random.seed(args.seed * 1000 + job.rank)
     if args.wrapper == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, process_group=job.process_group)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif args.wrapper == "ddp-own-group":
+        model = torch.nn.parallel.DistributedDataParallel(model, process_group=dist.new_group(backend="gloo"))
     params = [p for p in model.parameters()]
     if args.optimizer == "sharded":
         opt = unbroken.optim.ShardedOptimizer(params, optimizer_class=torch.optim.AdamW, num_replicas=2,
@@ -222,7 +230,7 @@ def main() -> None:
     with open(f"{args.out}.rank{job.rank}.json", "w") as f:
         json.dump(state, f)
     if job.rank == 0:
-        module = model.module if args.wrapper == "ddp" else model
+        module = model.module if args.wrapper != "none" else model
         save_file({k: v.detach().clone().contiguous() for k, v in module.state_dict().items()}, args.out)
     job.close()
 

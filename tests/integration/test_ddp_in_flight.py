@@ -1,0 +1,139 @@
+"""Stock DistributedDataParallel recovered in flight under `unbroken run` (4 real gloo ranks).
+
+examples/train_ddp.py keeps ``DistributedDataParallel(model)`` on the default group (a
+SurvivingGroup under `unbroken run`) with ``no_sync()`` gradient accumulation. A rank is
+killed (at compute, sync, update; rank 0; two at once) or stopped (SIGSTOP): the survivors keep
+their processes and leave the broken all-reduce, only the lost ranks start again and receive
+their state from a live replica, no checkpoint is read, and the final weights equal the
+fault-free run's bit for bit. The real-scripts script covers a BatchNorm layer (running
+statistics, ``broadcast_buffers``) with per-rank seeds and a sampler. One case in the default
+run, the rest in the slow set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+from tests.integration.helpers import assert_same_weights, events
+from tests.integration.real_scripts import assert_same_state, run_real
+
+DDP_EXAMPLE = REPO / "examples" / "train_ddp.py"
+STEPS = 10
+ARGS = ["--grad-accum", "2", "--log-every", "1"]
+
+
+def _train(tmp, name: str, *, flags: list[str] = (), steps: int = STEPS, timeout_s: float = 240):
+    out, run_dir = tmp / f"{name}.safetensors", tmp / f"run-{name}"
+    args = ["run", "--nproc-per-node", "4", "--run-dir", str(run_dir), *flags, str(DDP_EXAMPLE),
+            "--steps", str(steps), "--out", str(out), *ARGS]
+    return run_cli(args, timeout_s=timeout_s), out, run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    result, out, _ = _train(tmp_path_factory.mktemp("ddp-in-flight-reference"), "reference")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def _check_in_flight(returncode: int, output: str, run_dir, replaced: set[int]) -> dict:
+    """Recovered in flight only: rung recover-in-place, one attempt, no checkpoint read, survivors'
+    pids unchanged; returns the last `recovered_in_flight` event."""
+    assert returncode == 0, output[-5000:]
+    decisions = events(run_dir, "decision")
+    assert decisions and {d["rung"] for d in decisions} == {"recover-in-place"}, decisions
+    assert len(events(run_dir, "attempt_started")) == 1, "the job was restarted: not in flight"
+    assert not events(run_dir, "restored"), "a checkpoint was read during an in-flight recovery"
+    first, last = {}, {}
+    for e in events(run_dir, "worker_started"):
+        first.setdefault(e["rank"], e["pid"])
+        last[e["rank"]] = e["pid"]
+    assert {r: p for r, p in first.items() if r not in replaced} == \
+           {r: p for r, p in last.items() if r not in replaced}, "a survivor's process changed"
+    assert {r for r in first if first[r] != last[r]} == replaced, (first, last)
+    done = events(run_dir, "recovered_in_flight")[-1]
+    assert set(done["replaced"]) <= replaced and done["steps_redone"] == 0, done
+    return done
+
+
+def _kill_case(tmp_path, reference, inject: str, replaced: set[int]) -> dict:
+    result, out, run_dir = _train(tmp_path, "faulty", flags=["--inject", inject])
+    done = _check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, replaced)
+    assert_same_weights(reference, out)
+    return done
+
+
+@pytest.mark.timeout(600)
+def test_ddp_rank_killed_mid_all_reduce_recovers_in_flight_bit_exact(tmp_path, reference):
+    done = _kill_case(tmp_path, reference, "kill:rank=2:step=5:at=sync", {2})
+    assert done["resume_step"] == 5  # not committed: the step is dropped and redone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("inject,replaced,resume_step", [
+    pytest.param("kill:rank=1:step=4", {1}, 4, id="compute"),
+    pytest.param("kill:rank=3:step=6:at=update", {3}, 7, id="update"),  # committed: rolls forward
+    pytest.param("kill:rank=0:step=5:at=sync", {0}, 5, id="rank0"),
+    pytest.param("kill:rank=1:step=5:at=sync,kill:rank=2:step=5:at=sync", {1, 2}, 5, id="two-at-once"),
+])
+def test_ddp_kills_recover_in_flight_bit_exact(tmp_path, reference, inject, replaced, resume_step):
+    done = _kill_case(tmp_path, reference, inject, replaced)
+    assert done["resume_step"] == resume_step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_stopped_rank_is_replaced_in_flight_bit_exact(tmp_path, reference):
+    """SIGSTOP: gloo raises nothing, the survivors block in DDP's all-reduce until the abort order."""
+    out, run_dir = tmp_path / "stopped.safetensors", tmp_path / "run-stopped"
+    cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
+           str(DDP_EXAMPLE), "--steps", str(STEPS), "--out", str(out), *ARGS, "--step-sleep-s", "0.2"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            line = job.stdout.readline()
+            assert line and time.monotonic() < deadline, "the job never reached step 4"
+            if "[rank 0] step 4:" in line:
+                break
+        pid = next(e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == 2)
+        os.kill(pid, signal.SIGSTOP)
+        output, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    _check_in_flight(job.returncode, output, run_dir, {2})
+    assert [d["rank"] for d in events(run_dir, "hang_detected")] == [2]
+    assert_same_weights(reference, out)
+
+
+BN_SCRIPT = ["--wrapper", "ddp", "--batchnorm", "--per-rank-seed", "--data", "sampler"]
+
+
+@pytest.fixture(scope="module")
+def bn_reference(tmp_path_factory):
+    result, out, _ = run_real(tmp_path_factory.mktemp("ddp-bn-reference"), "reference", steps=STEPS,
+                              script_args=BN_SCRIPT, timeout_s=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("killed", [0, 2], ids=["rank0-its-statistics-are-broadcast", "rank2-rank0-rolls-back"])
+def test_ddp_batchnorm_statistics_recovered_in_flight_bit_exact(tmp_path, bn_reference, killed):
+    """BatchNorm's running statistics move in every forward and DDP broadcasts rank 0's: a dropped
+    step must put them back on every survivor, and a replaced rank 0 must get its own."""
+    result, out, run_dir = run_real(tmp_path, "kill", steps=STEPS, script_args=BN_SCRIPT, timeout_s=240,
+                                    flags=["--inject", f"kill:rank={killed}:step=5:at=sync"])
+    _check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, {killed})
+    assert_same_state(bn_reference, out)

@@ -104,3 +104,40 @@ def test_reconfigure_feature_check_matches_the_installed_torch():
     assert reconfigure_available() == (major_minor >= (2, 14) and hasattr(dist, "_reconfigure"))
     if major_minor <= (2, 13):
         assert not reconfigure_available()
+
+
+def test_a_held_group_completes_collectives_locally_until_released():
+    """A replacement holds its attached groups while the script builds its DDP: nothing reaches
+    the survivors (rank 1 here never issues a matching op), reductions are refused."""
+    store, graveyard = dist.HashStore(), []
+    groups = _pair(store, 0, [AbortSignal(), AbortSignal()], graveyard)
+    groups[0].held = True
+    t = torch.arange(3.0)
+    assert groups[0].broadcast([t], dist.distributed_c10d.BroadcastOptions()).wait()
+    assert torch.equal(t, torch.arange(3.0))
+    with pytest.raises(DetachedCollective, match="while it is held"):
+        groups[0].allreduce([t], _opts())
+    groups[0].held = False
+    tensors = [torch.ones(2), torch.ones(2)]
+    for w in [groups[r].allreduce([tensors[r]], _opts()) for r in range(2)]:
+        w.wait()
+    assert torch.equal(tensors[0], torch.full((2,), 2.0))
+
+
+def test_a_failed_collective_marks_the_signal_until_the_next_generation():
+    """Through DDP's reducer the error is a plain RuntimeError: ``failed`` is how the session knows
+    a collective of the generation was lost to a fault."""
+    store, graveyard = dist.HashStore(), []
+    signals = [AbortSignal(), AbortSignal()]
+    groups = _pair(store, 0, signals, graveyard)
+    calls = []
+    groups[0]._before_reduce = lambda: calls.append("reduce")
+    work = groups[0].allreduce([torch.ones(4)], _opts())
+    assert calls == ["reduce"] and not signals[0].failed
+    signals[0].fire("test order")
+    with pytest.raises(CollectiveAborted):
+        work.wait()
+    assert signals[0].failed and not signals[1].failed
+    signals[0].clear()
+    assert not signals[0].failed
+    groups[1].backend.allreduce([torch.ones(4)], _opts()).wait()

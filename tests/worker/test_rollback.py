@@ -129,3 +129,23 @@ def test_reading_the_state_never_moves_the_rng_streams():
     got = (torch.rand(3), random.random())
     assert torch.equal(got[0], want[0]) and got[1] == want[1]
     assert sorted(local) == ["ema", "sched"] and sorted(per_rank["objects"]) == ["data", "loader"]
+
+
+def test_norm_statistics_are_per_rank_and_a_dropped_step_puts_them_back():
+    """BatchNorm's running statistics move in every forward (with the rank's own batch): they
+    travel with the per-rank state, and a rollback restores them exactly."""
+    tracked = TrackedState()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    tracked.add("model", model, HOOKS)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    capture = rollback.capture(0, *tracked.step_start(), rank=0)
+    assert sorted(capture.per_rank_tree()["buffers"]["model"]) == [
+        "1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    model(torch.randn(8, 3))  # the step's forward moves the statistics
+    assert not torch.equal(model[1].running_mean, before["1.running_mean"])
+    tracked.load_rollback(capture.local(), capture.per_rank_tree())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_modules_without_norm_statistics_add_nothing_to_the_per_rank_state():
+    assert "buffers" not in _tracked().per_rank_tree()

@@ -129,6 +129,17 @@ class InFlight:
         self.fault_noted = True
         return True
 
+    def release_graveyard(self) -> bool:
+        """At the end of the job: True if nothing abandoned is still pending. With surviving groups
+        the graveyard is then emptied (the old backends have no op left), so the groups can be torn
+        down before the interpreter exits: a surviving group alive at exit can crash the process."""
+        if self._fabric is None:
+            return not self.graveyard
+        if self._fabric.prune_graveyard():
+            return False
+        self.graveyard.clear()
+        return True
+
     # -- the two sides ----------------------------------------------------------------------
     def survive(self, step: int, phase: str) -> int:
         """A survivor's side, at ``step`` in ``phase`` (its step already dropped); returns the

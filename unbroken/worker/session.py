@@ -387,7 +387,7 @@ class Job:
         them blocks until their timeout); a process exits cleanly with them."""
         if not self._owns_default_group or not dist.is_initialized():
             return
-        if self._inflight.graveyard or self._tracked.has_abandoned_work():
+        if not self._inflight.release_graveyard() or self._tracked.has_abandoned_work():
             return
         for obj in self._tracked.recoverable():
             obj.release_process_groups()

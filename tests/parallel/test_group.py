@@ -141,3 +141,26 @@ def test_a_failed_collective_marks_the_signal_until_the_next_generation():
     signals[0].clear()
     assert not signals[0].failed
     groups[1].backend.allreduce([torch.ones(4)], _opts()).wait()
+
+
+@pytest.mark.timeout(60)
+def test_reduce_scatter_completes_through_an_abortable_wait():
+    """gloo's reduce-scatter works (torch 2.13) never report is_completed(), so a polling wait on
+    them never ended (FSDP2's backward hung there); the group does it as an all-reduce."""
+    store, graveyard = dist.HashStore(), []
+    groups = _pair(store, 0, [AbortSignal(), AbortSignal()], graveyard)
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    outs = [torch.zeros(3), torch.zeros(3)]
+    works = [groups[r]._reduce_scatter_base(outs[r], torch.arange(6.0) * (r + 1), opts) for r in range(2)]
+    listed = [torch.zeros(2), torch.zeros(2)]
+    deadline = time.monotonic() + 30
+    while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert all(w.is_completed() and w.is_success() for w in works)
+    assert outs[0].tolist() == [0.0, 3.0, 6.0] and outs[1].tolist() == [9.0, 12.0, 15.0]
+    works = [groups[r].reduce_scatter([listed[r]], [[torch.ones(2) * (r + 1), torch.ones(2)]], opts)
+             for r in range(2)]
+    for w in works:
+        w.wait()
+    assert listed[0].tolist() == [3.0, 3.0] and listed[1].tolist() == [2.0, 2.0]

@@ -95,9 +95,10 @@ class AbortableWork(dist.Work):
     """
 
     def __init__(self, inner: dist.Work | None, signal: AbortSignal, graveyard: list[Any], what: str,
-                 result: Any = None) -> None:
+                 result: Any = None, finish: Callable[[], Any] | None = None) -> None:
         super().__init__()
         self._inner, self._signal, self._graveyard, self._what = inner, signal, graveyard, what
+        self._finish = finish  # run once the backend work succeeded; its return value is the result
         # A Future completed from Python with set_exception() is, to C++ callers (DDP's
         # reducer), a *successful* future holding an exception object; only a callback that
         # raises marks a future failed. So ours is a `then` of a trigger that carries
@@ -134,6 +135,11 @@ class AbortableWork(dist.Work):
         except Exception as err:  # noqa: BLE001 - a peer died: the op's error is the result
             self._fail(err)
             return
+        self._succeed(value)
+
+    def _succeed(self, value: Any) -> None:
+        if self._finish is not None:
+            value = self._finish()
         self._complete(value, None)
 
     def _fail(self, err: BaseException) -> None:
@@ -158,7 +164,7 @@ class AbortableWork(dist.Work):
         except Exception as err:  # noqa: BLE001 - the op's error is the result
             self._fail(err)
             return
-        self._complete(value, None)
+        self._succeed(value)
 
     def _inner_value(self) -> Any:
         try:  # the future's value: Work.result() is deprecated (it warns once per process)
@@ -262,7 +268,8 @@ class SurvivingGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"SurvivingGroup(key={self.key!r}, rank={self.rank()}, size={self.size()}, gen={self._gen})"
 
-    def _issue(self, op: str, args: tuple, local: Callable[[], Any] | None) -> AbortableWork:
+    def _issue(self, op: str, args: tuple, local: Callable[[], Any] | None,
+               finish: Callable[[], Any] | None = None) -> AbortableWork:
         what = f"{op} on group {self.key!r} generation {self._gen}"
         if self._backend is None or self.held:
             if local is None:
@@ -276,7 +283,7 @@ class SurvivingGroup(dist.ProcessGroup):
         if local is None and self._before_reduce is not None:
             self._before_reduce()
         inner = getattr(self._backend, op)(*args)
-        return AbortableWork(inner, self._signal, self._graveyard, what)
+        return AbortableWork(inner, self._signal, self._graveyard, what, finish=finish)
 
     def allreduce(self, *args):
         return self._issue("allreduce", args, None)
@@ -287,11 +294,31 @@ class SurvivingGroup(dist.ProcessGroup):
     def reduce(self, *args):
         return self._issue("reduce", args, None)
 
-    def reduce_scatter(self, *args):
-        return self._issue("reduce_scatter", args, None)
+    def reduce_scatter(self, outputs, inputs, opts, *rest):
+        flat = torch.cat([t.reshape(-1) for t in inputs[0]])
+        return self._reduce_scatter_by_allreduce(outputs[0], flat, opts, outputs)
 
-    def _reduce_scatter_base(self, *args):
-        return self._issue("_reduce_scatter_base", args, None)
+    def _reduce_scatter_base(self, output, input, opts, *rest):  # noqa: A002 - torch's name
+        return self._reduce_scatter_by_allreduce(output, input.reshape(-1), opts, [output])
+
+    def _reduce_scatter_by_allreduce(self, output: torch.Tensor, flat: torch.Tensor, opts: Any,
+                                     result: list[torch.Tensor]) -> AbortableWork:
+        """Reduce-scatter as an all-reduce of a copy, then this rank's chunk into ``output``.
+
+        Why: gloo's reduce-scatter works (torch 2.13, list and tensor forms) fill the output but
+        never report ``is_completed()``, not even after ``wait()``, and have no future, so an
+        abortable (polling) wait on them never ends: FSDP2's backward hung there. Twice the
+        traffic of a real reduce-scatter; the same sums on every run.
+        """
+        buf = flat.clone()
+        ar_opts = dist.AllreduceOptions()
+        ar_opts.reduceOp = opts.reduceOp
+        ar_opts.timeout = opts.timeout
+
+        def finish() -> list[torch.Tensor]:
+            output.copy_(buf.view(self.size(), -1)[self.rank()].view_as(output))
+            return result
+        return self._issue("allreduce", ([buf], ar_opts), None, finish=finish)
 
     def reduce_scatter_tensor_coalesced(self, *args):
         return self._issue("reduce_scatter_tensor_coalesced", args, None)
@@ -320,7 +347,7 @@ class SurvivingGroup(dist.ProcessGroup):
         return self._allgather_base(output, input, *rest)
 
     def reduce_scatter_single(self, *args):  # 2.13's Python-side name of _reduce_scatter_base
-        return self._issue("_reduce_scatter_base", args, None)
+        return self._reduce_scatter_base(*args)
 
     def all_to_all_single(self, *args):  # 2.13's Python-side name of alltoall_base
         return self._issue("alltoall_base", args, None)

@@ -9,7 +9,9 @@ on N ranks and the last rank is SIGKILLed entering step --kill-step. Rows, inter
   in_flight    `unbroken run` (recover-in-place): only the lost rank is replaced; components
                from the controller's `recovered_in_flight` event: detect_s (fault seen ->
                decided), replace_s (-> replacement joined), regroup_s (-> new group), restore_s
-               (state transfer, slowest rank), total_s (fault seen -> resumed); redo_s =
+               (state transfer, slowest rank), other_s (what total_s holds besides: each rank
+               building the new gloo group after the order, the last `resumed` report),
+               total_s (fault seen -> resumed); redo_s =
                recover_s - total_s (the time from resuming until back at the fault's step, plus
                the kill -> detection gap)
   job_restart  `unbroken run --recover-strategy exit` with the shared-memory tier (a snapshot
@@ -40,7 +42,7 @@ from runlib import REPO, clean_shm, in_flight, kill_tree, launch, median, read_e
 
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4"]
-COMPONENTS = ("detect_s", "replace_s", "regroup_s", "restore_s", "redo_s", "total_s")
+COMPONENTS = ("detect_s", "replace_s", "regroup_s", "restore_s", "other_s", "redo_s", "total_s")
 ROWS = ("in_flight", "job_restart")
 
 
@@ -63,6 +65,8 @@ def run_once(row: str, nproc: int, workdir: Path, args: argparse.Namespace, env:
     add_event_figures(run, events)
     if row == "in_flight" and run.recover_s is not None and "total_s" in run.extra:
         run.extra["redo_s"] = max(0.0, run.recover_s - run.extra["total_s"])
+        parts = [run.extra.get(k, 0.0) for k in ("detect_s", "replace_s", "regroup_s", "restore_s")]
+        run.extra["other_s"] = max(0.0, run.extra["total_s"] - sum(parts))
     if row == "job_restart" and "controller_recover_s" in run.extra:
         run.extra["total_s"] = run.extra["controller_recover_s"]
     if res.timed_out or res.rc != 0:
@@ -87,8 +91,8 @@ def summarize(runs: list[Run]) -> dict[str, float]:
 
 
 def table(results: dict[int, dict[str, dict[str, float]]], args: argparse.Namespace, load: tuple[float, float]) -> str:
-    head = (f"N ranks | in-flight detect_s | replace_s | regroup_s | restore_s | redo_s | total_s | recover_s | "
-            f"job restart total_s | recover_s")
+    head = " | ".join(["N ranks", *(f"in-flight {k}" for k in (*COMPONENTS, "recover_s")),
+                       "job restart total_s", "job restart recover_s"])
     lines = [f"Recovery by world size: tiny GPT, kill the last rank at step {args.kill_step} of {args.steps}, "
              f"medians of {args.repeats} run(s); load {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cpus", "",
              f"| {head} |", "|" + "---|" * (head.count("|") + 1)]
@@ -109,7 +113,7 @@ def plot(results: dict[int, dict[str, dict[str, float]]], path: str) -> None:
 
     ns = sorted(results)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, style in zip(COMPONENTS, ("o:", "s:", "^:", "v-", "d:", "o-")):
+    for key, style in zip(COMPONENTS, ("o:", "s:", "^:", "v-", "x:", "d:", "o-")):
         ys = [results[n].get("in_flight", {}).get(key) for n in ns]
         if any(y is not None for y in ys):
             ax.plot(ns, [float("nan") if y is None else y for y in ys], style, label=f"in flight: {key}")

@@ -45,8 +45,10 @@ class Connections:
                 self._serve_agent(conn)
             elif conn.role == "worker":
                 self._serve_worker(conn)
+            elif conn.role == "store":  # a worker's rendezvous store: not under the controller's lock
+                self._ctl.store_service.serve(conn)
             else:
-                raise ProtocolError(f"unknown role {conn.role!r} from {conn.peer} (allowed: agent, worker)")
+                raise ProtocolError(f"unknown role {conn.role!r} from {conn.peer} (allowed: agent, worker, store)")
         except ConnectionClosed:
             pass
         finally:

@@ -2,9 +2,10 @@
 into messages to agents or workers, event-log lines and timing marks.
 
 Owned by the :class:`~unbroken.controller.server.Controller`; runs under its lock, in
-whichever thread applied the event (actions only send small messages). Owns the job's
-TCPStore, a fresh one per attempt (no stale rendezvous keys survive a restart), and the
-attempt's random key prefix, handed to workers only over the control plane (rendezvous.py).
+whichever thread applied the event (actions only send small messages). At each attempt it
+opens a fresh rendezvous (no stale key survives a restart): the attempt's table in the
+store service, its random key prefix, handed to workers only over the control plane, and the
+TCPStore that plain torchrun scripts use, which it owns (rendezvous.py).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ class Executor:
     # -- attempts and processes -------------------------------------------------------------
     def _start_attempt(self, action: sm.StartAttempt) -> None:
         ctl = self._ctl
-        # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts);
-        # the previous attempt's store goes: all its workers are dead. Its keys live under a
-        # prefix only the control plane hands out.
+        # A fresh rendezvous per attempt: no stale keys (FACTS.md: torchrun restarts); the
+        # previous attempt's stores go: all its workers are dead. Managed workers use the
+        # authenticated store service, under a prefix only the control plane hands out.
+        ctl.store_service.open_attempt(action.attempt)
         self.store, self.store_prefix = rendezvous.open_store(ctl.host), rendezvous.new_prefix()
         for w in ctl.workers.values():
             w.state, w.steps_in_attempt = WorkerState.STARTING, 0

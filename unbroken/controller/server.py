@@ -7,7 +7,9 @@ guards them, and the pieces that each do one job:
 * :class:`~unbroken.controller.connections.Connections` -- the control-plane connections:
   messages in (a message-type -> handler table), turned into events;
 * :class:`~unbroken.controller.executor.Executor` -- the machine's actions out, as messages
-  (it owns the job's TCPStore, a fresh one per attempt);
+  (it opens each attempt's rendezvous store);
+* :class:`~unbroken.controller.store_service.StoreService` -- the rendezvous store the workers
+  use, served over the control plane (its own lock; one table per attempt);
 * :class:`~unbroken.controller.monitor.Monitor` -- step times, the hang and straggler rules
   (who a hang is blamed on: :mod:`unbroken.controller.hangs`);
 * :class:`~unbroken.controller.timing.RecoveryTiming` -- how long each recovery took;
@@ -35,6 +37,7 @@ from unbroken.controller.executor import Executor
 from unbroken.controller.hangs import RankProgress
 from unbroken.controller.monitor import MONITOR_INTERVAL_S, Monitor
 from unbroken.controller.rank_state import RankStates
+from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
 from unbroken.ops.monitor import JobMonitor
@@ -71,6 +74,7 @@ class Controller:
         self.monitor = Monitor(cfg.hang, cfg.straggler_factor)
         self.rank_states = RankStates(PER_RANK_LIMIT_BYTES)  # each rank's own state, for its replacement
         self.connections = Connections(self)
+        self.store_service = StoreService()
         self._executor = Executor(self)
         self._server = Server(host, port, cfg.secret.encode(), self.connections.serve,
                               on_failed_handshakes=lambda count, last: self.events.emit(
@@ -113,6 +117,7 @@ class Controller:
         deadline = time.monotonic() + drain_s
         while self.connections.agents and time.monotonic() < deadline:
             time.sleep(0.02)
+        self.store_service.close()
         self._server.close()
         self.live.close()
         self._executor.close()

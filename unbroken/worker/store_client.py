@@ -50,6 +50,7 @@ class ControlStore(dist.Store):
                                          {"rank": rank, "attempt": attempt, "pid": pid},
                                          timeout_s=connect_timeout_s)
         self._ids = itertools.count(1)
+        self._pending: set[int] = set()  # ids still awaited: a reply after its caller gave up is dropped
         self._replies: dict[int, m.StoreReply] = {}
         self._cv = threading.Condition()
         self._lost = ""  # why the connection ended, once it has
@@ -114,18 +115,24 @@ class ControlStore(dist.Store):
     def _call(self, op: str, keys: list[str], values: list[bytes] = (), *, amount: int = 0,
               blocking_s: float = 0.0) -> m.StoreReply:
         req_id = next(self._ids)
-        req = m.StoreRequest(id=req_id, op=op, keys=[self._prefix + k for k in keys], values=list(values), amount=amount,
-                             timeout_ms=max(int(blocking_s * 1000), 0))
+        req = m.StoreRequest(id=req_id, op=op, keys=[self._prefix + k for k in keys], values=list(values),
+                             amount=amount, timeout_ms=max(int(blocking_s * 1000), 0))
+        with self._cv:
+            self._pending.add(req_id)
         try:
             self._conn.send(req)
+            reply = self._await(req_id, blocking_s + REPLY_GRACE_S, op, keys)
         except (ConnectionClosed, ProtocolError) as exc:
             raise dist.DistStoreError(f"rendezvous store {op} of {keys[:4]!r}: {exc}") from None
-        reply = self._await(req_id, blocking_s + REPLY_GRACE_S, op, keys)
+        finally:
+            with self._cv:
+                self._pending.discard(req_id)
+                self._replies.pop(req_id, None)
         if reply.ok:
             return reply
         if reply.timed_out:
-            raise dist.DistStoreError(f"rendezvous store: {reply.error} (timeout: the process-group "
-                                      "timeout, --pg-timeout-s)")
+            raise dist.DistStoreError(f"rendezvous store: {reply.error} (the store's timeout; under "
+                                      "`unbroken run` the process-group timeout, --pg-timeout-s)")
         raise dist.DistStoreError(f"rendezvous store refused {op} of {keys[:4]!r}: {reply.error}")
 
     def _await(self, req_id: int, wait_s: float, op: str, keys: list[str]) -> m.StoreReply:
@@ -150,10 +157,11 @@ class ControlStore(dist.Store):
                 why = f"the controller's store sent a malformed reply ({exc})"
                 self._conn.close()
                 break
-            if isinstance(reply, m.StoreReply) and reply.id > 0:
+            if isinstance(reply, m.StoreReply):
                 with self._cv:
-                    self._replies[reply.id] = reply
-                    self._cv.notify_all()
+                    if reply.id in self._pending:
+                        self._replies[reply.id] = reply
+                        self._cv.notify_all()
         with self._cv:
             self._lost = why
             self._cv.notify_all()

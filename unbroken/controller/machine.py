@@ -14,7 +14,7 @@ States of a job (:class:`JobPhase`)::
     RECOVERING --every rank resumed--> RUNNING
     RECOVERING --another fault--> RECOVERING (next generation) | STOPPING (rung 'exit')
     RUNNING/STOPPING/RECOVERING --no rung left (restart budget spent)--> FAILED
-    RUNNING/RECOVERING --a rank exited with EXIT_FATAL--> FAILED (no rung is tried)
+    RUNNING/RECOVERING --a rank exited with EXIT_FATAL--> FAILED (no rung is tried; exit code 97)
 
 Steps commit here too: a step is committed when every rank reported that its gradient
 reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistency`.
@@ -168,7 +168,7 @@ def _fail_fatal(state: JobState, failure: Failure) -> tuple[JobState, list[Actio
     last = " | ".join(line.strip() for line in failure.last_lines[-3:] if line.strip()) or "no output"
     why = f"rank {failure.rank} exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted): {last}"
     state = _replace(state, failures=state.failures + (failure,), recovery=None)
-    return _fail(state, failure, why)
+    return _fail(state, failure, why, exit_code=EXIT_FATAL)  # the cluster manager must not restart it either
 
 
 def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str]:
@@ -275,11 +275,12 @@ def _why_no_rung(state: JobState, in_flight_why: str) -> str:
     return f"no recovery rung is allowed and feasible (--recover-strategy {','.join(state.allowed)}; {in_flight_why})"
 
 
-def _fail(state: JobState, failure: Failure, why: str) -> tuple[JobState, list[Action]]:
+def _fail(state: JobState, failure: Failure, why: str, exit_code: int = 1) -> tuple[JobState, list[Action]]:
+    """The job fails: exit code 1 (restartable by a cluster manager), or EXIT_FATAL (97: never)."""
     state = _replace(state, phase=JobPhase.FAILED, first_failure=state.first_failure or failure)
     root = state.first_failure.describe() if state.first_failure.rank >= 0 else why
     return state, [Decide(GIVE_UP, failure, why), StopAttempt(state.attempt, why),
-                   Finish(1, f"{why}; root cause: {root}")]
+                   Finish(exit_code, f"{why}; root cause: {root}")]
 
 
 def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, list[Action]]:

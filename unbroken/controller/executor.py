@@ -44,7 +44,7 @@ class Executor:
             sm.RestartRanks: self._restart_ranks, sm.OrderRegroup: self._regroup,
             sm.Recovered: self._recovered, sm.DumpOrder: self._dump, sm.CommitDump: self._commit_dump,
             sm.AnswerRestore: self._answer_restore, sm.RestoreDecided: self._restore_decided,
-            sm.CommitPersisted: self._commit_persisted, sm.Finish: self._finish,
+            sm.CommitPersisted: self._commit_persisted, sm.Finish: self._finish, sm.Terminating: self._terminating,
         }
 
     def execute(self, actions: list[sm.Action]) -> None:
@@ -91,6 +91,12 @@ class Executor:
                 rank=rank, attempt=ctl.state.attempt, gen=action.gen, store_host=ctl.host,
                 store_port=self.store.port if self.store else 0, store_prefix=self.store_prefix,
                 world_size=ctl.cfg.world_size))
+
+    def _terminating(self, action: sm.Terminating) -> None:
+        ctl = self._ctl
+        ctl.events.emit("terminating", dump=action.dump, reason=action.reason,
+                        committed_step=_committed(ctl.state.committed_step),
+                        timeout_s=ctl.cfg.sigterm_dump_timeout_s)
 
     def _finish(self, action: sm.Finish) -> None:
         ctl = self._ctl

@@ -15,6 +15,8 @@ States of a job (:class:`JobPhase`)::
     RECOVERING --another fault--> RECOVERING (next generation) | STOPPING (rung 'exit')
     RUNNING/STOPPING/RECOVERING --no rung left (restart budget spent)--> FAILED
     RUNNING/RECOVERING --a rank exited with EXIT_FATAL--> FAILED (no rung is tried; exit code 97)
+    any --SIGTERM--> (a dump of the newest committed step, where possible) TERMINATED (exit code 143):
+        see :mod:`unbroken.controller.terminate`
 
 Steps commit here too: a step is committed when every rank reported that its gradient
 reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistency`.
@@ -24,14 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from unbroken.controller import commits
+from unbroken.controller import commits, terminate
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
     JobPhase, Failure, AgentJoined, RankExited, WorkerHung, AgentStopped, AgentLost,
     StandbyJoined, SessionReady, StepSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
     WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, StartAttempt,
     StopAttempt, KillRank, Decide, Finish, CommitStep, AbortGeneration, RestartRanks, OrderRegroup, Recovered,
     DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobState,
-    Event, Action)
+    Event, Action, FINAL_PHASES, TerminateRequested, GraceExpired, Terminating)
 from unbroken.errors import EXIT_FATAL
 from unbroken.recovery.replica_map import ReplicaMap
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
@@ -53,8 +55,10 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     """Apply one event to the job state; return the new state and what to do."""
     if isinstance(event, (RestoreOffered, StepPersisted)):  # in any phase: see unbroken.controller.commits
         return commits.transition(state, event)
-    if state.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED):
+    if state.phase in FINAL_PHASES:
         return state, []
+    if terminate.covers(state, event):  # SIGTERM: a dump where one can be made, then exit 143
+        return terminate.transition(state, event)
     if isinstance(event, AgentJoined):
         return _on_agent_joined(state, event)
     if isinstance(event, WorkerHung):

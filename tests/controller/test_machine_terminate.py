@@ -3,6 +3,8 @@ where one can be made, then exit code 143; never a restart, never a commit of a 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.controller.test_machine import commit, kinds, run, start
@@ -76,7 +78,7 @@ def test_a_dump_that_cannot_finish_stops_the_job_without_committing_it(event, sa
 def test_sigterm_without_a_dump_stops_at_once_and_says_why(kw, says):
     state = start(can_dump=kw["can_dump"])
     if kw.get("ready") is False:
-        state = sm.JobState(**{**state.__dict__, "ready": frozenset({0, 1})})
+        state = dataclasses.replace(state, ready=frozenset({0, 1}))
     state, actions = run(state, SIGTERM)
     assert kinds(actions) == ["Terminating", "StopAttempt", "Finish"] and not actions[0].dump
     assert_terminated(state, actions, says)

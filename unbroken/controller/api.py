@@ -364,11 +364,26 @@ class Recovery:
 
 
 @dataclass(frozen=True)
-class JobState:
+class JobPolicy:
+    """What the user decided for the job (flags of `unbroken run`): fixed for its whole life.
+    The machine reads it and never changes it; :class:`JobState` holds what changes."""
+
     world_size: int
     nnodes: int
     max_restarts: int
-    allowed: tuple[str, ...] = (Rung.EXIT,)
+    allowed: tuple[str, ...] = (Rung.EXIT,)  # --recover-strategy, in ladder order
+    max_recovery_tries: int = 3
+    replicas_allowed: bool = True  # False: --no-replica-restore
+    can_dump: bool = False  # a storage tier exists (--save)
+    sub_health_policy: str = "ignore"  # "grace-exit": a degraded rank -> dump, clean restart
+    crash_loop_limit: int = 3  # the same failure this many times in a row fails the job (0: never)
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What the controller knows of the job now; every transition returns a new one."""
+
+    policy: JobPolicy
     phase: JobPhase = JobPhase.STARTING
     attempt: int = 0
     restarts_used: int = 0
@@ -386,23 +401,22 @@ class JobState:
     not_in_flight: tuple[tuple[int, str], ...] = ()  # (rank, why its state cannot be recovered in flight)
     num_replicas: int = 0
     recovery: Recovery | None = None
-    max_recovery_tries: int = 3
     placement: tuple[int, ...] = ()  # the agent hosting each rank; () means rank // (world / nnodes)
-    replicas_allowed: bool = True  # False: --no-replica-restore
-    can_dump: bool = False  # a storage tier exists (--save)
-    sub_health_policy: str = "ignore"  # "grace-exit": a degraded rank -> dump, clean restart
-    crash_loop_limit: int = 3  # the same failure this many times in a row fails the job (0: never)
     standbys: frozenset[int] = frozenset()
     persisted: tuple[tuple[int, frozenset[int]], ...] = ()  # (step, ranks whose files are in storage)
     restore: RestoreRounds = field(default_factory=RestoreRounds)
     terminating: str = ""  # why the job is stopping on SIGTERM ("": it is not); see controller/terminate.py
 
     @property
+    def world_size(self) -> int:
+        return self.policy.world_size
+
+    @property
     def ranks(self) -> frozenset[int]:
         return frozenset(range(self.world_size))
 
     def agent_of(self, rank: int) -> int:
-        return self.placement[rank] if self.placement else rank // (self.world_size // self.nnodes)
+        return self.placement[rank] if self.placement else rank // (self.world_size // self.policy.nnodes)
 
     def hosts(self) -> frozenset[int]:
         """The agents that host ranks now."""

@@ -94,13 +94,13 @@ def _on_requested(state: JobState, event: TerminateRequested) -> tuple[JobState,
     gen = state.gen + 1
     reason = f"{event.reason}: every rank leaves the step in flight; the newest committed step is dumped to --save"
     state = dataclasses.replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
-                                recovery=Recovery(Rung.DUMP, gen, frozenset(), state.max_recovery_tries))
+                                recovery=Recovery(Rung.DUMP, gen, frozenset(), state.policy.max_recovery_tries))
     return state, [Terminating(True, reason), AbortGeneration(gen, reason)]
 
 
 def _why_no_dump(state: JobState) -> str:
     """Why the job cannot dump now ("": it can)."""
-    if not state.can_dump:
+    if not state.policy.can_dump:
         return "no --save DIR to dump to"
     if state.phase is not JobPhase.RUNNING:
         return f"the job was {state.phase.value} (between attempts or in a recovery), not at a step boundary"

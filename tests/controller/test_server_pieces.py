@@ -282,3 +282,10 @@ def test_every_attempt_gets_a_fresh_store_key_prefix_handed_out_over_the_control
         assert agent.sent[-1].store_prefix not in ("", start.store_prefix)
     finally:
         hub.executor.close()
+
+
+def test_a_job_finishes_once_the_first_outcome_wins():
+    hub = FakeHub()
+    hub.executor.execute([sm.Finish(143, "terminated: SIGTERM"), sm.Finish(143, "a second SIGTERM")])
+    assert hub.events.names().count("job_finished") == 1
+    assert hub.outcome.reason == "terminated: SIGTERM"

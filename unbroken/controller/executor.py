@@ -100,6 +100,8 @@ class Executor:
 
     def _finish(self, action: sm.Finish) -> None:
         ctl = self._ctl
+        if ctl.outcome is not None:  # finished already (e.g. a second SIGTERM after the machine's Finish)
+            return
         ctl.outcome = Outcome(action.exit_code, action.reason)
         ctl.events.emit("job_finished", exit_code=action.exit_code, reason=action.reason)
         ctl.connections.broadcast_agents(m.Shutdown(exit_code=action.exit_code, reason=action.reason))

@@ -70,7 +70,7 @@ class FakeHub:
         self.host = "127.0.0.1"
         self.events = FakeEvents()
         self.lock = threading.RLock()
-        self.state = sm.JobState(world_size=world_size, nnodes=1, max_restarts=1)
+        self.state = sm.JobState(sm.JobPolicy(world_size=world_size, nnodes=1, max_restarts=1))
         self.workers = {r: WorkerView(rank=r, attempt=0, pid=100 + r) for r in range(world_size)}
         self.fired: set[str] = set()
         self.outcome = None
@@ -289,3 +289,10 @@ def test_every_attempt_gets_a_fresh_store_key_prefix_handed_out_over_the_control
         assert hub.store_service.keys_of(1) == {}
     finally:
         hub.executor.close()
+
+
+def test_a_job_finishes_once_the_first_outcome_wins():
+    hub = FakeHub()
+    hub.executor.execute([sm.Finish(143, "terminated: SIGTERM"), sm.Finish(143, "a second SIGTERM")])
+    assert hub.events.names().count("job_finished") == 1
+    assert hub.outcome.reason == "terminated: SIGTERM"

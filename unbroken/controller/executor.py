@@ -45,7 +45,7 @@ class Executor:
             sm.RestartRanks: self._restart_ranks, sm.OrderRegroup: self._regroup,
             sm.Recovered: self._recovered, sm.DumpOrder: self._dump, sm.CommitDump: self._commit_dump,
             sm.AnswerRestore: self._answer_restore, sm.RestoreDecided: self._restore_decided,
-            sm.CommitPersisted: self._commit_persisted, sm.Finish: self._finish,
+            sm.CommitPersisted: self._commit_persisted, sm.Finish: self._finish, sm.Terminating: self._terminating,
         }
 
     def execute(self, actions: list[sm.Action]) -> None:
@@ -94,8 +94,16 @@ class Executor:
                 store_port=self.store.port if self.store else 0, store_prefix=self.store_prefix,
                 world_size=ctl.cfg.world_size))
 
+    def _terminating(self, action: sm.Terminating) -> None:
+        ctl = self._ctl
+        ctl.events.emit("terminating", dump=action.dump, reason=action.reason,
+                        committed_step=_committed(ctl.state.committed_step),
+                        timeout_s=ctl.cfg.sigterm_dump_timeout_s)
+
     def _finish(self, action: sm.Finish) -> None:
         ctl = self._ctl
+        if ctl.outcome is not None:  # finished already (e.g. a second SIGTERM after the machine's Finish)
+            return
         ctl.outcome = Outcome(action.exit_code, action.reason)
         ctl.events.emit("job_finished", exit_code=action.exit_code, reason=action.reason)
         ctl.connections.broadcast_agents(m.Shutdown(exit_code=action.exit_code, reason=action.reason))

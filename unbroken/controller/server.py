@@ -56,17 +56,17 @@ class Controller:
         self.host = host
         self.events = events
         self.lock = threading.RLock()
-        self.state = sm.JobState(world_size=cfg.world_size, nnodes=cfg.nnodes,
-                                 max_restarts=cfg.max_restarts, allowed=cfg.recover_strategy,
-                                 replicas_allowed=not cfg.no_replica_restore,
-                                 can_dump=bool(cfg.checkpoint.save_dir),
-                                 sub_health_policy=cfg.sub_health_policy,
-                                 crash_loop_limit=cfg.crash_loop_limit)
+        self.state = sm.JobState(sm.JobPolicy(
+            world_size=cfg.world_size, nnodes=cfg.nnodes, max_restarts=cfg.max_restarts,
+            allowed=cfg.recover_strategy, replicas_allowed=not cfg.no_replica_restore,
+            can_dump=bool(cfg.checkpoint.save_dir), sub_health_policy=cfg.sub_health_policy,
+            crash_loop_limit=cfg.crash_loop_limit))
         self.workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
         self.fired: set[str] = set()  # fault ids of the injection plan already claimed
         self.outcome: Outcome | None = None
         self.done = threading.Event()
         self.recovery_deadline: tuple[int, float] | None = None  # (generation, monotonic deadline)
+        self.grace_deadline: float | None = None  # monotonic end of the SIGTERM dump (--sigterm-dump-timeout-s)
         ckpt = cfg.checkpoint
         self.storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=run_id(cfg.secret, cfg.job_id)) \
             if ckpt.save_dir else None
@@ -157,6 +157,15 @@ class Controller:
         self.events.emit("sub_health", rank=rank, reason=reason, step=step, policy=self.cfg.sub_health_policy)
         self.apply(sm.WorkerDegraded(rank, attempt, reason, step))
 
+    def terminate(self, reason: str) -> None:
+        """An agent got SIGTERM: the job dumps its newest committed step where it can, then stops
+        with exit code 143 (controller/terminate.py), within --sigterm-dump-timeout-s of the first."""
+        with self.lock:
+            if self.grace_deadline is None and not self.state.terminating:
+                self.grace_deadline = time.monotonic() + self.cfg.sigterm_dump_timeout_s
+            self.events.emit("terminate_requested", reason=reason, timeout_s=self.cfg.sigterm_dump_timeout_s)
+            self.apply(sm.TerminateRequested(reason))
+
     def check_recovered(self) -> None:
         """After a restart: once every rank is back at the step the fault hit, log the recovery."""
         if self.state.phase is not sm.JobPhase.RUNNING:
@@ -174,6 +183,9 @@ class Controller:
                     self._check_hangs(now)
                 elif self.state.phase is sm.JobPhase.RECOVERING:
                     self._check_recovery_silence(now)
+                if self.grace_deadline is not None and now > self.grace_deadline:
+                    self.grace_deadline = None
+                    self.apply(sm.GraceExpired(self.cfg.sigterm_dump_timeout_s))
                 if self.recovery_deadline and now > self.recovery_deadline[1]:
                     gen, self.recovery_deadline = self.recovery_deadline[0], None
                     self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.worker.recovery_timeout_s)

@@ -179,6 +179,18 @@ class CommitStep(Message):
     step: int
 
 
+@message("stop_requested")
+class StopRequested(Message):
+    """The agent got ``signal`` (SIGTERM: a pod deleted or evicted, `scancel`): the job dumps its
+    newest committed step to --save where it can, then stops (controller/terminate.py)."""
+
+    node_rank: int
+    signal: int
+
+
+# controller -> worker
+
+
 @message("abort")
 class Abort(Message):
     """Leave generation ``gen - 1``: abort pending collectives, then pause for the regroup."""

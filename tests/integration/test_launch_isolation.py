@@ -54,6 +54,7 @@ def _unbroken_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-P", "-m", "unbroken.cli.main"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_kill_is_recovered_when_launched_from_a_folder_holding_an_unbroken_folder(tmp_path, reference):
     launch_dir = tmp_path / "checkout"

@@ -114,6 +114,7 @@ def hang_in_every_dump(rank: int) -> str:
     return ",".join(f"hang:rank={rank}:step={k}:at=checkpoint" for k in range(1, STEPS))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_dump_that_cannot_finish_in_time_stops_the_job_and_commits_nothing(tmp_path):
     ckpt, seen = tmp_path / "ckpt", []

@@ -167,7 +167,7 @@ def test_a_fatal_exit_fails_the_job_at_once_without_a_restart():
     assert kinds(actions) == ["Decide", "StopAttempt", "Finish"]
     assert actions[0].rung == sm.GIVE_UP and actions[0].failure.kind == "fatal"
     (finish,) = [a for a in actions if isinstance(a, sm.Finish)]
-    assert finish.exit_code == 1
+    assert finish.exit_code == EXIT_FATAL  # `unbroken run` exits 97 too: the cluster manager must not restart it
     assert finish.reason.startswith(f"rank 1 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted): "
                                     "loading data | unbroken: rank 1: fatal error: ShmCapacityError")
     assert "root cause: rank 1 exited with a fatal error (EXIT_FATAL: not restarted) (exit code 97) with no " \
@@ -184,6 +184,7 @@ def test_a_fatal_exit_during_an_in_flight_recovery_ends_it():
     state, actions = run(state, sm.RankExited(0, 0, EXIT_FATAL, None, step=3))
     assert state.phase is sm.JobPhase.FAILED and state.recovery is None
     assert not {"StartAttempt", "RestartRanks", "AbortGeneration", "OrderRegroup"} & set(kinds(actions))
+    assert actions[-1].exit_code == EXIT_FATAL
     assert actions[-1].reason.startswith(f"rank 0 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not "
                                          "restarted): no output; root cause: rank 2 was killed by a signal")
 

@@ -28,6 +28,11 @@ class JobPhase(enum.Enum):
     RECOVERING = "recovering"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    TERMINATED = "terminated"  # stopped on SIGTERM (after its dump, where one could be made)
+
+
+#: The phases after which no event changes the job any more.
+FINAL_PHASES = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.TERMINATED})
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,20 @@ class StepDumped:
 
 
 @dataclass(frozen=True)
+class TerminateRequested:
+    """An agent got SIGTERM (pod eviction, `scancel`): dump the newest committed step, then stop."""
+
+    reason: str  # e.g. "terminated (SIGTERM) on node 1"
+
+
+@dataclass(frozen=True)
+class GraceExpired:
+    """The SIGTERM dump did not finish within ``--sigterm-dump-timeout-s``."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class RecoveryTimeout:
     attempt: int
     gen: int
@@ -192,7 +211,7 @@ class StepPersisted:
 
 Event = (AgentJoined | RankExited | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
          | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped
-         | WorkerDegraded | RestoreOffered | StepPersisted)
+         | WorkerDegraded | RestoreOffered | StepPersisted | TerminateRequested | GraceExpired)
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -278,6 +297,14 @@ class CommitDump:
 
 
 @dataclass(frozen=True)
+class Terminating:
+    """The job was asked to stop (SIGTERM): whether it dumps first, and why (for the event log)."""
+
+    dump: bool
+    reason: str
+
+
+@dataclass(frozen=True)
 class AnswerRestore:
     """Tell ``rank`` again the step decided for its restore round (it offered twice)."""
 
@@ -307,7 +334,7 @@ class CommitPersisted:
 
 Action = (StartAttempt | StopAttempt | KillRank | Decide | Finish | CommitStep | AbortGeneration
           | RestartRanks | OrderRegroup | Recovered | DumpOrder | CommitDump | AnswerRestore | RestoreDecided
-          | CommitPersisted)
+          | CommitPersisted | Terminating)
 
 
 @dataclass(frozen=True)
@@ -378,6 +405,7 @@ class JobState:
     standbys: frozenset[int] = frozenset()
     persisted: tuple[tuple[int, frozenset[int]], ...] = ()  # (step, ranks whose files are in storage)
     restore: RestoreRounds = field(default_factory=RestoreRounds)
+    terminating: str = ""  # why the job is stopping on SIGTERM ("": it is not); see controller/terminate.py
 
     @property
     def world_size(self) -> int:

@@ -14,7 +14,9 @@ States of a job (:class:`JobPhase`)::
     RECOVERING --every rank resumed--> RUNNING
     RECOVERING --another fault--> RECOVERING (next generation) | STOPPING (rung 'exit')
     RUNNING/STOPPING/RECOVERING --no rung left (restart budget spent)--> FAILED
-    RUNNING/RECOVERING --a rank exited with EXIT_FATAL--> FAILED (no rung is tried)
+    RUNNING/RECOVERING --a rank exited with EXIT_FATAL--> FAILED (no rung is tried; exit code 97)
+    any --SIGTERM--> (a dump of the newest committed step, where possible) TERMINATED (exit code 143):
+        see :mod:`unbroken.controller.terminate`
 
 Steps commit here too: a step is committed when every rank reported that its gradient
 reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistency`.
@@ -24,14 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from unbroken.controller import commits
+from unbroken.controller import commits, terminate
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
     JobPhase, Failure, AgentJoined, RankExited, WorkerHung, AgentStopped, AgentLost,
     StandbyJoined, SessionReady, StepSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
     WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, StartAttempt,
     StopAttempt, KillRank, Decide, Finish, CommitStep, AbortGeneration, RestartRanks, OrderRegroup, Recovered,
-    DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobPolicy, JobState,
-    Event, Action)
+    DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobPolicy,
+    JobState, Event, Action, FINAL_PHASES, TerminateRequested, GraceExpired, Terminating)
 from unbroken.errors import EXIT_FATAL
 from unbroken.recovery.replica_map import ReplicaMap
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
@@ -53,8 +55,10 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     """Apply one event to the job state; return the new state and what to do."""
     if isinstance(event, (RestoreOffered, StepPersisted)):  # in any phase: see unbroken.controller.commits
         return commits.transition(state, event)
-    if state.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED):
+    if state.phase in FINAL_PHASES:
         return state, []
+    if terminate.covers(state, event):  # SIGTERM: a dump where one can be made, then exit 143
+        return terminate.transition(state, event)
     if isinstance(event, AgentJoined):
         return _on_agent_joined(state, event)
     if isinstance(event, WorkerHung):
@@ -168,7 +172,7 @@ def _fail_fatal(state: JobState, failure: Failure) -> tuple[JobState, list[Actio
     last = " | ".join(line.strip() for line in failure.last_lines[-3:] if line.strip()) or "no output"
     why = f"rank {failure.rank} exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted): {last}"
     state = _replace(state, failures=state.failures + (failure,), recovery=None)
-    return _fail(state, failure, why)
+    return _fail(state, failure, why, exit_code=EXIT_FATAL)  # the cluster manager must not restart it either
 
 
 def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str]:
@@ -275,11 +279,12 @@ def _why_no_rung(state: JobState, in_flight_why: str) -> str:
     return f"no recovery rung is allowed and feasible (--recover-strategy {','.join(state.policy.allowed)}; {in_flight_why})"
 
 
-def _fail(state: JobState, failure: Failure, why: str) -> tuple[JobState, list[Action]]:
+def _fail(state: JobState, failure: Failure, why: str, exit_code: int = 1) -> tuple[JobState, list[Action]]:
+    """The job fails: exit code 1 (restartable by a cluster manager), or EXIT_FATAL (97: never)."""
     state = _replace(state, phase=JobPhase.FAILED, first_failure=state.first_failure or failure)
     root = state.first_failure.describe() if state.first_failure.rank >= 0 else why
     return state, [Decide(GIVE_UP, failure, why), StopAttempt(state.attempt, why),
-                   Finish(1, f"{why}; root cause: {root}")]
+                   Finish(exit_code, f"{why}; root cause: {root}")]
 
 
 def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, list[Action]]:

@@ -13,6 +13,7 @@ current gloo backend directly (:data:`Start.group`), as before.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from unbroken.config import WorkerConfig
 from unbroken.parallel.fabric import Fabric
+from unbroken.worker import store_client
 
 FABRIC_PREFIX = "fabric/"  # the fabric's keys on the attempt's store: fabric/gen<g>/<group>/
 
@@ -41,17 +43,20 @@ class Start:
 
 def build(cfg: WorkerConfig, backend: str, device: torch.device,
           before_reduce: Callable[[], None] | None = None) -> Start:
-    """The store is the controller's, one per attempt, under `unbroken run` (None elsewhere). A
-    default group the script built is used as it is (the script destroys it). ``before_reduce``:
-    called before each reduction on a surviving group."""
+    """The store is the controller's, one per attempt, served over the authenticated control plane
+    under `unbroken run` (None elsewhere); the caller keeps it for the life of the process (gloo's
+    groups hold it in C++: :attr:`Start.store`). A default group the script built is used as it is
+    (the script destroys it). ``before_reduce``: called before each reduction on a surviving group."""
     timeout = timedelta(seconds=cfg.worker.pg_timeout_s)
     store = None
     if cfg.mode == "managed":
-        # The store lives in the controller, one per attempt; every key under the attempt's
-        # secret prefix (controller/rendezvous.py), each generation under its own below it.
-        tcp = dist.TCPStore(cfg.master_addr, cfg.master_port, world_size=cfg.world_size,
-                            is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"{cfg.store_prefix}/", tcp)
+        # The store lives in the controller, one per attempt, reached only with the job secret
+        # (controller/store_service.py); every key under the attempt's secret prefix
+        # (controller/rendezvous.py), each generation under its own below it.
+        # Not a PrefixStore around it: that would not keep the Python object alive.
+        store = store_client.open_store(cfg.controller, cfg.secret, rank=cfg.rank, attempt=cfg.attempt,
+                                        pid=os.getpid(), timeout_s=cfg.worker.pg_timeout_s,
+                                        key_prefix=cfg.store_prefix)
         if not dist.is_initialized() and device.type == "cpu" and backend == "gloo":
             return _surviving_start(cfg, store, before_reduce)
         if cfg.replacement:

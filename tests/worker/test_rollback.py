@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unbroken.errors import CheckpointCorrupt, ConfigError
-from unbroken.worker import rollback
+from unbroken.worker import rollback, state_blob
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.tracked import TrackedState
 
@@ -60,7 +60,7 @@ def test_a_dropped_step_gets_its_start_back_exactly():
     tracked = _tracked()
     random.seed(5)
     torch.manual_seed(5)
-    capture = rollback.capture(3, tracked.rollback_tree(), tracked.per_rank_tree(), rank=0)
+    capture = rollback.capture(3, tracked.rollback_tree(), tracked.per_rank_tree())
     want = (torch.rand(4), random.random())
     tracked.objects["data"].position += 8  # the step moves everything
     tracked.objects["ema"].add_(1.0)
@@ -77,13 +77,13 @@ def test_per_rank_state_over_the_limit_names_the_biggest_object(monkeypatch):
     tracked = _tracked()
     monkeypatch.setattr(rollback, "PER_RANK_LIMIT_BYTES", 1000)
     with pytest.raises(ConfigError, match=r"over the 1000-byte limit.*'data'.*replicated=\['data'\]"):
-        rollback.capture(0, tracked.rollback_tree(), tracked.per_rank_tree(), rank=2)
+        rollback.StepStates(rank=2).begin(0, *tracked.step_start())
 
 
 def test_a_tree_round_trips_exactly():
     tree = {"a": [1, (2, 3.5)], "t": torch.ones(2), "bf": torch.arange(4, dtype=torch.bfloat16).reshape(2, 2),
             "empty": torch.empty(0, 3), "c": torch.tensor([1 + 2j])}
-    back = rollback.decode_tree(rollback.encode_tree(tree), "x")
+    back = state_blob.decode_tree(state_blob.encode_tree(tree), "x")
     assert back["a"] == [1, (2, 3.5)]
     for key in ("t", "bf", "empty", "c"):
         assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key]), key
@@ -99,11 +99,11 @@ def _blob_with(header: dict, tail: bytes = b"") -> bytes:
     _blob_with({"format": "other"}),
     _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "os", [1], 1]]}, b"\x00"),
     _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "float32", [4], 16]]}, b"\x00"),
-    rollback.encode_tree({"x": torch.ones(2)}) + b"\x00",
+    state_blob.encode_tree({"x": torch.ones(2)}) + b"\x00",
 ], ids=["not-json", "short", "length-past-end", "format", "not-a-dtype", "truncated", "trailing"])
 def test_bytes_that_are_not_an_encoded_state_are_refused(data):
     with pytest.raises(CheckpointCorrupt, match="per-rank state"):
-        rollback.decode_tree(data, "per-rank state")
+        state_blob.decode_tree(data, "per-rank state")
 
 
 class DrawsOnRead(Position):

@@ -44,7 +44,7 @@ from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
 from unbroken.protocol.messages import Dump, Regroup
 from unbroken.worker.control import ControlClient
-from unbroken.worker.rollback import decode_tree
+from unbroken.worker.state_blob import decode_tree
 from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)

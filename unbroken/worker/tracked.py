@@ -20,7 +20,6 @@ but modules, torch optimizers and RecoverableState objects), and the RNG streams
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -39,6 +38,7 @@ class TrackedState:
         self.objects: dict[str, Any] = {}
         self.per_rank: set[str] = set()  # names of the per-rank objects (see the module docstring)
         self.frozen = False  # set once job.steps() began: tracking more is a usage error
+        self._rng = rng.StreamReader()  # reads the RNG streams, reusing what did not move
 
     def add(self, name: str, obj: Any, hooks: SessionHooks) -> None:
         """Track ``obj`` as ``name``; a recoverable object gets the session's hooks."""
@@ -98,17 +98,17 @@ class TrackedState:
         must not move the streams: some objects draw from the global RNG in ``state_dict()``
         (a StatefulDataLoader without a live iterator creates one there), which would make a run
         that reads state at other moments (a rollback, a restart) draw differently from one that
-        does not. torch's and Python's streams are put back if a read moved them."""
-        streams, python_before = rng.capture(), random.getstate()
+        does not. torch's and Python's streams are put back after the reads."""
+        streams = self._rng.capture()
         states = {n: self.state_of(self.objects[n]) for n in names}
-        if random.getstate() != python_before or not torch.equal(torch.get_rng_state(), streams["torch"]):
-            rng.restore(streams)
+        if names:
+            self._rng.put_back(streams)
         return states, streams
 
     def load_per_rank(self, tree: dict[str, Any]) -> None:
         """Load a tree made by :meth:`per_rank_tree` (CheckpointError if an object is missing)."""
         self._load_objects(tree["objects"], sorted(self.per_rank), "per-rank state")
-        rng.restore(tree["rng"])
+        self._rng.restore(tree["rng"])
 
     def with_per_rank(self, tree: dict[str, Any], per_rank: dict[str, Any]) -> dict[str, Any]:
         """A :meth:`tree` with another rank's per-rank part (from :meth:`per_rank_tree`) in it."""
@@ -175,7 +175,7 @@ class TrackedState:
                                   f"(it holds {sorted(tracked)})")
         for name, obj in self.objects.items():
             self.load_one(obj, tracked[name])
-        rng.restore(state["rng"])
+        self._rng.restore(state["rng"])
 
 
 def _committed_state(obj: Any) -> bool:

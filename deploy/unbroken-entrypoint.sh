@@ -9,13 +9,16 @@
 #   UNBROKEN_WAIT_FOR_HOST_S seconds, default 300), on node 0 (UNBROKEN_NODE_RANK=0) to this
 #   pod's own address: a headless Service's DNS record appears a moment after the pod starts,
 #   and node 0's controller binds to it.
-# - SIGTERM (pod deletion or eviction, `scancel`, the time limit) is passed on as SIGINT:
-#   `unbroken run` then stops its workers (SIGTERM, SIGKILL after its stop grace), removes its
-#   shared memory and exits 130. Without this, SIGTERM would end the agent at once.
-# - A job that failed because a rank exited with EXIT_FATAL (97: "do not restart me") exits
-#   97 here instead of 1, so the cluster manager can tell it from a restartable failure
-#   (JobSet: FailJobSet; Slurm: no requeue). Any other status is passed on unchanged:
-#   0 finished, 1 failed (restartable), 2 bad usage, 130 interrupted.
+# - SIGTERM (pod deletion or eviction, `scancel`, the time limit) is passed on to `unbroken run`:
+#   with --save, the job dumps its newest committed step there (at most --sigterm-dump-timeout-s,
+#   default 20 s), stops its workers (SIGTERM, SIGKILL after its 3 s stop grace), removes its
+#   shared memory and exits 143; a second SIGTERM stops it at once. The cluster's kill deadline
+#   (Kubernetes' terminationGracePeriodSeconds, Slurm's KillWait) must be at least
+#   --sigterm-dump-timeout-s + 10 s. SIGINT is passed on as SIGINT (exit 130).
+# - The exit status is `unbroken run`'s: 0 finished, 1 failed (restartable), 2 bad usage,
+#   97 EXIT_FATAL (a rank said "do not restart me": JobSet FailJobSet, Slurm no requeue),
+#   130 interrupted, 143 terminated (restartable; resume with --load). An older unbroken that
+#   exits 1 for EXIT_FATAL is mapped to 97 here from its log.
 set -uo pipefail
 
 readonly EXIT_FATAL=97
@@ -70,7 +73,8 @@ tee_pid=$!
 set -m
 "$@" 2>&3 &
 child=$!
-trap 'kill -INT "$child" 2>/dev/null' TERM INT
+trap 'kill -TERM "$child" 2>/dev/null' TERM
+trap 'kill -INT "$child" 2>/dev/null' INT
 
 # `wait` returns early (status > 128) when a trapped signal arrives: wait again until the
 # child is really gone, and keep its own exit status.

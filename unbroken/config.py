@@ -217,6 +217,10 @@ class LaunchConfig:
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
     no_replica_restore: bool = False  # never restore from replicas: checkpoints only (seeds' no-replica)
     stop_grace_s: float = 3.0
+    # SIGTERM with --save: how long the job may take to dump its newest committed step before it
+    # stops without it (0: never dump). With the stop grace and the agent's exit it must fit in the
+    # cluster's kill deadline: Kubernetes' terminationGracePeriodSeconds (30 s unless set) >= this + 10 s.
+    sigterm_dump_timeout_s: float = 20.0
     omp_num_threads: int = 1
     sub_health_policy: str = "ignore"
     crash_loop_limit: int = 3  # the same failure this many times in a row ends the job (0: never)
@@ -245,6 +249,10 @@ class LaunchConfig:
                  f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         _require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
         _require(self.stop_grace_s >= 0, f"stop grace must be >= 0 s, got {self.stop_grace_s}")
+        _require(isinstance(self.sigterm_dump_timeout_s, (int, float)) and math.isfinite(self.sigterm_dump_timeout_s)
+                 and 0 <= self.sigterm_dump_timeout_s
+                 <= MAX_TIMEOUT_S, f"--sigterm-dump-timeout-s must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}] "
+                 f"(0: no dump on SIGTERM), got {self.sigterm_dump_timeout_s}")
         _require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         for name in self.recover_strategy:
             require_strategy(name)

@@ -38,6 +38,9 @@ SUB_HEALTHY = {"ignore": "ignore", "graceExit": "grace-exit"}
 # fault-scheduling: how a failed or evicted pod is handled. grace: SIGTERM and time to stop cleanly,
 # then new pods; force: the same with a short grace; off: no new pods, the JobSet fails.
 FAULT_SCHEDULING = {"grace": 60, "force": 5, "off": 60}
+# What a pod needs after its SIGTERM dump, within terminationGracePeriodSeconds: the workers' stop
+# grace (3 s), the final pass of the persister, the agent's exit. The dump gets the rest.
+STOP_AFTER_DUMP_S = 10
 
 _QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
@@ -160,6 +163,12 @@ def check_values(values: dict[str, Any]) -> None:
     if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int) or grace < 5):
         raise RenderError(f"terminationGracePeriodSeconds: {grace!r} must be null or a whole number >= 5 "
                           "(unbroken run needs a few seconds to stop its workers)")
+    dump = values.get("sigtermDumpTimeoutSeconds")
+    room = max(0, termination_grace_s(values) - STOP_AFTER_DUMP_S)
+    if dump is not None and (isinstance(dump, bool) or not isinstance(dump, (int, float)) or not 0 <= dump <= room):
+        raise RenderError(f"sigtermDumpTimeoutSeconds: {dump!r} must be null or a number of seconds in [0, {room}]: "
+                          f"the dump, then {STOP_AFTER_DUMP_S} s to stop, must fit in terminationGracePeriodSeconds "
+                          f"({termination_grace_s(values)}); raise that, or give less")
     for key in ("scriptArgs", "extraArgs", "env", "tolerations"):
         if not isinstance(values.get(key), list):
             raise RenderError(f"{key}: {values.get(key)!r} must be a list")
@@ -222,6 +231,17 @@ def shared_storage(values: dict[str, Any]) -> bool:
     return bool(values["storage"]["claimName"]) or values["nodes"] + values["standbyNodes"] == 1
 
 
+def termination_grace_s(values: dict[str, Any]) -> int:
+    """The pods' terminationGracePeriodSeconds: the value, else fault-scheduling's."""
+    return values.get("terminationGracePeriodSeconds") or FAULT_SCHEDULING[values["faultScheduling"]]
+
+
+def sigterm_dump_timeout_s(values: dict[str, Any]) -> float:
+    """--sigterm-dump-timeout-s: the value, else what the grace period leaves after the stop (0: no dump)."""
+    dump = values.get("sigtermDumpTimeoutSeconds")
+    return dump if dump is not None else max(0, termination_grace_s(values) - STOP_AFTER_DUMP_S)
+
+
 def persist_every_steps(values: dict[str, Any]) -> int:
     return values["storage"]["persistEverySteps"] if shared_storage(values) else 0
 
@@ -230,12 +250,16 @@ def run_args(values: dict[str, Any], *, standby: bool = False) -> list[str]:
     """The ``unbroken run`` command line of one pod; $(UNBROKEN_NODE_RANK) is expanded by the kubelet."""
     storage, tier = values["storage"], values["memoryTier"]
     mount = storage["mountPath"].rstrip("/")
+    checkpoints = f"{mount}/checkpoints/{values['name']}"
     args = ["unbroken", "run",
             "--nnodes", str(values["nodes"]), "--nproc-per-node", str(values["procPerNode"]),
             "--master-addr", controller_host(values), "--master-port", str(values["controlPort"]),
             "--rdzv-id", values["name"],
             "--run-dir", f"{mount}/runs/{values['name']}",
-            "--save", f"{mount}/checkpoints/{values['name']}",
+            # --load the same directory: pods made again by a JobSet restart resume from the newest
+            # checkpoint there (the SIGTERM dump of an evicted job, or the last persisted step).
+            "--save", checkpoints, "--load", checkpoints,
+            "--sigterm-dump-timeout-s", f"{sigterm_dump_timeout_s(values):g}",
             "--ckpt-every-steps", str(tier["everySteps"]),
             "--persist-every-steps", str(persist_every_steps(values)),
             "--keep-checkpoints", str(storage["keepCheckpoints"]),
@@ -349,7 +373,7 @@ def _container(values: dict[str, Any], *, standby: bool) -> dict[str, Any]:
 
 
 def _pod_spec(values: dict[str, Any], *, standby: bool) -> dict[str, Any]:
-    grace = values.get("terminationGracePeriodSeconds") or FAULT_SCHEDULING[values["faultScheduling"]]
+    grace = termination_grace_s(values)
     claim = values["storage"]["claimName"]
     storage = {"persistentVolumeClaim": {"claimName": claim}} if claim else {"emptyDir": {}}
     spec = {"restartPolicy": "Never",  # unbroken restarts its workers itself; a failed pod is the Job's

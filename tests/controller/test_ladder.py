@@ -53,7 +53,7 @@ def test_plain_strings_and_the_enum_are_the_same_rung():
 
 
 def test_no_allowed_rung_feasible_fails_the_job_with_that_reason_and_restarts_nothing():
-    state = sm.JobState(world_size=2, nnodes=1, max_restarts=5, allowed=("recover-in-place",))
+    state = sm.JobState(sm.JobPolicy(world_size=2, nnodes=1, max_restarts=5, allowed=("recover-in-place",)))
     # rank 1 never ran a step loop: in-flight recovery is infeasible, `exit` is not allowed
     state, _ = run(state, sm.AgentJoined(0), sm.SessionReady(0, 0, 0))
     state, actions = run(state, sm.RankExited(1, 0, 1, None))
@@ -67,9 +67,9 @@ def test_no_allowed_rung_feasible_fails_the_job_with_that_reason_and_restarts_no
 
 def test_in_flight_tries_spent_without_exit_allowed_fails_the_job():
     state = start(allowed=("recover-in-place",), crash_loop_limit=0)
-    for _ in range(state.max_recovery_tries):
+    for _ in range(state.policy.max_recovery_tries):
         state, actions = run(state, sm.RankExited(2, 0, None, 9))
         assert actions[0].rung == "recover-in-place"
     state, actions = run(state, sm.RankExited(2, 0, None, 9))
     assert kinds(actions)[-1] == "Finish" and state.phase is sm.JobPhase.FAILED
-    assert f"in-flight tries used, at most {state.max_recovery_tries}" in actions[-1].reason
+    assert f"in-flight tries used, at most {state.policy.max_recovery_tries}" in actions[-1].reason

@@ -11,7 +11,7 @@ from unbroken.errors import EXIT_FATAL
 
 
 def start(world=4, nnodes=1, max_restarts=3, allowed=("recover-in-place", "recover", "exit"), replicas=0, **kw):
-    state = sm.JobState(world_size=world, nnodes=nnodes, max_restarts=max_restarts, allowed=allowed, **kw)
+    state = sm.JobState(sm.JobPolicy(world_size=world, nnodes=nnodes, max_restarts=max_restarts, allowed=allowed, **kw))
     for node in range(nnodes):
         state, actions = sm.transition(state, sm.AgentJoined(node))
     assert actions == [sm.StartAttempt(0)]
@@ -91,7 +91,7 @@ def test_two_ranks_in_different_blocks_are_replaced_in_flight():
 
 
 def test_without_a_step_loop_everywhere_only_exit_is_feasible():
-    state = sm.JobState(world_size=2, nnodes=1, max_restarts=1, allowed=("recover-in-place", "exit"))
+    state = sm.JobState(sm.JobPolicy(world_size=2, nnodes=1, max_restarts=1, allowed=("recover-in-place", "exit")))
     state, _ = run(state, sm.AgentJoined(0), sm.SessionReady(0, 0, 0))
     state, actions = run(state, sm.RankExited(1, 0, 1, None))
     assert actions[0].rung == "exit" and "have not committed a step through unbroken" in actions[0].reason
@@ -167,7 +167,7 @@ def test_a_fatal_exit_fails_the_job_at_once_without_a_restart():
     assert kinds(actions) == ["Decide", "StopAttempt", "Finish"]
     assert actions[0].rung == sm.GIVE_UP and actions[0].failure.kind == "fatal"
     (finish,) = [a for a in actions if isinstance(a, sm.Finish)]
-    assert finish.exit_code == 1
+    assert finish.exit_code == EXIT_FATAL  # `unbroken run` exits 97 too: the cluster manager must not restart it
     assert finish.reason.startswith(f"rank 1 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted): "
                                     "loading data | unbroken: rank 1: fatal error: ShmCapacityError")
     assert "root cause: rank 1 exited with a fatal error (EXIT_FATAL: not restarted) (exit code 97) with no " \
@@ -184,6 +184,7 @@ def test_a_fatal_exit_during_an_in_flight_recovery_ends_it():
     state, actions = run(state, sm.RankExited(0, 0, EXIT_FATAL, None, step=3))
     assert state.phase is sm.JobPhase.FAILED and state.recovery is None
     assert not {"StartAttempt", "RestartRanks", "AbortGeneration", "OrderRegroup"} & set(kinds(actions))
+    assert actions[-1].exit_code == EXIT_FATAL
     assert actions[-1].reason.startswith(f"rank 0 exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not "
                                          "restarted): no output; root cause: rank 2 was killed by a signal")
 

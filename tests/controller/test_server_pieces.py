@@ -14,6 +14,7 @@ from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS, Con
 from unbroken.controller.executor import Executor
 from unbroken.controller.monitor import Monitor
 from unbroken.controller.rank_state import RankStates
+from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import WorkerView
 from unbroken.names import Phase, WorkerState
@@ -69,7 +70,7 @@ class FakeHub:
         self.host = "127.0.0.1"
         self.events = FakeEvents()
         self.lock = threading.RLock()
-        self.state = sm.JobState(world_size=world_size, nnodes=1, max_restarts=1)
+        self.state = sm.JobState(sm.JobPolicy(world_size=world_size, nnodes=1, max_restarts=1))
         self.workers = {r: WorkerView(rank=r, attempt=0, pid=100 + r) for r in range(world_size)}
         self.fired: set[str] = set()
         self.outcome = None
@@ -80,6 +81,7 @@ class FakeHub:
         self.monitor = Monitor(self.cfg.hang, 0.0)
         self.rank_states = RankStates(limit_bytes=1 << 16)
         self.connections = Connections(self)
+        self.store_service = StoreService()
         self.live = FakeLive()
         self.applied: list = []
         self.degraded_calls: list = []
@@ -278,7 +280,19 @@ def test_every_attempt_gets_a_fresh_store_key_prefix_handed_out_over_the_control
         hub.executor.execute([sm.StartAttempt(0), sm.RestartRanks(frozenset({1}), 1, 0)])
         start, restart = agent.sent
         assert start.store_prefix.startswith("rdzv-") and restart.store_prefix == start.store_prefix
+        set_key = m.StoreRequest(id=1, op="set", keys=["k"], values=[b"v"])
+        assert hub.store_service.handle(agent, 0, set_key)[0][1].ok  # attempt 0's table is open
         hub.executor.execute([sm.StartAttempt(1)])
         assert agent.sent[-1].store_prefix not in ("", start.store_prefix)
+        (_, refused), = hub.store_service.handle(agent, 0, set_key)  # the older attempt's table is gone
+        assert not refused.ok and "attempt 0 is over" in refused.error
+        assert hub.store_service.keys_of(1) == {}
     finally:
         hub.executor.close()
+
+
+def test_a_job_finishes_once_the_first_outcome_wins():
+    hub = FakeHub()
+    hub.executor.execute([sm.Finish(143, "terminated: SIGTERM"), sm.Finish(143, "a second SIGTERM")])
+    assert hub.events.names().count("job_finished") == 1
+    assert hub.outcome.reason == "terminated: SIGTERM"

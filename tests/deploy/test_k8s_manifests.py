@@ -267,6 +267,25 @@ def test_mindcluster_values_map_onto_flags_annotations_and_grace():
     assert _pod(_manifests())["spec"]["terminationGracePeriodSeconds"] == 60
 
 
+@pytest.mark.parametrize("sets, grace_s, dump_s", [
+    ({}, 60, 50),  # fault-scheduling grace: 60 s to stop, of which the dump gets all but the 10 s stop
+    ({"faultScheduling": "force"}, 5, 0),  # 5 s: no room for a dump, the job stops at once
+    ({"terminationGracePeriodSeconds": 30, "sigtermDumpTimeoutSeconds": 12}, 30, 12),
+])
+def test_the_sigterm_dump_fits_in_the_pods_grace_period_and_new_pods_resume_from_it(sets, grace_s, dump_s):
+    pod = _pod(_manifests(**sets))
+    args = pod["spec"]["containers"][0]["args"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == grace_s
+    assert float(args[args.index("--sigterm-dump-timeout-s") + 1]) == dump_s
+    assert dump_s + render.STOP_AFTER_DUMP_S <= grace_s or dump_s == 0
+    assert args[args.index("--load") + 1] == args[args.index("--save") + 1]  # a restarted JobSet resumes
+
+
+def test_a_sigterm_dump_longer_than_the_grace_period_allows_is_refused(capsys):
+    assert render.main(["--set", "terminationGracePeriodSeconds=30", "--set", "sigtermDumpTimeoutSeconds=25"]) == 2
+    assert "sigtermDumpTimeoutSeconds: 25 must be null or a number of seconds in [0, 20]" in capsys.readouterr().err
+
+
 def test_standby_pods_join_with_standby_and_do_not_decide_success():
     jobset = _manifests(standbyNodes=2, **{"storage.claimName": "ckpt"})["JobSet"]
     standby = _pod({"JobSet": jobset}, "standby")

@@ -2,7 +2,8 @@
 
 The sbatch script runs with a fake `srun` (and `scontrol`) on PATH: one "node", a real
 `unbroken run` of examples/train_gpt.py for a few steps. The entrypoint is checked on what
-it adds: a fatal job exits 97 (not 1), and SIGTERM stops a running job cleanly (exit 130).
+it adds or passes on: a fatal job exits 97, and SIGTERM reaches `unbroken run`, which dumps
+its newest step to --save and exits 143.
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def test_sbatch_script_outside_slurm_is_a_usage_error(tmp_path):
 @pytest.mark.slow  # the sbatch run above is the default run's real job
 @pytest.mark.timeout(120)
 def test_entrypoint_turns_a_fatal_job_into_exit_97(tmp_path):
-    """`unbroken run` exits 1 for every failed job; the entrypoint tells EXIT_FATAL apart so
-    that JobSet (FailJobSet) and Slurm (no requeue) do not restart what cannot succeed."""
+    """EXIT_FATAL reaches the cluster manager as 97, so that JobSet (FailJobSet) and Slurm (no
+    requeue) do not restart what cannot succeed."""
     result = _run(["bash", str(ENTRYPOINT), UNBROKEN, "run", "--nproc-per-node", "2", "--run-dir",
                    str(tmp_path / "run"), str(FATAL_SCRIPT), "exit"], {}, timeout_s=100)
     assert result.returncode == EXIT_FATAL, (result.stdout + result.stderr)[-3000:]
@@ -124,8 +125,9 @@ def test_entrypoint_turns_a_fatal_job_into_exit_97(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_entrypoint_stops_a_job_cleanly_on_sigterm(tmp_path):
-    """SIGTERM (pod deletion, scancel) -> `unbroken run` stops its workers and exits 130; the
-    autouse fixture checks that no process and no /dev/shm file is left."""
+    """SIGTERM (pod deletion, scancel) -> passed on to `unbroken run` as SIGTERM: it dumps its
+    newest step to --save, stops its workers and exits 143; the autouse fixture checks that no
+    process and no /dev/shm file is left."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(["bash", str(ENTRYPOINT), UNBROKEN, "run", "--nproc-per-node", "1", "--run-dir",
                              str(run_dir), "--save", str(tmp_path / "ckpt"), str(EXAMPLE), "--steps", "1000",
@@ -146,8 +148,9 @@ def test_entrypoint_stops_a_job_cleanly_on_sigterm(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130, rest[-3000:]
-    assert "interrupted" in rest
+    assert proc.returncode == 143, rest[-3000:]
+    assert "terminated (SIGTERM) on node 0" in rest and "was dumped to --save" in rest
+    assert events(run_dir, "dump_committed")
     assert stopped_s < 30, f"stopping took {stopped_s:.1f} s, more than the pods' grace period allows"
     assert "[rank 0] step 999:" not in rest
 

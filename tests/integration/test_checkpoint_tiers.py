@@ -36,6 +36,7 @@ def test_a_failing_storage_write_keeps_the_previous_checkpoint_and_training_goes
         assert (ckpt / "latest").read_text().strip() == "step_00000005"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_the_workers_and_releases_shared_memory(tmp_path):
     run_dir = tmp_path / "run"

@@ -32,6 +32,7 @@ def test_dump_commits_the_step_in_flight_and_the_job_resumes_from_it(tmp_path, s
     assert recovered["restored_step"] == dumped["step"] and recovered["step"] - recovered["restored_step"] <= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_dump_is_refused_without_replicas_and_the_job_falls_to_exit(tmp_path):
     result, _, run_dir = train(tmp_path, "norep", steps=STEPS, train_args=["--optimizer", "sharded", "--num-replicas", "1"], flags=[
@@ -109,6 +110,7 @@ def test_sub_health_is_only_logged_under_the_default_policy(tmp_path, sharded_re
     assert not events(run_dir, "decision")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_straggler_is_reported_as_sub_health(tmp_path):
     from tests.conftest import REPO, run_cli

@@ -59,7 +59,7 @@ def _check_in_flight(result, out, run_dir, reference, replaced: set[int]) -> dic
 @pytest.mark.parametrize("phase,optimizer", [
     # Two in the default run (a kill at sync with shards, at update with full replication); the
     # other four in the slow set (`pytest -m slow`).
-    pytest.param(phase, optimizer, marks=() if (phase, optimizer) in {("sync", "sharded-n2"), ("update", "full-replication")}
+    pytest.param(phase, optimizer, marks=() if (phase, optimizer) in {("update", "full-replication")}
                  else pytest.mark.slow, id=f"{phase}-{optimizer}")
     for optimizer in ("full-replication", "sharded-n2") for phase in ("compute", "sync", "update")])
 def test_sigkill_recovered_in_place_bit_exact(tmp_path, reference, sharded_reference, phase, optimizer):
@@ -91,6 +91,7 @@ def test_two_workers_in_different_blocks_killed_at_once_recovered_in_flight(tmp_
     _check_in_flight(result, out, run_dir, sharded_reference, {0, 3})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_both_holders_of_a_shard_lost_falls_back_to_the_checkpoint(tmp_path, sharded_reference):
     # Ranks 0 and 2 both hold shard 0: no live replica, so the ladder falls to `exit`

@@ -76,6 +76,7 @@ def _torchrun(tmp_path, out, **env_vars) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
@@ -99,6 +100,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(tmp_path, reference
     assert_same_weights(reference, out)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_agents_on_loopback_recover_a_crash_on_the_second_node(tmp_path, reference):
     port = free_port()

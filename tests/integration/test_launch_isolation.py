@@ -1,8 +1,12 @@
 """Nothing else on the host breaks a job's recovery (issue 11, items 1 and 4).
 
-- A local process without the job secret that writes guessed and old-style rendezvous keys
-  (``gen1//0/1``, ``gen0/...``) into the job's TCPStore during a kill changes nothing: the
-  job's keys live under a per-attempt random prefix handed out over the control plane.
+- A local process without the job secret can neither read nor write the job's rendezvous
+  during a kill: listing the TCPStore shows no key of the job (managed workers rendezvous on
+  the store served over the authenticated control plane), writing guessed, old-style
+  (``gen1//0/1``, ``gen0/...``) or listed keys changes nothing, and the controller refuses it
+  a store connection.
+- Every socket the job listens on is on the job's address (127.0.0.1 here), none on every
+  interface.
 - A folder named `unbroken` in the launch directory does not shadow the installed package:
   the warm spare that replaces a killed rank imports the real one.
 """
@@ -12,19 +16,25 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import EXAMPLE
+from tests.conftest import EXAMPLE, _ours
 from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, train
 from unbroken.controller import rendezvous
+from unbroken.errors import AuthError, ConnectionClosed, ProtocolError
+from unbroken.protocol.wire import connect
 
 STEPS = 10
 
@@ -44,6 +54,7 @@ def _unbroken_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-P", "-m", "unbroken.cli.main"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_kill_is_recovered_when_launched_from_a_folder_holding_an_unbroken_folder(tmp_path, reference):
     launch_dir = tmp_path / "checkout"
@@ -78,39 +89,145 @@ def _guessed_keys() -> list[str]:
     return keys
 
 
-def _write_garbage(run_dir: Path, stop: threading.Event, writes: list[int]) -> None:
-    """A foreign client: connect to each attempt's store and keep overwriting guessed keys."""
-    ports_done: set[int] = set()
-    while not stop.is_set():
-        ports = {e["store_port"] for e in events(run_dir, "attempt_started")} if (run_dir / "events.jsonl").exists() \
-            else set()
-        for port in ports:
-            try:
-                client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
-                for key in _guessed_keys():
-                    client.set(key, secrets.token_bytes(64))
-                writes[0] += 1
-                ports_done.add(port)
-            except (RuntimeError, OSError):
-                pass  # that attempt's store is gone
-        time.sleep(0.02)
+def _aimed_keys(seen: set[str]) -> list[str]:
+    """Keys aimed at what a client learned by listing the store: each key seen, and the next
+    generations' keys under each prefix seen."""
+    prefixes = {key.split("/", 1)[0] for key in seen if key.startswith("rdzv-")}
+    return sorted(seen) + [f"{p}//gen{g}//{a}/{b}" for p in prefixes for g in range(1, 4)
+                           for a in range(2) for b in range(2)]
+
+
+class ForeignClient:
+    """A local process without the job secret, run as a thread during a job: each attempt's
+    TCPStore (the port is in the event log, as `ss` would show it) is listed and overwritten
+    with guessed keys and every key it lists; the controller's port is asked for a store
+    connection with a guessed secret."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.stop = threading.Event()
+        self.writes = 0
+        self.seen: set[str] = set()
+        self.refused: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ForeignClient:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            records = events(self.run_dir) if (self.run_dir / "events.jsonl").exists() else []
+            for port in {e["store_port"] for e in records if e["event"] == "attempt_started"}:
+                self._attack_tcpstore(port)
+            for address in {e["address"] for e in records if e["event"] == "controller_started"}:
+                self._ask_controller(address)
+            time.sleep(0.02)
+
+    def _attack_tcpstore(self, port: int) -> None:
+        try:
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
+            self.seen.update(client.list_keys())
+            for key in _guessed_keys() + _aimed_keys(self.seen):
+                client.set(key, secrets.token_bytes(64))
+            self.writes += 1
+        except (RuntimeError, OSError):
+            pass  # that attempt's store is gone
+
+    def _ask_controller(self, address: str) -> None:
+        if len(self.refused) >= 3:
+            return
+        host, _, port = address.rpartition(":")
+        try:
+            conn = connect(host, int(port), secrets.token_hex(32).encode(), "store", {"attempt": 0}, timeout_s=2)
+        except (AuthError, ProtocolError, ConnectionClosed) as exc:
+            self.refused.append(str(exc))
+            return
+        conn.close()
+        raise AssertionError("the controller served a store connection to a client without the secret")
+
+
+@contextmanager
+def _sampling(sample: Callable[[], None], every_s: float = 0.1) -> Iterator[None]:
+    """Call ``sample`` every ``every_s`` in a thread while the block runs."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            sample()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def _job_prefixes(run_dir: Path) -> set[str]:
+    """The rendezvous prefixes the job's workers hold (their environment: the test's user can read it)."""
+    found = set()
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("UNBROKEN_RUN_DIR") == str(run_dir) and env.get("UNBROKEN_STORE_PREFIX"):
+            found.add(env["UNBROKEN_STORE_PREFIX"])
+    return found
 
 
 @pytest.mark.timeout(240)
-def test_a_foreign_client_writing_guessed_rendezvous_keys_during_a_kill_changes_nothing(tmp_path, reference):
+def test_a_local_client_without_the_secret_can_neither_read_nor_write_the_rendezvous_during_a_kill(
+        tmp_path, reference):
     run_dir = tmp_path / "run-attacked"
-    stop, writes = threading.Event(), [0]
-    attacker = threading.Thread(target=_write_garbage, args=(run_dir, stop, writes), daemon=True)
-    attacker.start()
-    try:
+    prefixes: set[str] = set()
+    with ForeignClient(run_dir) as attacker, _sampling(lambda: prefixes.update(_job_prefixes(run_dir))):
         result, out, _ = train(tmp_path, "attacked", steps=STEPS, nproc=2, timeout_s=180,
                                flags=["--inject", "kill:rank=1:step=5"], train_args=["--step-sleep-s", "0.05"])
-    finally:
-        stop.set()
-        attacker.join(timeout=10)
-    assert writes[0] > 0, "the foreign client never reached the store"
+    assert attacker.writes > 0, "the foreign client never reached the TCPStore"
+    assert attacker.refused and all("wrong job secret" in why for why in attacker.refused), attacker.refused
+    assert prefixes, "the test never saw the job's prefix"
+    learned = {key for key in attacker.seen if any(p in key for p in prefixes)}
+    assert not learned, f"a client without the secret listed the job's rendezvous keys: {sorted(learned)[:4]}"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_same_weights(reference, out)
     assert [d["rung"] for d in events(run_dir, "decision")] == ["recover-in-place"]
     assert len(events(run_dir, "attempt_started")) == 1, "the job was restarted"
 
+
+def _listening(run_dir: Path) -> set[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP socket a process of the job listens on."""
+    found = set()
+    for proc in psutil.process_iter():
+        if not _ours(proc, str(run_dir)):
+            continue
+        try:
+            conns = proc.net_connections(kind="tcp")
+        except (psutil.Error, OSError):
+            continue
+        found |= {(c.laddr.ip, c.laddr.port, proc.name()) for c in conns if c.status == psutil.CONN_LISTEN}
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_every_socket_a_job_listens_on_is_on_the_jobs_address(tmp_path):
+    run_dir, seen = tmp_path / "run-sockets", set()
+    with _sampling(lambda: seen.update(_listening(run_dir))):
+        result, _, _ = train(tmp_path, "sockets", steps=6, nproc=2, timeout_s=180, train_args=["--step-sleep-s", "0.3"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    store_ports = {e["store_port"] for e in events(run_dir, "attempt_started")}
+    controller_ports = {int(e["address"].rpartition(":")[2]) for e in events(run_dir, "controller_started")}
+    ports = {port for _, port, _ in seen}
+    assert store_ports <= ports and controller_ports <= ports, (seen, store_ports, controller_ports)
+    wildcard = {s for s in seen if s[0] in ("0.0.0.0", "::", "")}
+    assert not wildcard, f"the job listens on every interface: {sorted(wildcard)}"
+    ours = {(ip, port) for ip, port, _ in seen if port in store_ports | controller_ports}
+    assert {ip for ip, _ in ours} == {"127.0.0.1"}, sorted(seen)  # the job's address (--master-addr)
+    # gloo's data sockets: the address torch resolves for the host (127.0.0.1 on most test machines)
+    assert {ip for ip, _, _ in seen} <= {"127.0.0.1", socket.gethostbyname(socket.gethostname())}, sorted(seen)

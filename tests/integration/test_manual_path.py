@@ -52,7 +52,7 @@ def _kill_recovered_in_flight(tmp_path, reference, *, phase: str, phases: bool) 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("phase,phases", [("sync", False), ("update", True)])
+@pytest.mark.parametrize("phase,phases", [pytest.param("sync", False, marks=pytest.mark.slow), ("update", True)])
 def test_manual_path_kill_recovers_in_flight_bit_exact(tmp_path, reference, phase, phases):
     _kill_recovered_in_flight(tmp_path, reference, phase=phase, phases=phases)
 

@@ -33,6 +33,7 @@ def test_memory_fault_repaired_by_retry_bit_exact(tmp_path, sharded_reference, f
     assert done["replaced"] == [int(fault.split("rank=")[1][0])] and done["resume_step"] == 6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_nan_loss_redone_by_retry_bit_exact(tmp_path, sharded_reference):
     """An injected NaN loss (the model's outputs turn NaN for one forward) is caught before the

@@ -4,7 +4,9 @@ It runs the controller's orders (start an attempt, stop it, kill one hung worker
 down) received over its control connection, in the thread that calls :meth:`Agent.run`.
 A watcher thread notices a worker's exit within ``WATCH_INTERVAL_S`` and reports it
 with the exit code or signal and the last lines of its output. One reader thread per
-worker prefixes the worker's output lines with its rank.
+worker prefixes the worker's output lines with its rank. On the first SIGTERM
+(:meth:`Agent.request_stop`) a thread asks the controller to dump and stop the job, and stops
+this node on its own if no shutdown order comes in time.
 
 Worker states (``WorkerProc.state``): running -> exited (on its own) | stopped (by us).
 """
@@ -43,6 +45,9 @@ WATCH_INTERVAL_S = 0.05
 STATUS_EVERY = 5  # watch rounds between looks at the workers' process states (stopped, zombie)
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+#: After SIGTERM, how much longer than --sigterm-dump-timeout-s an agent waits for the
+#: controller's shutdown order before it stops its node on its own (the controller is gone or stuck).
+SIGTERM_MARGIN_S = 5.0
 
 
 @dataclass
@@ -118,6 +123,28 @@ class Agent:
                 self._persister.stop()  # its last report still goes out on the open connection
             self._release_shared_memory()
             self._conn.close()
+
+    # -- SIGTERM ------------------------------------------------------------------------------
+    def request_stop(self, signum: int) -> bool:
+        """The first SIGTERM, called in the main thread by the CLI's signal handler: ask the
+        controller to dump the job's newest committed step and stop it (controller/terminate.py);
+        True when asked. False when this agent cannot ask (not serving yet, --sigterm-dump-timeout-s
+        0, a spare hosting no rank): the caller then stops this node at once. Only starts a
+        thread: the handler may have interrupted this agent's own send."""
+        if self._conn is None or self._stop.is_set() or self.cfg.sigterm_dump_timeout_s <= 0:
+            return False
+        if self.standby and not self._running_ranks():
+            return False
+        threading.Thread(target=self._ask_to_stop, args=(signum,), name="unbroken-agent-sigterm", daemon=True).start()
+        return True
+
+    def _ask_to_stop(self, signum: int) -> None:
+        sent = self._send(m.StopRequested(node_rank=self.node_rank, signal=signum))
+        wait_s = self.cfg.sigterm_dump_timeout_s + SIGTERM_MARGIN_S if sent else 0.0
+        if not self._stop.wait(wait_s):  # no shutdown order came: stop as on a second SIGTERM
+            log.warning("agent %d: no shutdown order from the controller at %s within %.0f s of %s; stopping "
+                        "this node's workers now", self.node_rank, self.controller, wait_s, signal.Signals(signum).name)
+            os.kill(os.getpid(), signum)
 
     # -- the node's shared-memory snapshots -------------------------------------------------
     def _claim_shared_memory(self) -> None:
@@ -285,13 +312,15 @@ class Agent:
                 if self._procs.get(p.rank) is p:
                     del self._procs[p.rank]
 
-    def _send(self, msg: m.Message) -> None:
+    def _send(self, msg: m.Message) -> bool:
         if self._conn is None:
-            return
+            return False
         try:
             self._conn.send(msg)
+            return True
         except (OSError, ProtocolError) as exc:
             log.warning("agent %d: could not send %s: %s", self.node_rank, type(msg).__name__, exc)
+            return False
 
 
 def _die_with_parent() -> None:

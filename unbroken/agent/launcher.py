@@ -2,9 +2,12 @@
 
 :func:`run_job` prepares the run directory, starts the controller (node 0 only) and the
 agent, blocks until the job ends, and returns a :class:`JobResult`. Ctrl-C stops every
-worker and ends the job with exit code 130; SIGTERM, which the CLI turns into
-:class:`Terminated`, does the same with exit code 143. Either way every worker gets SIGTERM,
-then SIGKILL after the stop grace period, and this node's shared-memory files are removed.
+worker and ends the job with exit code 130. The first SIGTERM goes to :class:`GracefulStop`:
+the job dumps its newest committed step to --save where it can, then stops with exit code 143
+(controller/terminate.py); where it cannot ask for that, and on a second SIGTERM, the CLI
+raises :class:`Terminated` and the job stops at once as on Ctrl-C, with exit code 143. Every
+worker gets SIGTERM, then SIGKILL after the stop grace period, and this node's shared-memory
+files are removed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,22 @@ class Terminated(KeyboardInterrupt):
     stops as on Ctrl-C. A KeyboardInterrupt, so every clean-up that Ctrl-C runs runs too."""
 
     signum = signal.SIGTERM
+
+
+class GracefulStop:
+    """What the first SIGTERM of one `unbroken run` does: the CLI's signal handler calls
+    :meth:`request` (in the main thread); :func:`run_job` attaches its agent while it serves."""
+
+    def __init__(self) -> None:
+        self._agent: Agent | None = None
+
+    def attach(self, agent: Agent | None) -> None:
+        self._agent = agent
+
+    def request(self, signum: int) -> bool:
+        """True when the agent asked the controller to dump and stop the job; False: stop at once."""
+        agent = self._agent
+        return agent is not None and agent.request_stop(signum)
 
 
 def _interruption(exc: KeyboardInterrupt) -> tuple[int, str]:
@@ -76,8 +95,10 @@ def _log_checkpoint_dirs(cfg: LaunchConfig, events: EventLog) -> None:
 
 
 def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
-            on_controller: Callable[[Controller], None] | None = None) -> JobResult:
-    """Run this node's part of a job to its end. ``cfg`` must come from :func:`resolve`."""
+            on_controller: Callable[[Controller], None] | None = None,
+            graceful: GracefulStop | None = None) -> JobResult:
+    """Run this node's part of a job to its end. ``cfg`` must come from :func:`resolve`;
+    ``graceful`` gets the agent while it serves (SIGTERM: see the module docstring)."""
     _prepare_run_dir(cfg)
     controller: Controller | None = None
     events: EventLog | None = None
@@ -93,6 +114,8 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
         else:
             host, port = cfg.master_addr, cfg.master_port
         agent = Agent(cfg, host, port, output=output)
+        if graceful is not None:
+            graceful.attach(agent)
         try:
             code, reason = agent.run()
         except KeyboardInterrupt as exc:
@@ -106,6 +129,8 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
                 code, reason = outcome.exit_code, outcome.reason
         return JobResult(code, reason, cfg.run_dir, failure)
     finally:
+        if graceful is not None:
+            graceful.attach(None)
         if controller is not None:
             controller.close()
         if events is not None:

@@ -93,6 +93,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("metrics-port", type=_int, default=None, metavar="PORT",
          help="serve Prometheus /metrics, /status.json and a live page on PORT of --master-addr "
               "(node 0; default: off; 0: a free port, written to the event log)")
+    flag("sigterm-dump-timeout-s", type=_float, default=20.0, metavar="S",
+         help="on SIGTERM with --save, the time the job has to dump its newest committed step to --save "
+              "before it stops without it (default 20: Kubernetes' terminationGracePeriodSeconds, 30 s by "
+              "default, must be at least this + 10 s; 0: no dump)")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
     p.add_argument("script", help="training script")
@@ -165,6 +169,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         straggler_factor=args.straggler_factor,
         crash_loop_limit=args.crash_loop_limit,
         metrics_port=args.metrics_port,
+        sigterm_dump_timeout_s=args.sigterm_dump_timeout_s,
         checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
         worker=WorkerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkerSettings)}),
@@ -188,30 +193,41 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
                             persist_every_steps=persist or 0, keep=args.keep_checkpoints, shm_dir=args.shm_dir)
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM (what Kubernetes and Slurm send) stops the job like Ctrl-C: the main thread gets
-    :class:`~unbroken.agent.launcher.Terminated`; a second SIGTERM during that clean-up is ignored."""
+def _stop_on_sigterm(graceful) -> None:
+    """SIGTERM (what Kubernetes and Slurm send): the first asks the running job to dump its newest
+    committed step and stop (:class:`~unbroken.agent.launcher.GracefulStop`). Where it cannot,
+    and on a second SIGTERM, the job stops at once like Ctrl-C: the main thread gets
+    :class:`~unbroken.agent.launcher.Terminated`; a SIGTERM during that clean-up is ignored."""
     from unbroken.agent.launcher import Terminated
 
-    def on_sigterm(signum, frame):
+    def at_once(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    def first(signum, frame):
+        if graceful.request(signum):
+            signal.signal(signal.SIGTERM, at_once)
+            return
+        at_once(signum, frame)
+
+    signal.signal(signal.SIGTERM, first)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from unbroken.agent.launcher import resolve, run_job
+    from unbroken.agent.launcher import GracefulStop, resolve, run_job
 
     from unbroken.checkpoint.launch_dirs import check_launch_dirs
 
     cfg = resolve(launch_config(args))
     for note in check_launch_dirs(cfg.checkpoint.save_dir, cfg.checkpoint.load_dir):  # before any worker
         print(f"unbroken: {note}", file=sys.stderr)
-    _stop_on_sigterm()
-    result = run_job(cfg, output=sys.stdout)
+    graceful = GracefulStop()
+    _stop_on_sigterm(graceful)
+    result = run_job(cfg, output=sys.stdout, graceful=graceful)
     if result.exit_code == 0:
         print(f"unbroken: job finished: {result.reason} (run dir {result.run_dir})")
+    elif result.exit_code in (130, 143):
+        print(f"unbroken: job stopped (exit {result.exit_code}): {result.reason}", file=sys.stderr)
     else:
         print(f"unbroken: job failed (exit {result.exit_code}): {result.reason}", file=sys.stderr)
         f = result.first_failure

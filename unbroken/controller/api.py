@@ -28,6 +28,11 @@ class JobPhase(enum.Enum):
     RECOVERING = "recovering"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    TERMINATED = "terminated"  # stopped on SIGTERM (after its dump, where one could be made)
+
+
+#: The phases after which no event changes the job any more.
+FINAL_PHASES = frozenset({JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.TERMINATED})
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,20 @@ class StepDumped:
 
 
 @dataclass(frozen=True)
+class TerminateRequested:
+    """An agent got SIGTERM (pod eviction, `scancel`): dump the newest committed step, then stop."""
+
+    reason: str  # e.g. "terminated (SIGTERM) on node 1"
+
+
+@dataclass(frozen=True)
+class GraceExpired:
+    """The SIGTERM dump did not finish within ``--sigterm-dump-timeout-s``."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class RecoveryTimeout:
     attempt: int
     gen: int
@@ -192,7 +211,7 @@ class StepPersisted:
 
 Event = (AgentJoined | RankExited | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
          | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped
-         | WorkerDegraded | RestoreOffered | StepPersisted)
+         | WorkerDegraded | RestoreOffered | StepPersisted | TerminateRequested | GraceExpired)
 
 
 # -- actions -----------------------------------------------------------------------------
@@ -278,6 +297,14 @@ class CommitDump:
 
 
 @dataclass(frozen=True)
+class Terminating:
+    """The job was asked to stop (SIGTERM): whether it dumps first, and why (for the event log)."""
+
+    dump: bool
+    reason: str
+
+
+@dataclass(frozen=True)
 class AnswerRestore:
     """Tell ``rank`` again the step decided for its restore round (it offered twice)."""
 
@@ -307,7 +334,7 @@ class CommitPersisted:
 
 Action = (StartAttempt | StopAttempt | KillRank | Decide | Finish | CommitStep | AbortGeneration
           | RestartRanks | OrderRegroup | Recovered | DumpOrder | CommitDump | AnswerRestore | RestoreDecided
-          | CommitPersisted)
+          | CommitPersisted | Terminating)
 
 
 @dataclass(frozen=True)
@@ -337,11 +364,26 @@ class Recovery:
 
 
 @dataclass(frozen=True)
-class JobState:
+class JobPolicy:
+    """What the user decided for the job (flags of `unbroken run`): fixed for its whole life.
+    The machine reads it and never changes it; :class:`JobState` holds what changes."""
+
     world_size: int
     nnodes: int
     max_restarts: int
-    allowed: tuple[str, ...] = (Rung.EXIT,)
+    allowed: tuple[str, ...] = (Rung.EXIT,)  # --recover-strategy, in ladder order
+    max_recovery_tries: int = 3
+    replicas_allowed: bool = True  # False: --no-replica-restore
+    can_dump: bool = False  # a storage tier exists (--save)
+    sub_health_policy: str = "ignore"  # "grace-exit": a degraded rank -> dump, clean restart
+    crash_loop_limit: int = 3  # the same failure this many times in a row fails the job (0: never)
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What the controller knows of the job now; every transition returns a new one."""
+
+    policy: JobPolicy
     phase: JobPhase = JobPhase.STARTING
     attempt: int = 0
     restarts_used: int = 0
@@ -359,22 +401,22 @@ class JobState:
     not_in_flight: tuple[tuple[int, str], ...] = ()  # (rank, why its state cannot be recovered in flight)
     num_replicas: int = 0
     recovery: Recovery | None = None
-    max_recovery_tries: int = 3
     placement: tuple[int, ...] = ()  # the agent hosting each rank; () means rank // (world / nnodes)
-    replicas_allowed: bool = True  # False: --no-replica-restore
-    can_dump: bool = False  # a storage tier exists (--save)
-    sub_health_policy: str = "ignore"  # "grace-exit": a degraded rank -> dump, clean restart
-    crash_loop_limit: int = 3  # the same failure this many times in a row fails the job (0: never)
     standbys: frozenset[int] = frozenset()
     persisted: tuple[tuple[int, frozenset[int]], ...] = ()  # (step, ranks whose files are in storage)
     restore: RestoreRounds = field(default_factory=RestoreRounds)
+    terminating: str = ""  # why the job is stopping on SIGTERM ("": it is not); see controller/terminate.py
+
+    @property
+    def world_size(self) -> int:
+        return self.policy.world_size
 
     @property
     def ranks(self) -> frozenset[int]:
         return frozenset(range(self.world_size))
 
     def agent_of(self, rank: int) -> int:
-        return self.placement[rank] if self.placement else rank // (self.world_size // self.nnodes)
+        return self.placement[rank] if self.placement else rank // (self.world_size // self.policy.nnodes)
 
     def hosts(self) -> frozenset[int]:
         """The agents that host ranks now."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,8 +46,10 @@ class Connections:
                 self._serve_agent(conn)
             elif conn.role == "worker":
                 self._serve_worker(conn)
+            elif conn.role == "store":  # a worker's rendezvous store: not under the controller's lock
+                self._ctl.store_service.serve(conn)
             else:
-                raise ProtocolError(f"unknown role {conn.role!r} from {conn.peer} (allowed: agent, worker)")
+                raise ProtocolError(f"unknown role {conn.role!r} from {conn.peer} (allowed: agent, worker, store)")
         except ConnectionClosed:
             pass
         finally:
@@ -192,10 +195,18 @@ def _persisted(self: Connections, agent: int, msg: m.Persisted) -> None:
     self._ctl.apply(sm.StepPersisted(msg.step, tuple(msg.ranks), msg.seconds, msg.error))
 
 
+def _stop_requested(self: Connections, agent: int, msg: m.StopRequested) -> None:
+    try:
+        name = signal.Signals(msg.signal).name
+    except ValueError:
+        name = f"signal {msg.signal}"
+    self._ctl.terminate(f"terminated ({name}) on node {agent}")
+
+
 AGENT_HANDLERS: dict[type, AgentHandler] = {
     m.WorkerStarted: _worker_started, m.WorkerExited: _worker_exited, m.WorkerStatus: _worker_status,
     m.WorkersStopped: _workers_stopped,
-    m.Persisted: _persisted, m.Heartbeat: lambda self, agent, msg: None,
+    m.Persisted: _persisted, m.Heartbeat: lambda self, agent, msg: None, m.StopRequested: _stop_requested,
 }
 
 

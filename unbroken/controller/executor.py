@@ -2,9 +2,10 @@
 into messages to agents or workers, event-log lines and timing marks.
 
 Owned by the :class:`~unbroken.controller.server.Controller`; runs under its lock, in
-whichever thread applied the event (actions only send small messages). Owns the job's
-TCPStore, a fresh one per attempt (no stale rendezvous keys survive a restart), and the
-attempt's random key prefix, handed to workers only over the control plane (rendezvous.py).
+whichever thread applied the event (actions only send small messages). At each attempt it
+opens a fresh rendezvous (no stale key survives a restart): the attempt's table in the
+store service, its random key prefix, handed to workers only over the control plane, and the
+TCPStore that plain torchrun scripts use, which it owns (rendezvous.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Executor:
             sm.RestartRanks: self._restart_ranks, sm.OrderRegroup: self._regroup,
             sm.Recovered: self._recovered, sm.DumpOrder: self._dump, sm.CommitDump: self._commit_dump,
             sm.AnswerRestore: self._answer_restore, sm.RestoreDecided: self._restore_decided,
-            sm.CommitPersisted: self._commit_persisted, sm.Finish: self._finish,
+            sm.CommitPersisted: self._commit_persisted, sm.Finish: self._finish, sm.Terminating: self._terminating,
         }
 
     def execute(self, actions: list[sm.Action]) -> None:
@@ -57,9 +58,10 @@ class Executor:
     # -- attempts and processes -------------------------------------------------------------
     def _start_attempt(self, action: sm.StartAttempt) -> None:
         ctl = self._ctl
-        # A fresh store per attempt: no stale rendezvous keys (FACTS.md: torchrun restarts);
-        # the previous attempt's store goes: all its workers are dead. Its keys live under a
-        # prefix only the control plane hands out.
+        # A fresh rendezvous per attempt: no stale keys (FACTS.md: torchrun restarts); the
+        # previous attempt's stores go: all its workers are dead. Managed workers use the
+        # authenticated store service, under a prefix only the control plane hands out.
+        ctl.store_service.open_attempt(action.attempt)
         self.store, self.store_prefix = rendezvous.open_store(ctl.host), rendezvous.new_prefix()
         for w in ctl.workers.values():
             w.state, w.steps_in_attempt = WorkerState.STARTING, 0
@@ -92,8 +94,16 @@ class Executor:
                 store_port=self.store.port if self.store else 0, store_prefix=self.store_prefix,
                 world_size=ctl.cfg.world_size))
 
+    def _terminating(self, action: sm.Terminating) -> None:
+        ctl = self._ctl
+        ctl.events.emit("terminating", dump=action.dump, reason=action.reason,
+                        committed_step=_committed(ctl.state.committed_step),
+                        timeout_s=ctl.cfg.sigterm_dump_timeout_s)
+
     def _finish(self, action: sm.Finish) -> None:
         ctl = self._ctl
+        if ctl.outcome is not None:  # finished already (e.g. a second SIGTERM after the machine's Finish)
+            return
         ctl.outcome = Outcome(action.exit_code, action.reason)
         ctl.events.emit("job_finished", exit_code=action.exit_code, reason=action.reason)
         ctl.connections.broadcast_agents(m.Shutdown(exit_code=action.exit_code, reason=action.reason))

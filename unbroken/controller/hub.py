@@ -13,6 +13,7 @@ from unbroken.controller.api import Event, JobState
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.monitor import Monitor
 from unbroken.controller.rank_state import RankStates
+from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
 from unbroken.protocol.messages import Message
@@ -55,10 +56,13 @@ class Hub(Protocol):
     monitor: Monitor
     rank_states: RankStates
     connections: Sender
+    store_service: StoreService
     live: StepListener
 
     def apply(self, event: Event) -> None: ...
 
     def degraded(self, rank: int, attempt: int, reason: str) -> None: ...
+
+    def terminate(self, reason: str) -> None: ...
 
     def check_recovered(self) -> None: ...

@@ -14,7 +14,9 @@ States of a job (:class:`JobPhase`)::
     RECOVERING --every rank resumed--> RUNNING
     RECOVERING --another fault--> RECOVERING (next generation) | STOPPING (rung 'exit')
     RUNNING/STOPPING/RECOVERING --no rung left (restart budget spent)--> FAILED
-    RUNNING/RECOVERING --a rank exited with EXIT_FATAL--> FAILED (no rung is tried)
+    RUNNING/RECOVERING --a rank exited with EXIT_FATAL--> FAILED (no rung is tried; exit code 97)
+    any --SIGTERM--> (a dump of the newest committed step, where possible) TERMINATED (exit code 143):
+        see :mod:`unbroken.controller.terminate`
 
 Steps commit here too: a step is committed when every rank reported that its gradient
 reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistency`.
@@ -24,14 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from unbroken.controller import commits
+from unbroken.controller import commits, terminate
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
     JobPhase, Failure, AgentJoined, RankExited, WorkerHung, AgentStopped, AgentLost,
     StandbyJoined, SessionReady, StepSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
     WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, StartAttempt,
     StopAttempt, KillRank, Decide, Finish, CommitStep, AbortGeneration, RestartRanks, OrderRegroup, Recovered,
-    DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobState,
-    Event, Action)
+    DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobPolicy,
+    JobState, Event, Action, FINAL_PHASES, TerminateRequested, GraceExpired, Terminating)
 from unbroken.errors import EXIT_FATAL
 from unbroken.recovery.replica_map import ReplicaMap
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
@@ -53,8 +55,10 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     """Apply one event to the job state; return the new state and what to do."""
     if isinstance(event, (RestoreOffered, StepPersisted)):  # in any phase: see unbroken.controller.commits
         return commits.transition(state, event)
-    if state.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED):
+    if state.phase in FINAL_PHASES:
         return state, []
+    if terminate.covers(state, event):  # SIGTERM: a dump where one can be made, then exit 143
+        return terminate.transition(state, event)
     if isinstance(event, AgentJoined):
         return _on_agent_joined(state, event)
     if isinstance(event, WorkerHung):
@@ -136,11 +140,11 @@ def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, lis
                       signal=event.signal, step=event.step, last_lines=event.last_lines)
     if kind == "fatal":
         return _fail_fatal(state, failure)
-    if state.crash_loop_limit and _repeats(state.failures + (failure,)) >= state.crash_loop_limit:
+    if state.policy.crash_loop_limit and _repeats(state.failures + (failure,)) >= state.policy.crash_loop_limit:
         state = _replace(state, failures=state.failures + (failure,))
         last = failure.last_lines[-1] if failure.last_lines else "no output"
         return _fail(state, failure, f"crash loop: {failure.describe()}, the same failure "
-                                     f"{state.crash_loop_limit} times in a row ({last!r}); restarting "
+                                     f"{state.policy.crash_loop_limit} times in a row ({last!r}); restarting "
                                      "cannot help (--crash-loop-limit)")
     return _recover(state, failure)
 
@@ -168,12 +172,12 @@ def _fail_fatal(state: JobState, failure: Failure) -> tuple[JobState, list[Actio
     last = " | ".join(line.strip() for line in failure.last_lines[-3:] if line.strip()) or "no output"
     why = f"rank {failure.rank} exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted): {last}"
     state = _replace(state, failures=state.failures + (failure,), recovery=None)
-    return _fail(state, failure, why)
+    return _fail(state, failure, why, exit_code=EXIT_FATAL)  # the cluster manager must not restart it either
 
 
 def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str]:
     """Can the dead ranks be replaced in flight? (Every piece of their state has a live holder.)"""
-    if not state.replicas_allowed:
+    if not state.policy.replicas_allowed:
         return False, "restoring from replicas is off (--no-replica-restore)"
     if state.ready != state.ranks:
         missing = sorted(state.ranks - state.ready)
@@ -203,15 +207,15 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     dead = (recovery.replaced if recovery else frozenset()) | failed
     tries = recovery.tries + 1 if recovery else 1
     in_flight, why = in_flight_feasible(state, dead)
-    if in_flight and tries > state.max_recovery_tries:
-        in_flight, why = False, f"{tries - 1} in-flight tries used, at most {state.max_recovery_tries}"
+    if in_flight and tries > state.policy.max_recovery_tries:
+        in_flight, why = False, f"{tries - 1} in-flight tries used, at most {state.policy.max_recovery_tries}"
     own_agents = {state.agent_of(r) for r in failed}
     feasible = {Rung.RETRY: in_flight and failure.kind in RETRY_KINDS and recovery is None,
                 Rung.RECOVER_IN_PLACE: in_flight and own_agents <= state.agents,
                 Rung.RECOVER: in_flight and bool(state.standbys),
-                Rung.DUMP: in_flight and state.can_dump and (recovery is None or recovery.rung != Rung.DUMP),
-                Rung.EXIT: state.restarts_used < state.max_restarts and state.hosts() <= state.agents}
-    rung = choose_rung(state.allowed, feasible)
+                Rung.DUMP: in_flight and state.policy.can_dump and (recovery is None or recovery.rung != Rung.DUMP),
+                Rung.EXIT: state.restarts_used < state.policy.max_restarts and state.hosts() <= state.agents}
+    rung = choose_rung(state.policy.allowed, feasible)
     if failure.kind in RETRY_KINDS and rung != Rung.RETRY:
         # Not repairable in place: the damaged process goes, and its exit takes the ladder on.
         return state, [Decide(rung, failure, f"{failure.describe()}; no retry ({why})"),
@@ -247,10 +251,10 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
         state = _replace(state, recovery=None)
     if rung == GIVE_UP:
         return _fail(state, failure, _why_no_rung(state, why))
-    in_flight_rungs = IN_FLIGHT_RUNGS & set(state.allowed)
+    in_flight_rungs = IN_FLIGHT_RUNGS & set(state.policy.allowed)
     not_in_flight = f" ({', '.join(sorted(in_flight_rungs))}: no; {why})" if in_flight_rungs else ""
     decision = Decide(rung, failure, f"{failure.describe()}; restart {state.restarts_used + 1} "
-                                     f"of {state.max_restarts}{not_in_flight}")
+                                     f"of {state.policy.max_restarts}{not_in_flight}")
     stop = StopAttempt(state.attempt, f"{rung}: {failure.describe()}")
     return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [decision, stop]
 
@@ -258,28 +262,29 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
 def _why_no_rung(state: JobState, in_flight_why: str) -> str:
     """The true reason no allowed rung can handle a fault: the restart budget, agents lost with
     their ranks, or the allowed strategies."""
-    if Rung.EXIT in state.allowed and state.restarts_used >= state.max_restarts:
-        return f"restart budget spent ({state.restarts_used} of --max-restarts {state.max_restarts} used)"
+    if Rung.EXIT in state.policy.allowed and state.restarts_used >= state.policy.max_restarts:
+        return f"restart budget spent ({state.restarts_used} of --max-restarts {state.policy.max_restarts} used)"
     lost = sorted(state.hosts() - state.agents)
     if lost:
         if not state.standbys:
             spare = "no standby agent to host their ranks (unbroken run --standby)"
-        elif Rung.RECOVER not in state.allowed:
-            spare = f"rung recover (onto a standby agent) is not in --recover-strategy {','.join(state.allowed)}"
+        elif Rung.RECOVER not in state.policy.allowed:
+            spare = f"rung recover (onto a standby agent) is not in --recover-strategy {','.join(state.policy.allowed)}"
         else:
             spare = f"their ranks cannot move to a standby agent in flight: {in_flight_why}"
         return f"the agent of node(s) {lost} was lost, so the job cannot restart on all its nodes; {spare}"
-    if Rung.EXIT not in state.allowed:
-        return (f"none of the allowed strategies ({', '.join(state.allowed)}; --recover-strategy) can handle this "
+    if Rung.EXIT not in state.policy.allowed:
+        return (f"none of the allowed strategies ({', '.join(state.policy.allowed)}; --recover-strategy) can handle this "
                 f"fault ({in_flight_why}); add 'exit' to restart the job from its newest checkpoint")
-    return f"no recovery rung is allowed and feasible (--recover-strategy {','.join(state.allowed)}; {in_flight_why})"
+    return f"no recovery rung is allowed and feasible (--recover-strategy {','.join(state.policy.allowed)}; {in_flight_why})"
 
 
-def _fail(state: JobState, failure: Failure, why: str) -> tuple[JobState, list[Action]]:
+def _fail(state: JobState, failure: Failure, why: str, exit_code: int = 1) -> tuple[JobState, list[Action]]:
+    """The job fails: exit code 1 (restartable by a cluster manager), or EXIT_FATAL (97: never)."""
     state = _replace(state, phase=JobPhase.FAILED, first_failure=state.first_failure or failure)
     root = state.first_failure.describe() if state.first_failure.rank >= 0 else why
     return state, [Decide(GIVE_UP, failure, why), StopAttempt(state.attempt, why),
-                   Finish(1, f"{why}; root cause: {root}")]
+                   Finish(exit_code, f"{why}; root cause: {root}")]
 
 
 def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, list[Action]]:
@@ -315,13 +320,13 @@ def _on_step_dumped(state: JobState, event: StepDumped) -> tuple[JobState, list[
     failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="crash") if rec.replaced \
         else state.failures[-1]  # a sub-health dump: the degraded rank's report
     if event.error:  # no consistent copy: nothing is committed, the job restarts from the newest one
-        state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries, rung=Rung.DUMP))
+        state = _replace(state, recovery=dataclasses.replace(rec, tries=state.policy.max_recovery_tries, rung=Rung.DUMP))
         state, actions = _recover(state, dataclasses.replace(failure, kind="dump-failed"))
         return state, [Decide(Rung.DUMP, failure, f"dump refused by rank {event.rank}: {event.error}"), *actions]
     rec = dataclasses.replace(rec, dumped=rec.dumped | set(event.ranks))
     if rec.dumped != state.ranks:
         return _replace(state, recovery=rec), []
-    state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries))
+    state = _replace(state, recovery=dataclasses.replace(rec, tries=state.policy.max_recovery_tries))
     kind = "dumped" if rec.replaced else "sub-health-dumped"
     state, actions = _recover(state, dataclasses.replace(failure, kind=kind, step=rec.dump_step))
     return state, [CommitDump(rec.dump_step), *actions]
@@ -336,22 +341,22 @@ def _on_worker_degraded(state: JobState, event: WorkerDegraded) -> tuple[JobStat
     """Sub-health under ``--sub-health-policy grace-exit``: no process is lost, so every rank
     dumps its own state at the decided step (rung `dump` with nobody replaced), then the job
     restarts cleanly from it. Without a storage tier, a clean restart from the memory tier."""
-    if state.sub_health_policy != "grace-exit" or state.phase is not JobPhase.RUNNING or state.recovery:
+    if state.policy.sub_health_policy != "grace-exit" or state.phase is not JobPhase.RUNNING or state.recovery:
         return state, []
     failure = Failure(rank=event.rank, attempt=event.attempt, kind="sub-health", step=event.step)
     state = _replace(state, first_failure=state.first_failure or failure, failures=state.failures + (failure,))
-    if state.restarts_used >= state.max_restarts:
+    if state.restarts_used >= state.policy.max_restarts:
         return state, [Decide(GIVE_UP, failure, f"{failure.describe()}: {event.reason}; no restart left, "
                                                   "training goes on (--max-restarts)")]
-    if state.can_dump and state.ready == state.ranks:
+    if state.policy.can_dump and state.ready == state.ranks:
         gen = state.gen + 1
         reason = (f"{failure.describe()}: {event.reason}; every rank dumps its state, then the job restarts "
                   "(--sub-health-policy grace-exit)")
         state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
-                         recovery=Recovery(Rung.DUMP, gen, frozenset(), state.max_recovery_tries))
+                         recovery=Recovery(Rung.DUMP, gen, frozenset(), state.policy.max_recovery_tries))
         return state, [Decide(Rung.DUMP, failure, reason), AbortGeneration(gen, reason)]
     reason = (f"{failure.describe()}: {event.reason}; clean restart {state.restarts_used + 1} of "
-              f"{state.max_restarts} (no storage tier to dump to: --save)")
+              f"{state.policy.max_restarts} (no storage tier to dump to: --save)")
     return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [
         Decide(Rung.EXIT, failure, reason), StopAttempt(state.attempt, f"exit: {failure.describe()}")]
 
@@ -389,7 +394,7 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         if event.gen != rec.gen:
             return state, []
         failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
-        state = _replace(state, recovery=Recovery(rec.rung, rec.gen, rec.replaced, state.max_recovery_tries))
+        state = _replace(state, recovery=Recovery(rec.rung, rec.gen, rec.replaced, state.policy.max_recovery_tries))
         return _recover(state, failure)
     if isinstance(event, WorkerPaused) and event.rank not in rec.replaced:
         positions = tuple(p for p in rec.positions if p[0] != event.rank) + ((event.rank, event.step, event.phase),)
@@ -412,7 +417,7 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
             decision = decide(state.committed_step, survivors)
         except (InconsistentReports, ValueError) as exc:  # a bug, never a normal fault: restart the job
             failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
-            state = _replace(state, recovery=dataclasses.replace(rec, tries=state.max_recovery_tries))
+            state = _replace(state, recovery=dataclasses.replace(rec, tries=state.policy.max_recovery_tries))
             actions = [Decide(Rung.RECOVER_IN_PLACE, failure, f"inconsistent survivor reports: {exc}")]
             state, more = _recover(state, failure)
             return state, actions + more

@@ -1,24 +1,33 @@
-"""The job's rendezvous store: one TCPStore per attempt, hosted by the controller.
+"""The job's rendezvous, per attempt: the key prefix, and the TCPStore of plain scripts.
 
-A TCPStore has no authentication: any process that reaches its port can read and write
-keys. What keeps such a process (one without the job secret) from breaking a job:
+Two stores serve an attempt, both hosted by the controller (so no rank's death takes
+rendezvous with it):
 
-- every key the job uses lives under a random per-attempt prefix (128 bits) that the
-  controller hands out only over the authenticated control plane (``StartWorkers``,
-  ``RestartWorker`` -> the agent -> the worker's environment, readable only by the job's
-  user). Guessed or old-style keys (``gen0/...``, ``gen1//0/1``) touch nothing the job reads.
+- **the managed path** (every process that calls ``unbroken.init()``: generation 0's group,
+  every regroup, :class:`~unbroken.parallel.fabric.Fabric`'s groups) uses the store served
+  over the authenticated control plane (:mod:`unbroken.controller.store_service`). A
+  process without the job secret cannot connect to it, so it can neither read the keys nor
+  write one the job reads. Its keys also live under a random per-attempt prefix (128 bits),
+  handed out only over the control plane (``StartWorkers``/``RestartWorker`` -> the agent ->
+  the worker's environment, readable only by the job's user);
+- **a plain torchrun script** (``dist.init_process_group()`` with env://, no unbroken API)
+  reaches ``MASTER_ADDR:MASTER_PORT`` with torch's TCPStore client, which cannot
+  authenticate. For it the controller keeps a TCPStore per attempt, listening on the job's
+  address only (:func:`open_store`). Limit: a local process that reaches that port can read
+  and write a plain script's keys (README, "Security model"); the managed path reads
+  nothing from it.
 
-Limit: TCPStore's ``list_keys`` lets a client that reaches the port read the prefix; a local
-attacker who does so can still disturb a rendezvous (see README, "Security model").
 Runs in the controller's thread that starts an attempt.
 """
 
 from __future__ import annotations
 
 import secrets
+import socket
 
 import torch.distributed as dist
 
+from unbroken.errors import ConfigError
 
 #: Random bytes of a per-attempt key prefix (hex: twice as many characters).
 PREFIX_BYTES = 16
@@ -30,7 +39,22 @@ def new_prefix() -> str:
 
 
 def open_store(host: str) -> dist.TCPStore:
-    """A master TCPStore on a free port. It still listens on every interface: handing it a
-    socket bound to ``host`` (``master_listen_fd``) made `unbroken run` hang at exit after a
-    plain torchrun (env://) script (tests/integration/test_bad_input.py), not solved yet."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    """A master TCPStore on a free port of ``host`` only (not every interface).
+
+    TCPStore binds every interface itself; given a socket already bound to ``host``
+    (``master_listen_fd``) it listens on that one instead, and owns (closes) it.
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"rendezvous store cannot listen on {host!r}: {exc} (check --master-addr)") from None
+    try:
+        sock.bind(addr)
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"rendezvous store cannot listen on {host!r}: {exc} (check --master-addr)") from None
+    fd = sock.detach()  # from here on the store owns (and closes) the listening socket
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True, master_listen_fd=fd)

@@ -7,7 +7,9 @@ guards them, and the pieces that each do one job:
 * :class:`~unbroken.controller.connections.Connections` -- the control-plane connections:
   messages in (a message-type -> handler table), turned into events;
 * :class:`~unbroken.controller.executor.Executor` -- the machine's actions out, as messages
-  (it owns the job's TCPStore, a fresh one per attempt);
+  (it opens each attempt's rendezvous store);
+* :class:`~unbroken.controller.store_service.StoreService` -- the rendezvous store the workers
+  use, served over the control plane (its own lock; one table per attempt);
 * :class:`~unbroken.controller.monitor.Monitor` -- step times, the hang and straggler rules
   (who a hang is blamed on: :mod:`unbroken.controller.hangs`);
 * :class:`~unbroken.controller.timing.RecoveryTiming` -- how long each recovery took;
@@ -35,6 +37,7 @@ from unbroken.controller.executor import Executor
 from unbroken.controller.hangs import RankProgress
 from unbroken.controller.monitor import MONITOR_INTERVAL_S, Monitor
 from unbroken.controller.rank_state import RankStates
+from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
 from unbroken.ops.monitor import JobMonitor
@@ -53,17 +56,17 @@ class Controller:
         self.host = host
         self.events = events
         self.lock = threading.RLock()
-        self.state = sm.JobState(world_size=cfg.world_size, nnodes=cfg.nnodes,
-                                 max_restarts=cfg.max_restarts, allowed=cfg.recover_strategy,
-                                 replicas_allowed=not cfg.no_replica_restore,
-                                 can_dump=bool(cfg.checkpoint.save_dir),
-                                 sub_health_policy=cfg.sub_health_policy,
-                                 crash_loop_limit=cfg.crash_loop_limit)
+        self.state = sm.JobState(sm.JobPolicy(
+            world_size=cfg.world_size, nnodes=cfg.nnodes, max_restarts=cfg.max_restarts,
+            allowed=cfg.recover_strategy, replicas_allowed=not cfg.no_replica_restore,
+            can_dump=bool(cfg.checkpoint.save_dir), sub_health_policy=cfg.sub_health_policy,
+            crash_loop_limit=cfg.crash_loop_limit))
         self.workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
         self.fired: set[str] = set()  # fault ids of the injection plan already claimed
         self.outcome: Outcome | None = None
         self.done = threading.Event()
         self.recovery_deadline: tuple[int, float] | None = None  # (generation, monotonic deadline)
+        self.grace_deadline: float | None = None  # monotonic end of the SIGTERM dump (--sigterm-dump-timeout-s)
         ckpt = cfg.checkpoint
         self.storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=run_id(cfg.secret, cfg.job_id)) \
             if ckpt.save_dir else None
@@ -71,6 +74,7 @@ class Controller:
         self.monitor = Monitor(cfg.hang, cfg.straggler_factor)
         self.rank_states = RankStates(PER_RANK_LIMIT_BYTES)  # each rank's own state, for its replacement
         self.connections = Connections(self)
+        self.store_service = StoreService()
         self._executor = Executor(self)
         self._server = Server(host, port, cfg.secret.encode(), self.connections.serve,
                               on_failed_handshakes=lambda count, last: self.events.emit(
@@ -113,6 +117,7 @@ class Controller:
         deadline = time.monotonic() + drain_s
         while self.connections.agents and time.monotonic() < deadline:
             time.sleep(0.02)
+        self.store_service.close()
         self._server.close()
         self.live.close()
         self._executor.close()
@@ -152,6 +157,15 @@ class Controller:
         self.events.emit("sub_health", rank=rank, reason=reason, step=step, policy=self.cfg.sub_health_policy)
         self.apply(sm.WorkerDegraded(rank, attempt, reason, step))
 
+    def terminate(self, reason: str) -> None:
+        """An agent got SIGTERM: the job dumps its newest committed step where it can, then stops
+        with exit code 143 (controller/terminate.py), within --sigterm-dump-timeout-s of the first."""
+        with self.lock:
+            if self.grace_deadline is None and not self.state.terminating:
+                self.grace_deadline = time.monotonic() + self.cfg.sigterm_dump_timeout_s
+            self.events.emit("terminate_requested", reason=reason, timeout_s=self.cfg.sigterm_dump_timeout_s)
+            self.apply(sm.TerminateRequested(reason))
+
     def check_recovered(self) -> None:
         """After a restart: once every rank is back at the step the fault hit, log the recovery."""
         if self.state.phase is not sm.JobPhase.RUNNING:
@@ -169,6 +183,9 @@ class Controller:
                     self._check_hangs(now)
                 elif self.state.phase is sm.JobPhase.RECOVERING:
                     self._check_recovery_silence(now)
+                if self.grace_deadline is not None and now > self.grace_deadline:
+                    self.grace_deadline = None
+                    self.apply(sm.GraceExpired(self.cfg.sigterm_dump_timeout_s))
                 if self.recovery_deadline and now > self.recovery_deadline[1]:
                     gen, self.recovery_deadline = self.recovery_deadline[0], None
                     self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.worker.recovery_timeout_s)

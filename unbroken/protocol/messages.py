@@ -181,6 +181,18 @@ class CommitStep(Message):
     step: int
 
 
+@message("stop_requested")
+class StopRequested(Message):
+    """The agent got ``signal`` (SIGTERM: a pod deleted or evicted, `scancel`): the job dumps its
+    newest committed step to --save where it can, then stops (controller/terminate.py)."""
+
+    node_rank: int
+    signal: int
+
+
+# controller -> worker
+
+
 @message("abort")
 class Abort(Message):
     """Leave generation ``gen - 1``: abort pending collectives, then pause for the regroup."""
@@ -328,3 +340,50 @@ class Degraded(Message):
     rank: int
     attempt: int
     reason: str
+
+
+# the rendezvous store, served by the controller on its own connection (role "store";
+# controller/store_service.py, worker/store_client.py). Values are bytes, never unpickled.
+
+#: What one attempt's store holds at most, and the most one request may carry. Frames are 1 MiB.
+STORE_MAX_KEY_CHARS = 1024
+STORE_MAX_VALUE_BYTES = 256 * 1024
+STORE_MAX_KEYS = 65536  # per attempt
+STORE_MAX_TOTAL_BYTES = 64 << 20  # per attempt, keys and values
+STORE_MAX_KEYS_PER_REQUEST = 512
+STORE_MAX_WAITS = 64  # blocked get/wait requests per connection
+#: The operations (a torch ``Store``'s, less ``list_keys``: no client lists what others wrote).
+STORE_OPS = ("set", "get", "add", "compare_set", "check", "wait", "delete_key", "num_keys", "append",
+             "multi_get", "multi_set")
+
+
+@message("store_request")
+class StoreRequest(Message):
+    """One store operation. ``keys``/``values`` by op: set, append: one of each; get, add,
+    delete_key: one key; compare_set: one key, values [expected, desired]; check, wait,
+    multi_get: the keys; multi_set: keys and values. ``amount``: add's increment.
+    ``timeout_ms``: how long a get/wait/multi_get blocks for missing keys."""
+
+    id: int
+    op: str
+    keys: list[str] = dataclasses.field(default_factory=list)
+    values: list[bytes] = dataclasses.field(default_factory=list)
+    amount: int = 0
+    timeout_ms: int = 0
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "id", "timeout_ms")
+
+
+@message("store_reply")
+class StoreReply(Message):
+    """The answer to request ``id`` (-1: a request that could not be read). ``values``: what
+    get/multi_get/compare_set return; ``number``: add's new value, check's and delete_key's
+    0/1, num_keys. ``error`` (ok False): what was wrong, for the caller's exception."""
+
+    id: int
+    ok: bool
+    values: list[bytes] = dataclasses.field(default_factory=list)
+    number: int = 0
+    error: str = ""
+    timed_out: bool = False

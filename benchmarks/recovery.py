@@ -4,10 +4,15 @@
     python benchmarks/recovery.py --repeats 1 --json recovery.json
 
 Every run trains the example GPT (examples/train_gpt.py) on 4 ranks and SIGKILLs rank 2 when
-it enters step --kill-step. Rows (BENCHMARKS.md names), interleaved A B C D A B C D:
+it enters step --kill-step (the hang row SIGSTOPs it instead). Rows (BENCHMARKS.md names), interleaved A B C D A B C D:
 
   unbroken_recover_in_place  `unbroken run --inject kill:...` (default strategy
                              recover-in-place,exit): the lost rank is replaced in flight
+  unbroken_hang_in_place     the same, but no --inject: the benchmark SIGSTOPs rank 2's worker once
+                             rank 0 completed step --kill-step - 1; the controller's hang detector
+                             finds it (timeout printed: calibrated, or --hang-timeout-s), the agent
+                             kills it, and it is replaced in flight. Its recover_s counts from the
+                             SIGSTOP; hang_detect_s is SIGSTOP -> the `hang_detected` event
   unbroken_restart_memory    `--recover-strategy exit --save DIR --ckpt-every-steps 1
                              --persist-every-steps C`: job restart from the shared-memory tier
                              (only when `unbroken run` has --persist-every-steps)
@@ -47,120 +52,29 @@ import os
 import re
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
+from runlib import (REPO, clean_shm, free_port, in_flight, kill_tree, launch, median, read_events,
+                    unbroken_cmd, weights_equal, worker_pid)
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 NPROC = 4
 KILL_RANK = 2
 IN_PLACE = "unbroken_recover_in_place"
-ROWS = ("unbroken_recover_in_place", "unbroken_restart_memory", "unbroken_restart_storage",
+HANG = "unbroken_hang_in_place"
+ROWS = ("unbroken_recover_in_place", HANG, "unbroken_restart_memory", "unbroken_restart_storage",
         "torchrun_restart", "torchft")
-TARGET_RATIO = 3.0  # recover-in-place at least 3x faster than torchrun_restart, 0 steps lost
+TARGET_RATIO = 15.0  # recover-in-place at least 15x faster than torchrun_restart, 0 steps lost (issue 17)
+TARGET_RESTORE_S = 0.15  # recover-in-place restore_s at most this (issue 17)
 
 STEP_RE = re.compile(r"^(?:\[rank (\d+)\] )?step (\d+): loss ")
 FAULT_RE = re.compile(r"injecting fault (\S+)")
-
-
-# -----------------------------------------------------------------------------------------
-# Running one launcher: its own session, output stamped line by line, nothing left behind.
-
-@dataclass
-class Launch:
-    rc: int | None
-    lines: list[tuple[float, str]]
-    job_s: float
-    timed_out: bool
-
-
-_current: list[subprocess.Popen] = []  # the launcher in flight, for the interrupt path
-
-
-def _kill_tree(popen: subprocess.Popen) -> None:
-    """SIGKILL the launcher's process group and every descendant (workers run in their own
-    sessions under both launchers), each by its pid."""
-    try:
-        descendants = psutil.Process(popen.pid).children(recursive=True)
-    except psutil.Error:
-        descendants = []
-    try:
-        os.killpg(popen.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for child in descendants:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-    try:
-        popen.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    psutil.wait_procs(descendants, timeout=10)
-
-
-def launch(cmd: list[str], env: dict[str, str], timeout_s: float, echo: bool) -> Launch:
-    lines: list[tuple[float, str]] = []
-    t0 = time.time()
-    popen = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-    _current.append(popen)
-
-    def read() -> None:
-        assert popen.stdout is not None
-        for raw in iter(popen.stdout.readline, b""):
-            t = time.time()
-            text = raw.decode(errors="replace").rstrip("\n")
-            lines.append((t, text))
-            if echo:
-                print(f"    | {text}", flush=True)
-        popen.stdout.close()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    timed_out = False
-    try:
-        try:
-            popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        t1 = time.time()
-    finally:
-        if popen.poll() is None:
-            _kill_tree(popen)
-        else:  # the leader is gone; anything left in its group goes too
-            try:
-                os.killpg(popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        _current.remove(popen)
-    reader.join(timeout=10)
-    return Launch(rc=None if timed_out else popen.returncode, lines=lines, job_s=t1 - t0,
-                  timed_out=timed_out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def unbroken_cmd() -> list[str]:
-    script = Path(sys.executable).parent / "unbroken"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "import sys; from unbroken.cli.main import main; sys.exit(main())"]
 
 
 def has_memory_tier() -> bool:
@@ -191,9 +105,10 @@ class Run:
         return not self.problems
 
 
-def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int) -> None:
-    """recover_s and lost_steps from the stamped output (see the module docstring)."""
-    fault_t: float | None = None
+def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int,
+            fault_t: float | None = None) -> None:
+    """recover_s and lost_steps from the stamped output (see the module docstring); ``fault_t``:
+    when the benchmark itself made the fault (the hang row's SIGSTOP), else the fault's line."""
     recovered_t: float | None = None
     done: Counter[int] = Counter()
     first_after_fault: int | None = None
@@ -211,7 +126,7 @@ def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int
         if fault_t is not None and recovered_t is None and index >= kill_step:
             recovered_t = t
     if fault_t is None:
-        run.problems.append("no 'injecting fault' line: the fault did not fire")
+        run.problems.append("no 'injecting fault' line (or SIGSTOP): the fault did not fire")
     elif recovered_t is None:
         run.problems.append(f"no completed step >= {kill_step} after the fault")
     else:
@@ -224,21 +139,13 @@ def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int
         run.extra["resume_step"] = first_after_fault
 
 
-def read_events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return events
-
-
-def add_event_figures(run: Run, events: list[dict]) -> None:
+def add_event_figures(run: Run, events: list[dict], stop_t: float | None = None) -> None:
+    """The controller's figures; for the hang row (``stop_t``: when the rank was SIGSTOPped) also
+    the hang timeout it used and hang_detect_s, SIGSTOP -> its ``hang_detected`` event."""
     for ev in events:
+        if ev.get("event") == "hang_detected" and stop_t is not None and "hang_timeout_s" not in run.extra:
+            run.extra["hang_timeout_s"] = float(ev["timeout_s"])
+            run.extra["hang_detect_s"] = float(ev["t"]) - stop_t
         if ev.get("event") == "recovered" and "controller_recover_s" not in run.extra:
             run.extra["controller_recover_s"] = float(ev["recover_s"])
             run.notes.append(f"{ev.get('tier')}, step {ev.get('restored_step')}")
@@ -248,35 +155,31 @@ def add_event_figures(run: Run, events: list[dict]) -> None:
                     run.extra[key] = float(ev[key])
 
 
-def weights_equal(path: Path, reference: dict) -> bool:
-    from safetensors.torch import load_file
-    import torch
-
-    got = load_file(str(path))
-    return got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
-
-
-def clean_shm(run_dir: Path) -> list[str]:
-    """Remove shared-memory files left by this run's unbroken job (only its own job id)."""
-    removed: list[str] = []
-    config = run_dir / "config.node0.json"
-    try:
-        job_id = json.loads(config.read_text()).get("job_id", "")
-    except (OSError, json.JSONDecodeError):
-        return removed
-    if not job_id:
-        return removed
-    for path in Path("/dev/shm").glob(f"unbroken-{job_id}*"):
-        try:
-            path.unlink()
-            removed.append(path.name)
-        except OSError:
-            pass
-    return removed
-
-
 # -----------------------------------------------------------------------------------------
 # The rows.
+
+class Stopper:
+    """The hang row's fault: SIGSTOP rank KILL_RANK's worker once rank 0 has completed step
+    ``kill_step - 1`` (so the rank freezes in step kill_step or just before it). Runs in the
+    launcher's reader thread; the worker's pid comes from the run's events.jsonl."""
+
+    def __init__(self, run_dir: Path, kill_step: int) -> None:
+        self.run_dir, self.kill_step = run_dir, kill_step
+        self.stop_t: float | None = None
+        self.error = ""
+
+    def on_line(self, t: float, line: str) -> None:
+        m = STEP_RE.match(line)
+        if self.stop_t is not None or self.error or not m or m[1] not in (None, "0") \
+                or int(m[2]) != self.kill_step - 1:
+            return
+        pid = worker_pid(self.run_dir, KILL_RANK)
+        if pid is None:
+            self.error = f"no worker_started event for rank {KILL_RANK}: nothing to SIGSTOP"
+            return
+        os.kill(pid, signal.SIGSTOP)
+        self.stop_t = time.time()
+
 
 class Bench:
     def __init__(self, args: argparse.Namespace, workdir: Path, memory_tier: bool) -> None:
@@ -330,6 +233,9 @@ class Bench:
                 "--inject", self.inject]
         if name == "unbroken_recover_in_place":
             return [*base, *self.script_args(out)], env
+        if name == HANG:  # no --inject: the benchmark SIGSTOPs the rank itself (Stopper)
+            hang = [] if a.hang_timeout_s is None else ["--hang-timeout-s", str(a.hang_timeout_s)]
+            return [*base[:-2], *hang, *self.script_args(out)], env
         if name == "unbroken_restart_memory":
             return [*base, "--recover-strategy", "exit", "--save", str(d / "ckpt"), "--ckpt-every-steps", "1",
                     "--persist-every-steps", str(a.ckpt_every), *self.script_args(out)], env
@@ -353,15 +259,20 @@ class Bench:
         d = self.fresh_dir(name)
         out = d / "weights.safetensors"
         cmd, env = self.command(name, d, out)
-        res = launch(cmd, env, self.args.run_timeout_s, self.args.verbose)
+        stopper = Stopper(d / "run", self.args.kill_step) if name == HANG else None
+        res = launch(cmd, env, self.args.run_timeout_s, self.args.verbose,
+                     on_line=stopper.on_line if stopper else None)
         if self.args.keep_logs:
             log_dir = Path(self.args.keep_logs)
             log_dir.mkdir(parents=True, exist_ok=True)
             (log_dir / f"{d.name}.log").write_text("".join(f"{t:.6f} {line}\n" for t, line in res.lines))
         run = Run(name, job_s=res.job_s)
-        analyze(run, res.lines, self.args.kill_step, self.args.steps)
+        stop_t = stopper.stop_t if stopper else None
+        if stopper and stopper.error:
+            run.problems.append(stopper.error)
+        analyze(run, res.lines, self.args.kill_step, self.args.steps, fault_t=stop_t)
         if name.startswith("unbroken_"):
-            add_event_figures(run, read_events(d / "run"))
+            add_event_figures(run, read_events(d / "run"), stop_t)
             leftover = clean_shm(d / "run")
             if leftover:
                 run.notes.append(f"removed {len(leftover)} leftover /dev/shm file(s)")
@@ -384,10 +295,6 @@ class Bench:
 
 # -----------------------------------------------------------------------------------------
 # Summaries, the table, the JSON.
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
 
 def summarize(runs: list[Run]) -> dict:
     good = [r for r in runs if r.recover_s is not None]
@@ -443,7 +350,9 @@ def print_table(args: argparse.Namespace, results: dict[str, list[Run]], skipped
         if name in skipped:
             table.add_row(name, "n/a", "", "", "", "", skipped[name].removeprefix("n/a ").strip("()"))
             continue
-        runs = results.get(name, [])
+        if name not in results:
+            continue  # not chosen (--rows)
+        runs = results[name]
         rec = [r.recover_s for r in runs if r.recover_s is not None]
         lost = [float(r.lost_steps) for r in runs if r.recover_s is not None and r.lost_steps is not None]
         jobs = [r.job_s for r in runs if r.job_s is not None]
@@ -464,7 +373,8 @@ def print_table(args: argparse.Namespace, results: dict[str, list[Run]], skipped
             source.append(f"[red]{failed} run(s) failed[/red]")
         table.add_row(name, spread(rec, "{:.2f}"), ratio, spread(lost, "{:.0f}"), spread(jobs, "{:.1f}"),
                       weights, "; ".join(source))
-        keys = [k for k in ("controller_recover_s", "detect_s", "replace_s", "regroup_s", "restore_s", "total_s")
+        keys = [k for k in ("controller_recover_s", "hang_timeout_s", "hang_detect_s", "detect_s", "replace_s",
+                            "regroup_s", "restore_s", "total_s")
                 if any(k in r.extra for r in runs)]
         if keys:
             footnotes.append(f"{name}, from events.jsonl: " + ", ".join(
@@ -487,8 +397,19 @@ def print_table(args: argparse.Namespace, results: dict[str, list[Run]], skipped
                       f"steps lost -> measured {ratio:.1f}x, lost steps {base_lost}: "
                       + ("[green]met[/green]" if met else "[red]NOT met[/red]"))
     else:
-        console.print("target: recover-in-place at least 3x faster than torchrun_restart with 0 steps lost "
-                      "-> [red]could not be evaluated (missing measurements)[/red]")
+        console.print(f"target: recover-in-place at least {TARGET_RATIO:.0f}x faster than torchrun_restart with 0 "
+                      "steps lost -> [red]could not be evaluated (missing measurements)[/red]")
+    restore = [r.extra["restore_s"] for r in base if "restore_s" in r.extra]
+    if restore:
+        console.print(f"target: recover-in-place restore_s <= {TARGET_RESTORE_S} s -> measured {median(restore):.3f} s: "
+                      + ("[green]met[/green]" if median(restore) <= TARGET_RESTORE_S else "[red]NOT met[/red]"))
+    hang = [r for r in results.get(HANG, []) if "hang_timeout_s" in r.extra]
+    if hang:
+        console.print(f"{HANG}: rank {KILL_RANK} SIGSTOPped after rank 0 completed step {args.kill_step - 1}; "
+                      f"hang timeout used {median([r.extra['hang_timeout_s'] for r in hang]):.2f} s "
+                      f"({'--hang-timeout-s' if args.hang_timeout_s else 'calibrated: max(floor, 3 x median step)'}), "
+                      f"SIGSTOP -> hang detected {median([r.extra['hang_detect_s'] for r in hang]):.2f} s, "
+                      f"-> back at the step {median([r.recover_s for r in hang if r.recover_s is not None] or [0]):.2f} s")
     for name, runs in results.items():
         for i, r in enumerate(runs):
             if r.problems:
@@ -506,6 +427,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep-s", type=float, default=0.05, help="sleep per step (--step-sleep-s of the example)")
     p.add_argument("--optimizer", choices=("plain", "sharded"), default="plain", help="the example's --optimizer")
     p.add_argument("--run-timeout-s", type=float, default=240.0, help="a run still going after this is killed")
+    p.add_argument("--hang-timeout-s", type=float, default=None,
+                   help=f"{HANG}: unbroken run's --hang-timeout-s (default: the calibrated timeout)")
+    p.add_argument("--rows", default=",".join(ROWS), metavar="NAME,...",
+                   help="the rows to run, comma-separated (default: all)")
     p.add_argument("--json", default=None, help="write the figures here (BENCHMARKS.md layout)")
     p.add_argument("--verbose", action="store_true", help="echo every launcher's output")
     p.add_argument("--keep-logs", default=None, metavar="DIR",
@@ -513,6 +438,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 < args.kill_step < args.steps:
         p.error(f"--kill-step must be in [1, {args.steps - 1}], got {args.kill_step}")
+    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    if unknown:
+        p.error(f"--rows: unknown row(s) {unknown}; allowed: {', '.join(ROWS)}")
     if args.ckpt_every < 1 or args.repeats < 1 or args.step_sleep_s < 0:
         p.error("--ckpt-every and --repeats must be >= 1, --step-sleep-s >= 0")
     return args
@@ -536,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()[0]
     workdir = Path(tempfile.mkdtemp(prefix="unbroken-recovery-bench-"))
-    results: dict[str, list[Run]] = {name: [] for name in ROWS if name not in skipped}
+    chosen = args.rows.split(",")
+    results: dict[str, list[Run]] = {name: [] for name in ROWS if name not in skipped and name in chosen}
     try:
         bench = Bench(args, workdir, memory_tier)
         print("fault-free reference run ...", flush=True)
@@ -561,8 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        for popen in list(_current):
-            _kill_tree(popen)
+        for popen in list(in_flight):
+            kill_tree(popen)
         shutil.rmtree(workdir, ignore_errors=True)
 
     load_after = os.getloadavg()[0]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from unbroken.checkpoint.codec import flatten_state, unflatten_state
 from unbroken.comm.wait import wait_all
 
-_DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
@@ -64,7 +64,7 @@ def broadcast_state(tree: Any, src: int, group: dist.ProcessGroup, *, device: to
     out, offset = {}, 0
     for name, dtype, shape, nbytes in decoded["index"]:
         chunk = data[offset:offset + nbytes].clone()
-        out[name] = chunk.view(_DTYPES[dtype]).reshape(shape)
+        out[name] = chunk.view(DTYPES[dtype]).reshape(shape)
         offset += nbytes
     return unflatten_state(out, decoded["spec"])
 

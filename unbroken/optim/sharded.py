@@ -256,12 +256,14 @@ class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
         """Collective on the current (new) group after ranks were lost: see :mod:`unbroken.optim.repair`."""
         replaced = set(replaced)
         sources = repair.shard_sources(self, replaced)
-        if self._gather_pending:  # committed and updated here; the gather below completes it
+        cut = self._gather_pending
+        if cut:  # committed and updated here; the gather below completes it
             self._gather_pending = False
             self.step_count += 1
+        step_count, any_cut = repair.agree(self, cut)
         repair.send_shards(self, sources, replaced)
-        repair.gather_params(self, sources)
-        self.step_count = repair.agree_step_count(self)
+        repair.gather_params(self, sources, replaced, everyone=any_cut)
+        self.step_count = step_count
         self.zero_grad(set_to_none=True)
         self._validated = True  # the parameters are the holders' own: no first-step check
 

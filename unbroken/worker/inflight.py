@@ -13,8 +13,10 @@ The order names the next generation, the step to resume at (the first uncommitte
 see :mod:`unbroken.recovery.consistency`) and the replaced ranks. Every rank then builds
 the generation's process group on a fresh store prefix and takes part in the same
 sequence of collectives: recoverable state (:class:`~unbroken.worker.api.RecoverableState`)
-first rebuilds itself from live holders, then every replicated plain object goes from the
-lowest surviving rank to the replaced ones. Per-rank state (the RNG streams, per-rank
+first rebuilds itself from live holders, then every replicated plain object goes point to
+point to the replaced ranks, each from one survivor (spread over the survivors so pieces
+travel in parallel: :mod:`unbroken.recovery.transfer_plan`, :mod:`unbroken.comm.p2p`), into
+the replacement's own tensors; a survivor that sends nothing receives nothing. Per-rank state (the RNG streams, per-rank
 objects: :mod:`unbroken.worker.tracked`) is each rank's own: a replaced process loads the
 copy the controller kept of *its* state (in the order); only for ranks the order lists in
 ``fallback`` (the controller had none) does the lowest survivor's copy go instead. A rank
@@ -37,17 +39,20 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from unbroken.comm import broadcast_state, generation_group
+from unbroken.comm import generation_group
+from unbroken.comm.p2p import exchange_states
 from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
 from unbroken.protocol.messages import Dump, Regroup
+from unbroken.recovery.transfer_plan import Move, plan_moves
 from unbroken.worker.control import ControlClient
 from unbroken.worker.state_blob import decode_tree
 from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
+_PER_RANK = "per-rank state"  # the transfer's key for a fallback rank's per-rank state
 
 class DumpTarget(Protocol):
     """Where rung `dump` writes (the session's :class:`~unbroken.worker.checkpointing.Checkpointer`)."""
@@ -222,24 +227,33 @@ class InFlight:
             obj.recover(replaced)
 
     def _transfer(self, order: Regroup) -> None:
-        """The collective sequence every rank runs after a regroup (same order everywhere)."""
+        """The transfer every rank runs after a regroup, from the same plan everywhere: recoverable
+        state first (its own collectives), then each replicated plain object, and the per-rank
+        state of ranks in ``fallback``, point to point from one live holder each (spread over
+        the survivors, in parallel) to the replaced ranks; a survivor in no move does nothing."""
         rank, replaced = self._cfg.rank, set(order.replaced)
         alive = [r for r in range(self._cfg.world_size) if r not in replaced]
-        src = alive[0]
         receiving = rank in replaced and not self._keeps_own
-        common: dict[str, Any] = dict(device=self._device, should_abort=self.should_abort, graveyard=self.graveyard)
         self._recover_recoverable(replaced)
-        for name, obj in self._tracked.plain():
-            state = self._tracked.state_of(obj) if rank == src else None
-            got = broadcast_state(state, src, self.group, what=f"transfer of {name!r} from rank {src}", **common)
-            if rank in replaced:
-                self._tracked.load_one(obj, got)
-        if order.fallback:  # the controller kept no per-rank state for these: a survivor's copy
-            state = self._tracked.per_rank_tree() if rank == src else None
-            got = broadcast_state(state, src, self.group, what=f"transfer of the per-rank state from rank {src}",
-                                  **common)
-            if receiving and rank in order.fallback:
-                self._tracked.load_per_rank(got)
-        if receiving and rank not in order.fallback:
+        plain = {f"object {name!r}": obj for name, obj in self._tracked.plain()}
+        moves = plan_moves(list(plain), {key: alive for key in plain}, {key: sorted(replaced) for key in plain}, alive)
+        # The controller kept no per-rank state for the ranks in `fallback`: the lowest survivor's copy.
+        moves += [Move(_PER_RANK, alive[0], r) for r in sorted(set(order.fallback) & replaced)]
+
+        def state_of(key: str) -> Any:
+            return self._tracked.per_rank_tree() if key == _PER_RANK else self._tracked.state_of(plain[key])
+
+        def local_of(key: str) -> Any:  # a replacement's own tensors (its model as built) take the data
+            return None if key == _PER_RANK else self._tracked.state_of(plain[key])
+
+        got = exchange_states(moves, self.group, state_of=state_of, local_of=local_of, device=self._device,
+                              should_abort=self.should_abort, graveyard=self.graveyard,
+                              what=f"state transfer of generation {order.gen}")
+        for key, obj in plain.items():
+            if key in got:
+                self._tracked.load_one(obj, got[key])
+        if receiving and _PER_RANK in got:
+            self._tracked.load_per_rank(got[_PER_RANK])
+        elif receiving:
             self._tracked.load_per_rank(decode_tree(order.rank_state, f"rank {rank}'s per-rank state of step "
                                                                       f"{order.resume_step} from the controller"))

@@ -1,0 +1,136 @@
+"""Commit benchmark: what the per-step commit round trip to the controller costs, by world size.
+
+    python benchmarks/commit.py                        # N = 4, 16, 32 ranks, 60 steps each
+    python benchmarks/commit.py --nprocs 4,16 --steps 40 --json commit.json
+
+Every step of a managed job waits, before its optimizer update, for the controller's commit
+of the step (worker/session.py `_commit`: the rank sends StepSynced and waits until the
+controller, having heard from every rank, sends the commit back). This script runs a tiny
+model (one all-reduce of a 64-float gradient per step, SGD) on N ranks twice, interleaved:
+
+  unbroken   `unbroken run --nproc-per-node N`: with the controller, so each `opt.step()`
+             includes the commit wait (the step pre-hook)
+  torchrun   `python -m torch.distributed.run`: the same script, no controller, no commit
+
+and prints, per N, the median over ranks of each rank's median `opt.step()` time and whole
+step time. commit_s = unbroken's opt_step_s - torchrun's. Messages per step at the
+controller: N StepSynced in, N commits out, plus N progress reports per phase (counted from
+the protocol, printed). This machine has 2 cores: at 16 and 32 ranks every process waits
+for a core, so absolute figures are mostly scheduling; compare the rows of one run.
+A benchmark never asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One rank: the tiny training loop, timing opt.step() (which waits for the commit)."""
+    import torch
+
+    import unbroken
+
+    torch.set_num_threads(1)
+    job = unbroken.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    job.track(model=model, optimizer=opt)
+    opt_s, step_s = [], []
+    for step in job.steps(args.steps):
+        t0 = time.perf_counter()
+        with job.step():
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            for p in model.parameters():
+                job.all_reduce(p.grad)
+            t1 = time.perf_counter()
+            opt.step()
+            opt_s.append(time.perf_counter() - t1)
+            opt.zero_grad()
+        step_s.append(time.perf_counter() - t0)
+    warm = args.steps // 4  # the first steps include connection set-up
+    out = {"opt_step_s": statistics.median(opt_s[warm:]), "step_s": statistics.median(step_s[warm:])}
+    Path(args.out_dir, f"rank{job.rank}.json").write_text(json.dumps(out))
+    job.close()
+    return 0
+
+
+def run_one(kind: str, nproc: int, steps: int, timeout_s: float) -> dict:
+    from runlib import free_port, launch, unbroken_cmd
+
+    with tempfile.TemporaryDirectory(prefix="unbroken-commit-bench-") as tmp:
+        script = [str(Path(__file__).resolve()), "--worker", "--steps", str(steps), "--out-dir", tmp]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if kind == "unbroken":
+            cmd = [*unbroken_cmd(), "run", "--nproc-per-node", str(nproc), "--run-dir", f"{tmp}/run", *script]
+        else:
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *script]
+        res = launch(cmd, env, timeout_s, echo=False)
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+        if res.rc != 0 or len(ranks) != nproc:
+            tail = "\n".join(line for _, line in res.lines[-10:])
+            return {"error": f"exit {res.rc}, {len(ranks)} of {nproc} ranks reported, timed out {res.timed_out}\n{tail}"}
+        return {k: statistics.median(r[k] for r in ranks) for k in ("opt_step_s", "step_s")} | {"job_s": res.job_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nprocs", default="4,16,32", help="world sizes, comma-separated")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=1, help="runs per (row, N), interleaved")
+    p.add_argument("--run-timeout-s", type=float, default=600.0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    nprocs = [int(n) for n in args.nprocs.split(",")]
+    load_before = os.getloadavg()[0]
+    rows = []
+    for nproc in nprocs:
+        got: dict[str, list[dict]] = {"unbroken": [], "torchrun": []}
+        for _ in range(args.repeats):
+            for kind in got:
+                print(f"N={nproc} {kind} ...", flush=True)
+                got[kind].append(run_one(kind, nproc, args.steps, args.run_timeout_s))
+                print(f"  {got[kind][-1]}", flush=True)
+        row: dict = {"nproc": nproc}
+        for kind, runs in got.items():
+            good = [r for r in runs if "error" not in r]
+            for key in ("opt_step_s", "step_s"):
+                row[f"{kind}_{key}"] = statistics.median(r[key] for r in good) if good else None
+        if row["unbroken_opt_step_s"] is not None and row["torchrun_opt_step_s"] is not None:
+            row["commit_s"] = row["unbroken_opt_step_s"] - row["torchrun_opt_step_s"]
+        rows.append(row)
+    print(f"\ncommit round trip, tiny model, {args.steps} steps, median over ranks of per-rank medians "
+          f"(first quarter of steps left out); load {load_before:.1f} -> {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cpus: N ranks share the cores, figures at N >> cpus are mostly scheduling")
+    print(f"{'N':>4} {'opt.step unbroken':>18} {'opt.step torchrun':>18} {'commit_s':>10} "
+          f"{'step unbroken':>14} {'step torchrun':>14} {'ctl msgs/step':>14}")
+    fmt = lambda v: "-" if v is None else f"{v * 1e3:.2f} ms"  # noqa: E731
+    for row in rows:
+        # per rank per step: Progress compute, sync, update, done + StepSynced in; the commit out
+        print(f"{row['nproc']:>4} {fmt(row['unbroken_opt_step_s']):>18} {fmt(row['torchrun_opt_step_s']):>18} "
+              f"{fmt(row.get('commit_s')):>10} {fmt(row['unbroken_step_s']):>14} {fmt(row['torchrun_step_s']):>14} "
+              f"{6 * row['nproc']:>14}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"benchmark": "commit", "params": vars(args), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

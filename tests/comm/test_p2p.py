@@ -1,0 +1,130 @@
+"""Point-to-point state transfer (comm/p2p.py) and its plan (recovery/transfer_plan.py).
+
+The plan is pure and tested as such. The transfer runs on real gloo groups inside one process:
+each rank is a thread with its own ProcessGroupGloo over a shared HashStore (fast; the default
+process group is never touched).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unbroken.comm.p2p import exchange_states, send_recv_tensors
+from unbroken.errors import NoLiveReplica
+from unbroken.recovery.transfer_plan import Move, involved, plan_moves
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- the plan --------------------------------------------------------------------------------
+def test_pieces_spread_over_live_holders_one_source_each():
+    alive = [0, 1, 3]
+    pieces = ["model", "optimizer", "scheduler", "sampler"]
+    moves = plan_moves(pieces, {p: alive for p in pieces}, {p: [2] for p in pieces}, alive)
+    assert moves == [Move("model", 0, 2), Move("optimizer", 1, 2), Move("scheduler", 3, 2), Move("sampler", 0, 2)]
+    assert plan_moves(pieces, {p: alive for p in pieces}, {p: [2] for p in pieces}, alive) == moves  # same everywhere
+
+
+def test_two_receivers_never_send_to_themselves_and_idle_ranks_are_in_no_move():
+    holders = {"shard 0": [0, 2], "shard 1": [1, 3]}
+    moves = plan_moves(["shard 0", "shard 1"], holders, {"shard 0": [2], "shard 1": [3]}, alive=[0, 1, 4])
+    assert moves == [Move("shard 0", 0, 2), Move("shard 1", 1, 3)]
+    assert not involved(moves, 4)
+    with pytest.raises(NoLiveReplica, match=r"no live holder of shard 1 for rank 3: its holders \[1, 3\]"):
+        plan_moves(["shard 1"], holders, {"shard 1": [3]}, alive=[0, 2])
+
+
+# -- the transfer on real gloo ---------------------------------------------------------------
+def _groups(world_size: int) -> list[dist.ProcessGroup]:
+    store, groups = dist.HashStore(), [None] * world_size
+
+    def build(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("gen1/", store), rank, world_size,
+                                             timedelta(seconds=20))
+    _run_ranks(world_size, build)
+    return groups
+
+
+def _run_ranks(world_size: int, fn) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(rank: int) -> None:
+        try:
+            fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+    threads = [threading.Thread(target=wrap, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    if errors:
+        raise errors[0]
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+
+def _optimizer_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(5, 3, generator=g),
+                          "count": torch.arange(4, dtype=torch.int64)}},
+            "param_groups": [{"lr": 0.003, "betas": [0.9, 0.95], "params": [0]}]}
+
+
+def test_replacement_gets_each_piece_from_one_holder_into_its_own_tensors_and_idle_rank_takes_no_part():
+    # Ranks 0, 1, 2 survive and hold everything; rank 3 is the replacement with its own fresh model.
+    world = 4
+    groups = _groups(world)
+    trees = {r: {"object 'model'": _model(0).state_dict(), "object 'optimizer'": _optimizer_state(1)}
+             for r in range(3)}
+    own_model = _model(99)  # the replacement built its model from another seed: different values
+    own_ptrs = {n: t.data_ptr() for n, t in own_model.state_dict().items()}
+    moves = plan_moves(list(trees[0]), {k: [0, 1, 2] for k in trees[0]}, {k: [3] for k in trees[0]}, [0, 1, 2])
+    assert [m.src for m in moves] == [0, 1] and not involved(moves, 2)
+    got: dict[int, dict] = {}
+    asked: list[int] = []
+
+    def rank_main(rank: int) -> None:
+        if rank == 2:  # in no move: it returns at once, issuing nothing, asking for no state
+            got[rank] = exchange_states(moves, groups[rank], state_of=lambda k: asked.append(rank),
+                                        local_of=lambda k: asked.append(rank), device=torch.device("cpu"),
+                                        should_abort=lambda: False, graveyard=[], what="test")
+            return
+        local = {"object 'model'": own_model.state_dict()} if rank == 3 else {}
+        got[rank] = exchange_states(moves, groups[rank], state_of=lambda k: trees[rank][k],
+                                    local_of=lambda k: local.get(k), device=torch.device("cpu"),
+                                    should_abort=lambda: False, graveyard=[], what="test")
+    _run_ranks(world, rank_main)
+    assert got[0] == {} and got[1] == {} and got[2] == {} and asked == []
+    received = got[3]
+    sent_model, sent_opt = trees[0]["object 'model'"], trees[1]["object 'optimizer'"]
+    assert received["object 'model'"].keys() == sent_model.keys()
+    for name, t in sent_model.items():  # bit-exact, and landed in the replacement's own tensors
+        assert torch.equal(received["object 'model'"][name], t)
+        assert received["object 'model'"][name].data_ptr() == own_ptrs[name]
+    assert torch.equal(own_model.state_dict()["0.weight"], sent_model["0.weight"])
+    state = received["object 'optimizer'"]["state"][0]
+    for key in ("step", "exp_avg", "count"):
+        assert torch.equal(state[key], sent_opt["state"][0][key]) and state[key].dtype == sent_opt["state"][0][key].dtype
+    assert received["object 'optimizer'"]["param_groups"] == sent_opt["param_groups"]
+
+
+def test_bare_tensor_ranges_go_only_between_their_two_ranks():
+    world = 3
+    groups = _groups(world)
+    flats = {r: torch.full((10,), float(r)) for r in range(world)}
+    flats[0][:5] = torch.arange(5.0)
+    ops_of = lambda r: [(0, 2, flats[r][0:5]), (1, 2, flats[r][5:10])]  # noqa: E731 - same list on every rank
+    _run_ranks(world, lambda r: send_recv_tensors(ops_of(r), groups[r], should_abort=lambda: False,
+                                                  graveyard=[], what="test"))
+    assert torch.equal(flats[2], torch.tensor([0.0, 1, 2, 3, 4, 1, 1, 1, 1, 1]))
+    assert torch.equal(flats[1], torch.ones(10))  # a sender's own buffer is unchanged

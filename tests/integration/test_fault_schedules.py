@@ -48,7 +48,7 @@ def references(tmp_path_factory):
 
 def _params():
     for seed in range(20):
-        marks = () if seed < 1 else (pytest.mark.slow,)
+        marks = () if seed < 3 else (pytest.mark.slow,)
         yield pytest.param(seed, marks=marks, id=f"seed{seed}")
 
 

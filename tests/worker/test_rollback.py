@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unbroken.errors import CheckpointCorrupt, ConfigError
-from unbroken.worker import rollback
+from unbroken.worker import rollback, state_blob
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.tracked import TrackedState
 
@@ -60,7 +60,7 @@ def test_a_dropped_step_gets_its_start_back_exactly():
     tracked = _tracked()
     random.seed(5)
     torch.manual_seed(5)
-    capture = rollback.capture(3, tracked.rollback_tree(), tracked.per_rank_tree(), rank=0)
+    capture = rollback.capture(3, tracked.rollback_tree(), tracked.per_rank_tree())
     want = (torch.rand(4), random.random())
     tracked.objects["data"].position += 8  # the step moves everything
     tracked.objects["ema"].add_(1.0)
@@ -77,13 +77,13 @@ def test_per_rank_state_over_the_limit_names_the_biggest_object(monkeypatch):
     tracked = _tracked()
     monkeypatch.setattr(rollback, "PER_RANK_LIMIT_BYTES", 1000)
     with pytest.raises(ConfigError, match=r"over the 1000-byte limit.*'data'.*replicated=\['data'\]"):
-        rollback.capture(0, tracked.rollback_tree(), tracked.per_rank_tree(), rank=2)
+        rollback.StepStates(rank=2).begin(0, *tracked.step_start())
 
 
 def test_a_tree_round_trips_exactly():
     tree = {"a": [1, (2, 3.5)], "t": torch.ones(2), "bf": torch.arange(4, dtype=torch.bfloat16).reshape(2, 2),
             "empty": torch.empty(0, 3), "c": torch.tensor([1 + 2j])}
-    back = rollback.decode_tree(rollback.encode_tree(tree), "x")
+    back = state_blob.decode_tree(state_blob.encode_tree(tree), "x")
     assert back["a"] == [1, (2, 3.5)]
     for key in ("t", "bf", "empty", "c"):
         assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key]), key
@@ -99,11 +99,11 @@ def _blob_with(header: dict, tail: bytes = b"") -> bytes:
     _blob_with({"format": "other"}),
     _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "os", [1], 1]]}, b"\x00"),
     _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "float32", [4], 16]]}, b"\x00"),
-    rollback.encode_tree({"x": torch.ones(2)}) + b"\x00",
+    state_blob.encode_tree({"x": torch.ones(2)}) + b"\x00",
 ], ids=["not-json", "short", "length-past-end", "format", "not-a-dtype", "truncated", "trailing"])
 def test_bytes_that_are_not_an_encoded_state_are_refused(data):
     with pytest.raises(CheckpointCorrupt, match="per-rank state"):
-        rollback.decode_tree(data, "per-rank state")
+        state_blob.decode_tree(data, "per-rank state")
 
 
 class DrawsOnRead(Position):
@@ -131,6 +131,80 @@ def test_reading_the_state_never_moves_the_rng_streams():
     assert sorted(local) == ["ema", "sched"] and sorted(per_rank["objects"]) == ["data", "loader"]
 
 
+def test_an_unchanged_per_rank_state_is_sent_once_and_the_controller_reuses_it():
+    from unbroken.controller.rank_state import Point, RankStates
+    tracked, states, kept = _tracked(), rollback.StepStates(rank=1), RankStates(limit_bytes=1 << 20)
+    torch.manual_seed(3)
+    states.begin(0, *tracked.step_start())
+    assert not states.start_report.same and states.start_report.state  # the first is always sent
+    kept.note_report(1, 0, 0, Point.START, states.start_report.state, same=states.start_report.same)
+    after = states.after_compute(tracked.per_rank_tree())
+    assert after.same  # nothing moved during the compute
+    kept.note_report(1, 0, 0, Point.AFTER_COMPUTE, after.state, same=after.same)
+    tracked.objects["data"].position += 8
+    torch.rand(1)  # the step moves the position and the stream
+    after = states.after_compute(tracked.per_rank_tree())
+    assert not after.same
+    kept.note_report(1, 0, 0, Point.AFTER_COMPUTE, after.state, same=False)
+    states.begin(1, *tracked.step_start())  # the update moved nothing per rank
+    assert states.start_report.same
+    kept.note_report(1, 0, 1, Point.START, states.start_report.state, same=states.start_report.same)
+    got = state_blob.decode_tree(kept.for_resume(1, 0, 1).state, "x")
+    want = tracked.per_rank_tree()
+    assert got["objects"]["data"]["position"] == 8 and rollback.same(got["rng"]["torch"], want["rng"]["torch"])
+    tracked.objects["data"].position += 1
+    states.begin(2, *tracked.step_start())  # moved outside a compute: sent again
+    assert not states.start_report.same
+
+
+def test_a_same_report_without_a_kept_state_keeps_nothing():
+    from unbroken.controller.rank_state import Point, RankStates
+    kept = RankStates(limit_bytes=100)
+    kept.note_report(0, 0, 4, Point.START, b"", same=True)
+    assert kept.for_resume(0, 0, 4) is None
+    kept.note_report(0, 0, 4, Point.START, b"s4", same=False)
+    kept.note_report(0, 1, 5, Point.START, b"", same=True)  # a new attempt: the old bytes are not its own
+    assert kept.for_resume(0, 1, 5) is None
+
+
+@pytest.mark.parametrize("a,b,equal", [
+    ({"x": 0.0}, {"x": -0.0}, False), ({"x": float("nan")}, {"x": float("nan")}, False),
+    ({"x": 1}, {"x": True}, False), ({"x": [1, 2]}, {"x": (1, 2)}, False),
+    ({"t": torch.zeros(2)}, {"t": -torch.zeros(2)}, False), ({"t": torch.ones(2)}, {"t": torch.ones(2)}, True),
+    ({"t": torch.ones(2)}, {"t": torch.ones(2, dtype=torch.float64)}, False), ({"a": 1, "b": 2}, {"b": 2, "a": 1}, False),
+])
+def test_same_is_bit_for_bit(a, b, equal):
+    assert rollback.same(a, b) is equal
+
+
+def test_a_snapshot_does_not_follow_the_original():
+    state = {"list": [1, torch.zeros(2)], "t": torch.zeros(2)}
+    copy = rollback.snapshot(state)
+    state["list"].append(3)
+    state["list"][1].add_(1)
+    state["t"].add_(1)
+    assert copy["list"][0] == 1 and len(copy["list"]) == 2 and copy["t"].sum() == 0 and copy["list"][1].sum() == 0
+    with pytest.raises(Exception, match="object.*not supported"):
+        rollback.snapshot({"bad": object()})
+
+
+def test_the_stream_reader_reuses_an_unmoved_stream_and_sees_every_move():
+    import numpy as np
+    from unbroken.worker.rng import StreamReader
+    reader = StreamReader()
+    first = reader.capture()
+    assert reader.capture()["python"] is first["python"] and reader.capture()["numpy"] is first["numpy"]
+    for move in (random.random, lambda: random.gauss(0, 1), lambda: random.gauss(0, 1),
+                 np.random.rand, np.random.randn, np.random.randn, lambda: np.random.seed(4)):
+        before = reader.capture()
+        move()
+        now = reader.capture()
+        fresh = StreamReader().capture()  # what a full read says
+        for name in ("python", "numpy"):
+            assert rollback.same(now[name], fresh[name]), (move, name)
+        assert not (rollback.same(now["python"], before["python"]) and rollback.same(now["numpy"], before["numpy"]))
+
+
 def test_norm_statistics_are_per_rank_and_a_dropped_step_puts_them_back():
     """BatchNorm's running statistics move in every forward (with the rank's own batch): they
     travel with the per-rank state, and a rollback restores them exactly."""
@@ -138,7 +212,7 @@ def test_norm_statistics_are_per_rank_and_a_dropped_step_puts_them_back():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     tracked.add("model", model, HOOKS)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    capture = rollback.capture(0, *tracked.step_start(), rank=0)
+    capture = rollback.capture(0, *tracked.step_start())
     assert sorted(capture.per_rank_tree()["buffers"]["model"]) == [
         "1.num_batches_tracked", "1.running_mean", "1.running_var"]
     model(torch.randn(8, 3))  # the step's forward moves the statistics

@@ -214,8 +214,8 @@ AGENT_HANDLERS: dict[type, AgentHandler] = {
 def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Progress) -> None:
     ctl = self._ctl
     w = ctl.workers[rank]
-    if msg.state and msg.phase == Phase.COMPUTE:
-        ctl.rank_states.note(rank, attempt, msg.step, Point.START, msg.state)
+    if msg.phase == Phase.COMPUTE:
+        ctl.rank_states.note_report(rank, attempt, msg.step, Point.START, msg.state, same=msg.state_same)
     w.phase = msg.phase
     w.in_step_loop = w.in_step_loop or msg.phase in STEP_PHASES
     if msg.phase == Phase.FINISHED:
@@ -232,9 +232,8 @@ def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg:
 
 
 def _step_synced(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.StepSynced) -> None:
-    if msg.state:
-        self._ctl.rank_states.note(rank, attempt, msg.step, Point.AFTER_COMPUTE, msg.state)
-    self._ctl.apply(dataclasses.replace(msg, rank=rank, attempt=attempt, state=b""))
+    self._ctl.rank_states.note_report(rank, attempt, msg.step, Point.AFTER_COMPUTE, msg.state, same=msg.state_same)
+    self._ctl.apply(dataclasses.replace(msg, rank=rank, attempt=attempt, state=b"", state_same=False))
 
 
 def _claim_fault(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.ClaimFault) -> None:

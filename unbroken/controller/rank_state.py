@@ -1,8 +1,10 @@
 """Each rank's own (per-rank) state, kept by the controller so that it survives the rank.
 
-A worker sends its encoded per-rank state (RNG streams and per-rank objects, see
+A worker reports its encoded per-rank state (RNG streams and per-rank objects, see
 :mod:`unbroken.worker.rollback`) twice a step: with its ``compute`` report (the state at the
-start of step k) and with its commit report (the state after the compute of step k). A
+start of step k) and with its commit report (the state after the compute of step k); a report
+marked ``same`` stands for the state that rank's process last sent (kept here as the rank's
+``last``: its reports arrive in order on one connection), so it is not sent again. A
 replacement of rank r resuming at step s gets r's own state: the start of s if kept, else the
 state after computing s - 1 (a roll forward: what r had when s - 1 committed).
 
@@ -43,6 +45,23 @@ class RankStates:
     def __init__(self, limit_bytes: int) -> None:
         self._limit_bytes = limit_bytes
         self._by_rank: dict[int, tuple[int, dict[tuple[int, Point], bytes]]] = {}
+        self._last: dict[int, bytes] = {}  # per rank: the state it last sent, in its held attempt
+
+    def note_report(self, rank: int, attempt: int, step: int, point: Point, state: bytes, *, same: bool) -> None:
+        """A report's state: ``state`` if sent, or (``same``) the one the rank last sent; a report
+        with neither carries none."""
+        if same:
+            held_attempt, _ = self._by_rank.get(rank, (attempt, {}))
+            if attempt < held_attempt:
+                return  # a late report of an older attempt
+            last = self._last.get(rank) if attempt == held_attempt else None
+            if last is None:
+                log.warning("controller: rank %d reported its per-rank state of step %d unchanged, but none of "
+                            "attempt %d is kept; a replacement of it would get a survivor's copy", rank, step, attempt)
+                return
+            state = last
+        if state:
+            self.note(rank, attempt, step, point, state)
 
     def note(self, rank: int, attempt: int, step: int, point: Point, state: bytes) -> None:
         """Keep ``state``; a capture over the limit is refused (logged) and the rank's older ones dropped,
@@ -52,12 +71,14 @@ class RankStates:
             return  # a late report of an older attempt
         if attempt > held_attempt:
             captures = {}
+            self._last.pop(rank, None)
         if len(state) > self._limit_bytes:
             log.warning("controller: rank %d's per-rank state of step %d is %d bytes, over the %d-byte limit; "
                         "not kept", rank, step, len(state), self._limit_bytes)
             self._by_rank[rank] = (attempt, {})
+            self._last.pop(rank, None)
             return
-        captures[(step, point)] = state
+        captures[(step, point)] = self._last[rank] = state
         newest = max(s for s, _ in captures)
         self._by_rank[rank] = (attempt, {k: v for k, v in captures.items() if k[0] > newest - self.KEEP_STEPS})
 

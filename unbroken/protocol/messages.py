@@ -118,6 +118,7 @@ class Progress(Message):
     phase: str
     metrics: dict[str, Any]
     state: bytes = b""  # with phase 'compute': the rank's own state at the step's start (worker/rollback.py)
+    state_same: bool = False  # instead of `state`: the rank's own state is the one it last sent
 
 
 @message("heartbeat")
@@ -171,6 +172,7 @@ class StepSynced(Message):
     gen: int
     step: int
     state: bytes = b""  # the rank's own state after the step's compute (a roll forward resumes from it)
+    state_same: bool = False  # instead of `state`: the rank's own state is the one it last sent
 
 
 @message("commit_step")

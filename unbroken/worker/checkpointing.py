@@ -35,7 +35,7 @@ from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, ShmCapacityError
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
-from unbroken.worker.rollback import decode_tree
+from unbroken.worker.state_blob import decode_tree
 from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)

@@ -106,9 +106,9 @@ class ControlClient:
             self._closed.set()
             return False
 
-    def progress(self, step: int, phase: str, metrics: dict, state: bytes = b"") -> None:
+    def progress(self, step: int, phase: str, metrics: dict, state: bytes = b"", state_same: bool = False) -> None:
         self._send(m.Progress(rank=self.rank, attempt=self.attempt, step=step, phase=phase, metrics=metrics,
-                              state=state))
+                              state=state, state_same=state_same))
 
     def event(self, name: str, fields: dict) -> None:
         """Ask the controller to record an event of this worker's in the job's event log."""
@@ -118,10 +118,12 @@ class ControlClient:
         self._send(m.SessionReady(rank=self.rank, attempt=self.attempt, num_replicas=num_replicas,
                                   not_in_flight=not_in_flight))
 
-    def wait_commit(self, gen: int, step: int, poll_s: float = 0.05, state: bytes = b"") -> bool:
-        """Report the reduction of ``step`` done (with this rank's own state after its compute) and
-        wait for its commit; False on an abort order."""
-        self._send(m.StepSynced(rank=self.rank, attempt=self.attempt, gen=gen, step=step, state=state))
+    def wait_commit(self, gen: int, step: int, poll_s: float = 0.05, state: bytes = b"",
+                    state_same: bool = False) -> bool:
+        """Report the reduction of ``step`` done (with this rank's own state after its compute, or
+        ``state_same``: the one it last sent) and wait for its commit; False on an abort order."""
+        self._send(m.StepSynced(rank=self.rank, attempt=self.attempt, gen=gen, step=step, state=state,
+                                state_same=state_same))
         with self._commit:
             while self.committed_step < step:
                 if self.abort_gen > gen:

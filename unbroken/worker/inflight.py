@@ -51,7 +51,7 @@ from unbroken.protocol.messages import Dump, Regroup
 from unbroken.recovery.transfer_plan import Move, plan_moves
 from unbroken.worker import wrappers
 from unbroken.worker.control import ControlClient
-from unbroken.worker.rollback import decode_tree
+from unbroken.worker.state_blob import decode_tree
 from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)

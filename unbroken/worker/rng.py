@@ -3,30 +3,29 @@
 torch (CPU, and CUDA when initialized), Python's ``random`` and, when the script imported
 it, numpy. The captured form holds tensors and plain values only, so the checkpoint codec
 and the replica transfer carry it without pickle.
+
+:func:`capture`/:func:`restore` read and set the streams once (checkpoints, transfers). A
+:class:`StreamReader` does the same for the reads of every step (worker/rollback.py), where
+the cost counts: it converts a stream again only when it moved since its last read.
 """
 
 from __future__ import annotations
 
+import _random
 import array
+import ctypes
 import random
 import sys
 from typing import Any
 
 import torch
 
+#: A Mersenne Twister's state as numpy and CPython hold it: 624 uint32 words and an int position.
+_MT_STATE_BYTES = 624 * 4 + 4
+
 
 def capture() -> dict[str, Any]:
-    version, internal, gauss = random.getstate()
-    # Python's 625-word state as one tensor: the codec stores it as bytes, not 625 JSON numbers.
-    state: dict[str, Any] = {"torch": torch.get_rng_state(),
-                             "python": [version, torch.frombuffer(array.array("q", internal), dtype=torch.int64), gauss]}
-    np = sys.modules.get("numpy")
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    return StreamReader().capture()
 
 
 def restore(state: dict[str, Any]) -> None:
@@ -40,3 +39,130 @@ def restore(state: dict[str, Any]) -> None:
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, gauss_value))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class StreamReader:
+    """Reads the RNG streams for the per-step captures of one rank; lives in its training thread
+    (owned by its :class:`~unbroken.worker.tracked.TrackedState`).
+
+    The captured form of a stream that did not move since the last read is reused (shared:
+    callers copy before they mutate), so a stream the script does not draw from costs next to
+    nothing. Whether Python's or numpy's moved is told by its raw state words, read through a
+    :class:`_StateWords` view (a 2.5 KB copy) instead of ``random.getstate()`` (625 ints) or
+    ``np.random.get_state()`` (a Python loop over 624 words: ~50 us, several times that on a
+    loaded machine). Every full read checks the view against the real state; a view that does
+    not match is dropped for good and that stream is read in full from then on.
+
+    Python's fingerprint is complete (its words, position and ``gauss_next``). numpy's lacks
+    the legacy pending Gaussian (``has_gauss``/``gauss``), so a numpy state with one pending is
+    always read in full, and one without is reused only while its words and position are
+    unchanged (drawing a Gaussian moves them). Blind spot: a script that calls
+    ``np.random.set_state`` with the current words and position and a pending Gaussian added.
+    """
+
+    def __init__(self) -> None:
+        self._cuda = torch.cuda.is_available()  # fixed for the process; is_initialized() is not
+        self._python_view: _StateWords | None = _python_words()
+        self._python_mark: tuple | None = None  # (words, gauss_next) of the last full read
+        self._python_state: tuple | None = None  # random.getstate() of the last full read
+        self._python_form: list | None = None  # ... as captured
+        self._numpy_view: _StateWords | None = None
+        self._numpy_viewable = True  # False once a numpy view did not match get_state()
+        self._numpy_mark: bytes | None = None  # the words of the last full read
+        self._numpy_form: list | None = None
+
+    def capture(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": self._python()}
+        np = sys.modules.get("numpy")
+        if np is not None:
+            state["numpy"] = self._numpy(np)
+        if self._cuda and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def put_back(self, state: dict[str, Any]) -> None:
+        """Set torch's CPU stream and Python's (if it moved) back to ``state``, this reader's last
+        :meth:`capture`: what reading an object's state must not change."""
+        torch.set_rng_state(state["torch"])
+        if self._python_state is not None and (self._python_view is None or self._python_now() != self._python_mark):
+            random.setstate(self._python_state)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        restore(state)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the reused forms: the next read reads every stream in full."""
+        self._python_mark = self._python_state = self._python_form = None
+        self._numpy_mark = self._numpy_form = None
+
+    # -- Python's random -------------------------------------------------------------------
+    def _python_now(self) -> tuple:
+        assert self._python_view is not None
+        return self._python_view.read(), random.getstate.__self__.gauss_next
+
+    def _python(self) -> list:
+        mark = self._python_now() if self._python_view is not None else None
+        if mark is not None and mark == self._python_mark and self._python_form is not None:
+            return self._python_form
+        now = random.getstate()
+        version, internal, gauss = now
+        if mark is not None and mark != (array.array("i", internal[-1:]).tobytes()
+                                         + array.array("I", internal[:-1]).tobytes(), gauss):
+            self._python_view = mark = None  # not the layout we know
+        # The 625 words as one tensor: the codec stores it as bytes, not 625 JSON numbers.
+        words = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
+        self._python_mark, self._python_state, self._python_form = mark, now, [version, words, gauss]
+        return self._python_form
+
+    # -- numpy's global RandomState -----------------------------------------------------------
+    def _numpy(self, np: Any) -> list:
+        view = self._numpy_words(np) if self._numpy_viewable else None
+        mark = view.read() if view is not None else None
+        form = self._numpy_form
+        if mark is not None and mark == self._numpy_mark and form is not None and not form[3]:
+            return form
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        if mark is not None and mark != keys.astype("uint32").tobytes() + array.array("i", [pos]).tobytes():
+            self._numpy_viewable, self._numpy_view, mark = False, None, None  # not the layout we know
+        self._numpy_mark = mark
+        self._numpy_form = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss)]
+        return self._numpy_form
+
+    def _numpy_words(self, np: Any) -> _StateWords | None:
+        """A view of the global RandomState's MT19937 state (mt19937_state: 624 uint32 words, then
+        the int position) through numpy's public ctypes interface; None where numpy has none
+        (before 1.25) or the global generator is another bit generator."""
+        get_bit_generator = getattr(np.random, "get_bit_generator", None)
+        bit_generator = get_bit_generator() if get_bit_generator is not None else None
+        if self._numpy_view is not None and self._numpy_view.owner is bit_generator:
+            return self._numpy_view
+        if type(bit_generator).__name__ != "MT19937":
+            return None
+        self._numpy_view = _StateWords(bit_generator, bit_generator.ctypes.state_address)
+        return self._numpy_view
+
+
+class _StateWords:
+    """A read-only view of a generator's raw state words in this process's memory (624 uint32
+    words and an int position: ``_MT_STATE_BYTES``), kept with the object that owns them so the
+    memory stays valid. Read as bytes only to tell whether the state moved; the reader checks
+    each view against the generator's own state before trusting it."""
+
+    def __init__(self, owner: Any, address: int) -> None:
+        self.owner = owner
+        self._words = (ctypes.c_char * _MT_STATE_BYTES).from_address(address)
+
+    def read(self) -> bytes:
+        return self._words.raw
+
+
+def _python_words() -> _StateWords | None:
+    """A view of the MT state of the generator behind ``random.getstate`` (CPython's
+    ``RandomObject``: after the object header, the int position, then 624 uint32 words), or
+    None where that generator is not a C ``_random.Random`` big enough to hold them."""
+    owner = getattr(random.getstate, "__self__", None)
+    header_bytes = object.__basicsize__
+    if not isinstance(owner, _random.Random) or _random.Random.__basicsize__ < header_bytes + _MT_STATE_BYTES:
+        return None
+    return _StateWords(owner, id(owner) + header_bytes)

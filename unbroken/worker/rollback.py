@@ -3,111 +3,193 @@
 At the start of every step under `unbroken run` the session captures every tracked object
 that may change inside a step and is not covered by the commit rule (everything but modules,
 torch optimizers and :class:`~unbroken.worker.api.RecoverableState` objects: schedulers,
-samplers, loaders, tensors, user objects) and the RNG streams. When the step is dropped,
-the survivor loads the capture back.
+samplers, loaders, tensors, user objects) and the RNG streams, as a :func:`snapshot` (a deep
+copy: nothing is encoded for it). When the step is dropped, the survivor loads it back.
 
-The capture is encoded once with the checkpoint codec (``flatten_state``: tensors plus a JSON
-spec; never pickle), in two parts:
+The per-rank part (the RNG streams and the per-rank objects) goes to the controller twice a
+step, so that a replacement for this rank receives *its own* state: with the ``compute``
+report (the start of the step) and with the commit report (after compute). It is encoded
+(:mod:`unbroken.worker.state_blob`; never pickle) only when it differs from the last state
+this rank sent: :class:`StepStates` otherwise reports it "same" and the controller reuses its
+copy. On most steps the start of step k equals the state after computing k - 1 (nothing per
+rank moves during an update), so a step encodes once, not twice.
 
-* ``local``: the replicated objects that roll back (kept in this process, tensors cloned);
-* ``per_rank``: the RNG streams and the per-rank objects as one safetensors blob (bytes).
-  It goes to the controller with the ``compute`` report (start of the step) and with the
-  commit report (after compute), so a replacement for this rank receives *its own* state.
-
-Pure functions and one small value class; lives in the training thread of one rank.
+Pure functions and small classes; lives in the training thread of one rank.
 """
 
 from __future__ import annotations
 
-import json
+import math
+import sys
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from unbroken.checkpoint.codec import flatten_state, unflatten_state
-from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError
+from unbroken.errors import CheckpointError, ConfigError
 from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES
+from unbroken.worker.state_blob import encode_tree, raw_bytes
 
-_BLOB_FORMAT = "unbroken-state-blob-1"
-
-
-def encode_tree(tree: Any) -> bytes:
-    """``tree`` (tensors and plain values) as one self-describing blob: an 8-byte length, a JSON
-    header (the codec's spec and a table of the tensors) and the tensors' raw bytes. (Not
-    safetensors: its writer costs ~10x more for the few small tensors of a per-step capture.)"""
-    tensors, spec = flatten_state(tree)
-    table, parts = [], []
-    for name, t in tensors.items():
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        table.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), len(raw)])
-        parts.append(raw)
-    header = json.dumps({"format": _BLOB_FORMAT, "spec": spec, "tensors": table}).encode()
-    return len(header).to_bytes(8, "little") + header + b"".join(parts)
+# -- copies and comparisons of state trees ---------------------------------------------------
+_IMMUTABLE_LEAVES = frozenset({type(None), bool, int, float, str, bytes, torch.Size})
+_EQUAL_BY_VALUE = frozenset({type(None), bool, int, str, bytes, torch.Size})  # float: see same()
 
 
-def decode_tree(data: bytes, what: str) -> Any:
-    """The tree :func:`encode_tree` made; CheckpointCorrupt naming ``what`` if it is not one."""
-    try:
-        tensors, spec = _read_blob(data)
-    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
-        raise CheckpointCorrupt(f"{what}: not an encoded state ({type(exc).__name__}: {exc})") from exc
-    return unflatten_state(tensors, spec)
+def snapshot(x: Any, path: tuple = ()) -> Any:
+    """A deep copy of a state tree that the training step cannot change: tensors cloned (on
+    their device), containers and numpy arrays copied, immutable leaves shared. The leaves are
+    those the checkpoint codec takes; CheckpointError naming the path for any other."""
+    kind = type(x)
+    if kind in _IMMUTABLE_LEAVES:
+        return x
+    if kind is dict or kind is OrderedDict:
+        out = kind()
+        for key, value in x.items():
+            if type(key) not in (str, int):
+                raise CheckpointError(f"cannot capture the dict at {_where(path)!r} of the step-start state: key "
+                                      f"{key!r} has type {type(key).__qualname__}; only str and int keys are supported")
+            out[key] = value if type(value) in _IMMUTABLE_LEAVES else snapshot(value, path + (key,))
+        if kind is OrderedDict and getattr(x, "_metadata", None) is not None:
+            out._metadata = snapshot(x._metadata, path + ("_metadata",))  # nn.Module state dicts
+        return out
+    if kind is list or kind is tuple:
+        return kind([v if type(v) in _IMMUTABLE_LEAVES else snapshot(v, path + (i,)) for i, v in enumerate(x)])
+    if isinstance(x, torch.Tensor):
+        return (x.detach() if x.requires_grad else x).clone()
+    np = sys.modules.get("numpy")  # a numpy object implies numpy is already imported
+    if np is not None and isinstance(x, (np.ndarray, np.generic)) and not x.dtype.hasobject:
+        return x.copy() if isinstance(x, np.ndarray) else x
+    raise CheckpointError(f"cannot capture the value at {_where(path)!r} of the step-start state: type "
+                          f"{kind.__module__}.{kind.__qualname__} is not supported (use tensors, numbers, str, "
+                          "bytes, None, numpy arrays, and dict/list/tuple of those)")
 
 
-def _read_blob(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
-    if len(data) < 8:
-        raise ValueError(f"{len(data)} bytes: shorter than the header length")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > len(data) - 8:
-        raise ValueError(f"header length {header_len} past the end ({len(data)} bytes)")
-    header = json.loads(data[8:8 + header_len])
-    if header.get("format") != _BLOB_FORMAT:
-        raise ValueError(f"format {header.get('format')!r}, expected {_BLOB_FORMAT!r}")
-    tensors, offset = {}, 8 + header_len
-    for name, dtype_name, shape, nbytes in header["tensors"]:
-        dtype = getattr(torch, str(dtype_name), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"tensor {name!r}: {dtype_name!r} is not a torch dtype")
-        numel = 1
-        for size in shape:
-            numel *= int(size)
-        if nbytes != numel * dtype.itemsize or offset + nbytes > len(data):
-            raise ValueError(f"tensor {name!r}: {nbytes} bytes for shape {shape} of {dtype_name}, "
-                             f"{len(data) - offset} left")
-        flat = torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=torch.uint8) if nbytes \
-            else torch.empty(0, dtype=torch.uint8)
-        tensors[name] = flat.view(dtype).reshape(shape)
-        offset += nbytes
-    if offset != len(data):
-        raise ValueError(f"{len(data) - offset} bytes after the last tensor")
-    return tensors, header["spec"]
+def _where(path: tuple) -> str:
+    return "/".join(str(p) for p in path) or "<root>"
 
 
+def same(a: Any, b: Any) -> bool:
+    """Whether two state trees are equal bit for bit: types, keys in order, tensors' dtype,
+    shape, device and bytes (so 0.0 and -0.0 differ, and a NaN never equals anything)."""
+    if a is b:  # the RNG forms a StreamReader reuses (never changed); immutable leaves
+        return True
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind in _EQUAL_BY_VALUE:
+        return a == b
+    if kind is dict or kind is OrderedDict:
+        if len(a) != len(b):
+            return False
+        for (key_a, value_a), (key_b, value_b) in zip(a.items(), b.items()):
+            if type(key_a) is not type(key_b) or key_a != key_b:
+                return False
+            if value_a is not value_b and (type(value_a) not in _EQUAL_BY_VALUE or type(value_a) is not type(value_b)
+                                           or value_a != value_b) and not same(value_a, value_b):
+                return False
+        return kind is dict or same(getattr(a, "_metadata", None), getattr(b, "_metadata", None))
+    if kind is list or kind is tuple:
+        return len(a) == len(b) and all(same(value_a, value_b) for value_a, value_b in zip(a, b))
+    if kind is float:
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and _same_bytes(a, b)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(a, (np.ndarray, np.generic)):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return bool(a == b)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not (a.dtype.is_floating_point or a.dtype.is_complex):
+        return torch.equal(a, b)  # integers and bools: equal values are equal bytes
+    if a.is_cpu:
+        return raw_bytes(a) == raw_bytes(b)
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+# -- the capture and the reports -----------------------------------------------------------
 @dataclass(frozen=True)
 class StepCapture:
-    """One rank's state at the start of ``step`` (see the module docstring)."""
+    """One rank's state at the start of ``step`` (see the module docstring): snapshots, never
+    loaded as they are (a load that kept a reference would let the redo change them)."""
 
     step: int
-    local_tensors: dict[str, torch.Tensor]
-    local_spec: dict
-    per_rank: bytes
+    local_state: dict[str, Any]
+    per_rank_state: dict[str, Any]
 
     def local(self) -> dict[str, Any]:
-        return unflatten_state(self.local_tensors, self.local_spec)
+        return snapshot(self.local_state)
 
     def per_rank_tree(self) -> dict[str, Any]:
-        return decode_tree(self.per_rank, f"per-rank state of step {self.step}")
+        return snapshot(self.per_rank_state)
 
 
-def capture(step: int, local: dict[str, Any], per_rank: dict[str, Any], *, rank: int) -> StepCapture:
-    """Encode the trees of one step start; ConfigError if the per-rank part is over the limit."""
-    tensors, spec = flatten_state(local)
-    tensors = {name: t.clone() for name, t in tensors.items()}  # the step mutates the originals
-    blob = encode_tree(per_rank)
-    if len(blob) > PER_RANK_LIMIT_BYTES:
-        raise ConfigError(_too_big(per_rank, len(blob), rank))
-    return StepCapture(step, tensors, spec, blob)
+def capture(step: int, local: dict[str, Any], per_rank: dict[str, Any]) -> StepCapture:
+    """Snapshot the trees of one step start (the step mutates the originals)."""
+    return StepCapture(step, snapshot(local), snapshot_per_rank(per_rank))
+
+
+def snapshot_per_rank(per_rank: dict[str, Any]) -> dict[str, Any]:
+    """:func:`snapshot` of a TrackedState.per_rank_tree, sharing its RNG streams: a capture of
+    them is fresh tensors or forms its StreamReader never changes, so it needs no copy."""
+    out = {"objects": snapshot(per_rank["objects"], ("objects",)), "rng": per_rank["rng"]}
+    if "buffers" in per_rank:  # norm layers' running statistics (TrackedState._with_buffers)
+        out["buffers"] = snapshot(per_rank["buffers"], ("buffers",))
+    return out
+
+
+class Report(NamedTuple):
+    """What a progress report carries of the rank's own state: its encoding, or ``same``."""
+
+    state: bytes
+    same: bool
+
+
+NO_REPORT = Report(b"", False)
+SAME = Report(b"", True)
+
+
+class StepStates:
+    """One rank's step-start capture and the per-rank state it last sent to the controller, so
+    that an unchanged one is reported as ``same`` instead of encoded again (the controller
+    keeps the bytes it has).
+
+    Lives in the training thread of one rank, owned by its session (under `unbroken run`). The
+    controller notes every report of a process in order (one connection), so "the last one
+    sent" is the same state on both sides; a new process starts with none.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._last: dict[str, Any] | None = None  # a snapshot of the last state sent
+        self._encoded: dict = {}  # its tensors' encodings (state_blob.encode_tree's memo)
+        self.capture: StepCapture | None = None  # the start of the step in flight
+        self.start_report = NO_REPORT  # ... its per-rank part, for the 'compute' report
+
+    def begin(self, step: int, local: dict[str, Any], per_rank: dict[str, Any]) -> None:
+        """Capture the start of ``step`` (trees from TrackedState.step_start) and its report."""
+        if self._last is not None and same(per_rank, self._last):
+            per_rank_state, self.start_report = self._last, SAME  # snapshots are never changed: share it
+        else:
+            per_rank_state = snapshot_per_rank(per_rank)
+            self.start_report = self._send(per_rank_state)
+        self.capture = StepCapture(step, snapshot(local), per_rank_state)
+
+    def after_compute(self, per_rank: dict[str, Any]) -> Report:
+        """The report of the state after the step's compute (a tree from TrackedState.per_rank_tree)."""
+        if self._last is not None and same(per_rank, self._last):
+            return SAME
+        return self._send(snapshot_per_rank(per_rank))
+
+    def _send(self, per_rank_state: dict[str, Any]) -> Report:
+        """Encode a snapshot to send; ConfigError if it is over the limit of what may travel."""
+        blob = encode_tree(per_rank_state, self._encoded)
+        if len(blob) > PER_RANK_LIMIT_BYTES:
+            raise ConfigError(_too_big(per_rank_state, len(blob), self._rank))
+        self._last = per_rank_state
+        return Report(blob, False)
 
 
 def _too_big(per_rank: dict[str, Any], total_bytes: int, rank: int) -> str:

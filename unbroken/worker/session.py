@@ -69,7 +69,7 @@ class Job:
         self._last_step_s = 0.0
         self._restored = False
         self._in_step = False
-        self._step_capture: rollback.StepCapture | None = None  # the step start, under `unbroken run`
+        self._step_states = rollback.StepStates(self.rank)  # the step start, under `unbroken run`
         self._committed_this_step = False
         self._step_completed = False  # the last step yielded by steps() completed (its block ended)
         self._announced_ready = False
@@ -234,8 +234,8 @@ class Job:
             self._commit()  # before anything changes; only then is this rank in 'update' (it vouches for the commit)
         self._phase = name
         if self._control is not None:  # where each rank is (and, at 'compute', its own step-start state)
-            state = self._step_capture.per_rank if name == Phase.COMPUTE and self._step_capture else b""
-            self._control.progress(self._step, name, {}, state=state)
+            own = self._step_states.start_report if name == Phase.COMPUTE else rollback.NO_REPORT
+            self._control.progress(self._step, name, {}, state=own.state, state_same=own.same)
         if name == Phase.SYNC and self._control is not None and self.cfg.worker.finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
         self._injector.at(self._step if step is None else step, name)
@@ -255,8 +255,8 @@ class Job:
         """Entering ``update``: the reduction is done; wait until the controller commits the step."""
         if self._control is None or self._committed_this_step:
             return
-        after_compute = rollback.encode_tree(self._tracked.per_rank_tree())  # a roll forward resumes here
-        if not self._control.wait_commit(self._inflight.gen, self._step, state=after_compute):
+        own = self._step_states.after_compute(self._tracked.per_rank_tree())  # a roll forward resumes here
+        if not self._control.wait_commit(self._inflight.gen, self._step, state=own.state, state_same=own.same):
             raise CollectiveAborted(f"rank {self.rank}: step {self._step} was not committed (abort order for "
                                     f"generation {self._control.abort_gen}: {self._control.abort_reason})")
         self._committed_this_step = True
@@ -300,7 +300,7 @@ class Job:
     def _begin_step(self) -> None:
         self._step_started = time.monotonic()
         if self._control is not None:  # to redo this step exactly if it is dropped
-            self._step_capture = rollback.capture(self._step, *self._tracked.step_start(), rank=self.rank)
+            self._step_states.begin(self._step, *self._tracked.step_start())
         self._in_step, self._committed_this_step = True, False
         self._step_completed = False
 
@@ -308,7 +308,7 @@ class Job:
         """Drop the step in flight (gradients, what it changed before its commit), recover; the step to resume at."""
         pause_phase = self._phase if self._in_step else Phase.COMPUTE  # between steps: the next one's start
         self._tracked.drop_grads()
-        capture = self._step_capture
+        capture = self._step_states.capture
         if self._in_step and capture is not None and not self._committed_this_step:
             self._tracked.load_rollback(capture.local(), capture.per_rank_tree())
         self._in_step = False

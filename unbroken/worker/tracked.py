@@ -26,7 +26,6 @@ DDP's ``broadcast_buffers``, rank 0's are the ones every rank's next forward sta
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -46,6 +45,7 @@ class TrackedState:
         self.objects: dict[str, Any] = {}
         self.per_rank: set[str] = set()  # names of the per-rank objects (see the module docstring)
         self.frozen = False  # set once job.steps() began: tracking more is a usage error
+        self._rng = rng.StreamReader()  # reads the RNG streams, reusing what did not move
 
     def add(self, name: str, obj: Any, hooks: SessionHooks) -> None:
         """Track ``obj`` as ``name``; a recoverable object gets the session's hooks."""
@@ -105,7 +105,7 @@ class TrackedState:
         buffers = {}
         for name, obj in self.objects.items():
             if isinstance(obj, torch.nn.Module):
-                stats = {key: t.detach().clone() for key, t in _norm_stats(obj)}
+                stats = dict(_norm_stats(obj))  # live tensors: a capture snapshots them
                 if stats:
                     buffers[name] = stats
         return {**tree, "buffers": buffers} if buffers else tree
@@ -115,17 +115,17 @@ class TrackedState:
         must not move the streams: some objects draw from the global RNG in ``state_dict()``
         (a StatefulDataLoader without a live iterator creates one there), which would make a run
         that reads state at other moments (a rollback, a restart) draw differently from one that
-        does not. torch's and Python's streams are put back if a read moved them."""
-        streams, python_before = rng.capture(), random.getstate()
+        does not. torch's and Python's streams are put back after the reads."""
+        streams = self._rng.capture()
         states = {n: self.state_of(self.objects[n]) for n in names}
-        if random.getstate() != python_before or not torch.equal(torch.get_rng_state(), streams["torch"]):
-            rng.restore(streams)
+        if names:
+            self._rng.put_back(streams)
         return states, streams
 
     def load_per_rank(self, tree: dict[str, Any]) -> None:
         """Load a tree made by :meth:`per_rank_tree` (CheckpointError if an object is missing)."""
         self._load_objects(tree["objects"], sorted(self.per_rank), "per-rank state")
-        rng.restore(tree["rng"])
+        self._rng.restore(tree["rng"])
         for name, stats in tree.get("buffers", {}).items():
             module = self.objects.get(name)
             if not isinstance(module, torch.nn.Module):
@@ -199,7 +199,7 @@ class TrackedState:
                                   f"(it holds {sorted(tracked)})")
         for name, obj in self.objects.items():
             self.load_one(obj, tracked[name])
-        rng.restore(state["rng"])
+        self._rng.restore(state["rng"])
 
 
 def _norm_stats(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

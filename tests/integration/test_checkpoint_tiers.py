@@ -77,7 +77,7 @@ def test_a_memory_tier_too_big_for_the_shm_dir_fails_before_step_0_without_a_res
         "--save", str(tmp_path / "ckpt"), "--shm-dir", str(shm_300m)])
     elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
-    assert result.returncode == 1, output[-3000:]
+    assert result.returncode == 97, output[-3000:]  # EXIT_FATAL: the cluster manager must not restart it
     assert elapsed < 60, f"took {elapsed:.1f} s"
     assert "ShmCapacityError" in output and f"does not fit in {shm_300m}" in output
     assert "--ckpt-every-steps 0" in output
@@ -88,5 +88,5 @@ def test_a_memory_tier_too_big_for_the_shm_dir_fails_before_step_0_without_a_res
     assert [e["rung"] for e in events(run_dir, "decision")] == ["give-up"]
     assert "does not fit" in events(run_dir, "fatal_error")[0]["error"]
     (finished,) = events(run_dir, "job_finished")
-    assert finished["exit_code"] == 1 and "EXIT_FATAL" in finished["reason"]
+    assert finished["exit_code"] == 97 and "EXIT_FATAL" in finished["reason"]
     assert not [n for n in os.listdir(shm_300m) if n.startswith("unbroken-")]

@@ -77,6 +77,7 @@ def test_a_dump_that_hangs_is_cut_at_the_recovery_deadline(tmp_path, sharded_ref
     assert recovered["restored_step"] == 5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_sub_health_grace_exit_dumps_and_restarts_cleanly(tmp_path, sharded_reference):
     ckpt = tmp_path / "ckpt"

@@ -33,6 +33,7 @@ def test_a_fatal_exit_fails_the_job_without_a_restart(tmp_path, mode, says):
     assert says in finished["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_the_same_exception_three_times_in_a_row_stops_the_job(tmp_path):
     """A bug in the script is not a fault of the machine: after the same failure three times

@@ -40,3 +40,30 @@ def reference_run(tmp_path_factory, name: str = "reference", *, steps: int, trai
     result, out, _ = train(tmp_path_factory.mktemp(name), "reference", steps=steps, train_args=train_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
+
+
+def run_and_sigstop(cmd: list[str], run_dir: Path, *, rank: int, after_step: int, start_s: float,
+                    finish_s: float) -> tuple[int, str]:
+    """Start `unbroken run` (``cmd``), SIGSTOP ``rank``'s worker once rank 0 printed step
+    ``after_step``, wait for the job; (exit code, output). The job is killed if it overruns."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + start_s
+        while True:
+            line = job.stdout.readline()
+            assert line and time.monotonic() < deadline, f"the job never reached step {after_step}"
+            if f"[rank 0] step {after_step}:" in line:
+                break
+        pid = next(e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == rank)
+        os.kill(pid, signal.SIGSTOP)
+        output, _ = job.communicate(timeout=finish_s)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    return job.returncode, output

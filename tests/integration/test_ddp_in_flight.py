@@ -12,16 +12,12 @@ run, the rest in the slow set.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.conftest import REPO, run_cli
-from tests.integration.helpers import assert_same_weights, events
+from tests.integration.helpers import assert_same_weights, events, run_and_sigstop
 from tests.integration.real_scripts import assert_same_state, run_real
 
 DDP_EXAMPLE = REPO / "examples" / "train_ddp.py"
@@ -96,22 +92,8 @@ def test_ddp_stopped_rank_is_replaced_in_flight_bit_exact(tmp_path, reference):
     out, run_dir = tmp_path / "stopped.safetensors", tmp_path / "run-stopped"
     cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
            str(DDP_EXAMPLE), "--steps", str(STEPS), "--out", str(out), *ARGS, "--step-sleep-s", "0.2"]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            line = job.stdout.readline()
-            assert line and time.monotonic() < deadline, "the job never reached step 4"
-            if "[rank 0] step 4:" in line:
-                break
-        pid = next(e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == 2)
-        os.kill(pid, signal.SIGSTOP)
-        output, _ = job.communicate(timeout=300)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
-    _check_in_flight(job.returncode, output, run_dir, {2})
+    returncode, output = run_and_sigstop(cmd, run_dir, rank=2, after_step=4, start_s=300, finish_s=300)
+    _check_in_flight(returncode, output, run_dir, {2})
     assert [d["rank"] for d in events(run_dir, "hang_detected")] == [2]
     assert_same_weights(reference, out)
 

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.conftest import EXAMPLE, run_cli
-from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, reference_run
+from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, reference_run, run_and_sigstop
 
 STEPS = 16
 STOPPED = 1
@@ -39,22 +37,8 @@ def _sigstop_run(tmp_path, name: str):
     out, run_dir = tmp_path / f"{name}.safetensors", tmp_path / f"run-{name}"
     cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
            str(EXAMPLE), "--steps", str(STEPS), "--out", str(out), *TRAIN_ARGS, *SLEEP, "--log-every", "1"]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # rank 0 prints each step; wait for step 4, then stop rank STOPPED
-            line = job.stdout.readline()
-            assert line and time.monotonic() < deadline, "the job never reached step 4"
-            if "[rank 0] step 4:" in line:
-                break
-        pid = next(e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == STOPPED)
-        os.kill(pid, signal.SIGSTOP)
-        output, _ = job.communicate(timeout=150)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.communicate()
-    return job.returncode, output, out, run_dir
+    returncode, output = run_and_sigstop(cmd, run_dir, rank=STOPPED, after_step=4, start_s=120, finish_s=150)
+    return returncode, output, out, run_dir
 
 
 def _check_blamed(tmp_path, reference, name: str) -> None:

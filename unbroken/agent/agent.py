@@ -77,6 +77,7 @@ class Agent:
         self.standby = cfg.standby
         self._placement = Placement(cfg.node_rank, cfg.nproc_per_node, cfg.standby)
         self._spare: subprocess.Popen | None = None
+        self._spare_imports: list[str] = []  # what the script imported: each spare imports it too
         self._use_spare = bool(REPLACING_RUNGS & set(cfg.recover_strategy))
         ckpt = cfg.checkpoint
         self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks, self._report_persisted,
@@ -113,6 +114,8 @@ class Agent:
                     self._kill(msg.rank, msg.pid)
                 elif isinstance(msg, m.RestartWorker):
                     self._restart(msg)
+                elif isinstance(msg, m.SpareImports):
+                    self._set_spare_imports(msg.modules)
                 elif isinstance(msg, m.Shutdown):
                     return msg.exit_code, msg.reason
         finally:
@@ -217,19 +220,42 @@ class Agent:
         self._spare = subprocess.Popen([sys.executable, "-u", "-P", "-m", "unbroken.agent.spare"], env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        start_new_session=True, preexec_fn=_die_with_parent)
+        if self._spare_imports:
+            self._tell_spare({"imports": self._spare_imports})
+
+    def _set_spare_imports(self, modules: list[str]) -> None:
+        """The modules the script imported (the controller's SpareImports): the idle spare imports
+        them now (a line on its stdin, read once its own imports are done), every later one at start."""
+        self._spare_imports = m.spare_import_names(modules)
+        if self._spare is not None and self._spare_imports and not self._tell_spare({"imports": self._spare_imports}):
+            self._start_spare()  # that one could not take the line (it died): a new one gets it at start
+
+    def _tell_spare(self, line: dict) -> bool:
+        """One JSON line to the idle spare's stdin (it reads them in order: agent/spare.py); a spare
+        that cannot take it is dropped (the next replacement then starts cold or from a new spare)."""
+        spare = self._spare
+        try:
+            assert spare is not None and spare.stdin is not None
+            spare.stdin.write((json.dumps(line) + "\n").encode())
+            spare.stdin.flush()
+            return True
+        except OSError:
+            self._drop_spare()
+            return False
 
     def _take_spare(self, env: dict[str, str], argv: list[str]) -> subprocess.Popen | None:
-        spare, self._spare = self._spare, None
+        spare = self._spare
         if spare is None or spare.poll() is not None:
+            self._spare = None
             return None
+        if not self._tell_spare({"env": env, "argv": argv}):
+            return None
+        self._spare = None
         try:
             assert spare.stdin is not None
-            spare.stdin.write((json.dumps({"env": env, "argv": argv}) + "\n").encode())
             spare.stdin.close()
         except OSError:
-            spare.kill()
-            spare.wait()
-            return None
+            pass
         # The next spare starts from this (the command) thread: PR_SET_PDEATHSIG follows the
         # thread that forked, and this one lives as long as the agent.
         self._start_spare()

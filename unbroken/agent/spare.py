@@ -4,9 +4,16 @@ Importing torch costs about a second (FACTS.md), most of the time a replacement 
 needs before it can join the next generation; the first ``torch.optim`` optimizer or
 ``DistributedDataParallel`` a script builds imports ``torch._dynamo``, 1-5 s more on a loaded
 machine, so the spare imports that too. The agent keeps one spare per node when
-in-flight recovery is allowed; to replace a lost rank it sends the spare one JSON line on
-stdin: the worker's environment and command line. The spare then sets them and runs the
-training script as ``__main__``, exactly as ``python -u script.py args...`` would.
+in-flight recovery is allowed and talks to it in JSON lines on its stdin, read in order once
+those imports are done:
+
+* ``{"imports": [name, ...]}``: the modules the job's script imported (one worker reported
+  them at ``unbroken.init()``: worker/script_imports.py); the spare imports each, so the
+  replacement running the script finds them imported. An import that fails is logged and
+  skipped, never fatal;
+* ``{"env": {...}, "argv": [...]}``: replace a lost rank. The spare sets the worker's
+  environment and command line and runs the training script as ``__main__``, exactly as
+  ``python -u script.py args...`` would.
 
 Started with the environment that matters at torch's import (``OMP_NUM_THREADS``) already
 set, so a replacement runs with the thread settings of the process it replaces.
@@ -14,10 +21,14 @@ set, so a replacement runs with the thread settings of the process it replaces.
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import os
 import runpy
 import sys
+
+log = logging.getLogger(__name__)
 
 
 def main() -> None:
@@ -27,11 +38,34 @@ def main() -> None:
     import torch.nn.parallel  # noqa: F401
 
     import unbroken  # noqa: F401
+    from unbroken.protocol.messages import spare_import_names
 
-    line = sys.stdin.readline()
-    if not line:  # the agent closed our stdin: not needed any more
+    for line in sys.stdin:
+        order = json.loads(line)
+        if "imports" in order:
+            pre_import(spare_import_names(order["imports"]))
+            continue
+        run_script(order)
         return
-    order = json.loads(line)
+    # the agent closed our stdin without an order: not needed any more
+
+
+def pre_import(names: list[str]) -> int:
+    """Import each of ``names`` not imported yet; return how many failed (each one logged)."""
+    failed = 0
+    for name in names:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # noqa: BLE001 - any failure (even SystemExit) only costs its import later
+            failed += 1
+            log.warning("unbroken spare (pid %d): could not pre-import %s: %s: %s", os.getpid(), name,
+                        type(exc).__name__, exc)
+    return failed
+
+
+def run_script(order: dict) -> None:
     os.environ.update({str(k): str(v) for k, v in order["env"].items()})
     argv = [str(a) for a in order["argv"]]
     script = os.path.abspath(argv[0])

@@ -31,7 +31,7 @@ from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalErr
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import first_group, integrity, restore, rollback, wrappers
+from unbroken.worker import first_group, integrity, restore, rollback, script_imports, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
@@ -67,13 +67,13 @@ class Job:
         self._phase: str = Phase.DONE
         self._step_started = time.monotonic()
         self._last_step_s = 0.0
-        self._restored = False
-        self._in_step = False
+        self._restored = self._in_step = False
         self._step_states = rollback.StepStates(self.rank)  # the step start, under `unbroken run`
         self._committed_this_step = False
         self._step_completed = False  # the last step yielded by steps() completed (its block ended)
         self._announced_ready = False
         self._control = self._build_control()
+        script_imports.report(self._control, cfg)  # for the warm spares: what the script imported
         self._injector = self._build_injector()
         self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
                                   injector=self._injector, all_min=self._all_min, event=self._event,

@@ -103,3 +103,14 @@ def test_rank_0_of_a_launch_reports_once_unless_turned_off():
         sent[label] = control.sent
     assert [name for name, _ in sent["rank 0"]] == ["script_imports"] and "torch" in sent["rank 0"][0][1]["modules"]
     assert sent["rank 1"] == sent["replacement"] == sent["off"] == []
+
+
+def test_the_spare_warm_up_leaves_the_global_rng_where_it_was(caplog):
+    import torch
+
+    from unbroken.agent.spare import warm_up
+
+    before = torch.get_rng_state()
+    with caplog.at_level(logging.WARNING, logger="unbroken.agent.spare"):
+        warm_up()
+    assert torch.equal(torch.get_rng_state(), before) and "warm-up failed" not in caplog.text

@@ -134,7 +134,7 @@ class Connections:
         if self.spare_imports is not None:
             return
         self.spare_imports = m.spare_import_names(modules)
-        self._ctl.events.emit(SCRIPT_IMPORTS_EVENT, modules=len(self.spare_imports))
+        self._ctl.events.emit(SCRIPT_IMPORTS_EVENT, count=len(self.spare_imports), modules=self.spare_imports)
         self.broadcast_agents(m.SpareImports(modules=self.spare_imports))
 
     # -- sending (for the executor) --------------------------------------------------------

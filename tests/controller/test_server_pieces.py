@@ -296,3 +296,15 @@ def test_a_job_finishes_once_the_first_outcome_wins():
     hub.executor.execute([sm.Finish(143, "terminated: SIGTERM"), sm.Finish(143, "a second SIGTERM")])
     assert hub.events.names().count("job_finished") == 1
     assert hub.outcome.reason == "terminated: SIGTERM"
+
+
+def test_what_the_script_imported_goes_to_every_agent_once_checked():
+    hub = FakeHub()
+    agents = {0: FakeConn(), 1: FakeConn()}
+    hub.connections.agents.update(agents)
+    modules = ["numpy", "torch.distributed.fsdp", "os; rm -rf /", 7]
+    worker_msg(hub, 0, m.WorkerEvent(rank=0, attempt=0, name="script_imports", fields={"modules": modules}))
+    worker_msg(hub, 1, m.WorkerEvent(rank=1, attempt=0, name="script_imports", fields={"modules": ["other"]}))
+    for conn in agents.values():  # the first report only, names only
+        assert conn.sent == [m.SpareImports(modules=["numpy", "torch.distributed.fsdp"])]
+    assert hub.events.lines == [("script_imports", {"count": 2, "modules": ["numpy", "torch.distributed.fsdp"]})]

@@ -45,6 +45,9 @@ WATCH_INTERVAL_S = 0.05
 STATUS_EVERY = 5  # watch rounds between looks at the workers' process states (stopped, zombie)
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+#: After a spare became a replacement, the next one starts this much later: its imports (seconds of
+#: CPU) would otherwise compete with the recovery in progress (the replacement's script, the transfer).
+SPARE_RESTART_DELAY_S = 3.0
 #: After SIGTERM, how much longer than --sigterm-dump-timeout-s an agent waits for the
 #: controller's shutdown order before it stops its node on its own (the controller is gone or stuck).
 SIGTERM_MARGIN_S = 5.0
@@ -78,6 +81,7 @@ class Agent:
         self._placement = Placement(cfg.node_rank, cfg.nproc_per_node, cfg.standby)
         self._spare: subprocess.Popen | None = None
         self._spare_imports: list[str] = []  # what the script imported: each spare imports it too
+        self._spare_due_t: float | None = None  # when the next spare starts (after one was taken)
         self._use_spare = bool(REPLACING_RUNGS & set(cfg.recover_strategy))
         ckpt = cfg.checkpoint
         self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks, self._report_persisted,
@@ -102,7 +106,10 @@ class Agent:
         try:
             while True:
                 try:
-                    msg = self._conn.recv()
+                    msg = self._conn.recv(timeout_s=self._spare_wait_s())
+                except TimeoutError:  # (an OSError) a spare is due to start
+                    self._start_spare_when_due()
+                    continue
                 except (ConnectionClosed, ProtocolError, OSError) as exc:
                     return 1, f"lost the controller at {self.controller}: {exc}"
                 if isinstance(msg, m.StartWorkers):
@@ -256,10 +263,19 @@ class Agent:
             spare.stdin.close()
         except OSError:
             pass
-        # The next spare starts from this (the command) thread: PR_SET_PDEATHSIG follows the
-        # thread that forked, and this one lives as long as the agent.
-        self._start_spare()
+        # The next spare starts later (SPARE_RESTART_DELAY_S), from this (the command) thread:
+        # PR_SET_PDEATHSIG follows the thread that forked, and this one lives as long as the agent.
+        self._spare_due_t = time.monotonic() + SPARE_RESTART_DELAY_S
         return spare
+
+    def _spare_wait_s(self) -> float | None:
+        """How long the command loop may wait for a message before the next spare is due (None: none is)."""
+        return None if self._spare_due_t is None else max(0.0, self._spare_due_t - time.monotonic())
+
+    def _start_spare_when_due(self) -> None:
+        if self._spare_due_t is not None and time.monotonic() >= self._spare_due_t:
+            self._spare_due_t = None
+            self._start_spare()
 
     def _drop_spare(self) -> None:
         spare, self._spare = self._spare, None

@@ -75,6 +75,7 @@ def build(size: dict, batch_size: int, block_size: int):
     hooks = SessionHooks(on_phase=lambda name, step: None, should_abort=lambda: False, defer_completion=False)
     for name, obj in dict(model=model, optimizer=opt, scheduler=sched, data=sampler).items():
         tracked.add(name, obj, hooks)
+    tracked.frozen = True  # as Job.steps() does before the first step
     torch.manual_seed(1000 + 3)  # per-rank seed
     random.seed(3)
 

@@ -28,6 +28,7 @@ def _run(tmp_path: Path, *flags: str, wait_s: float) -> tuple[set[int], Path, ob
     return {int(p) for p in marker.read_text().split()}, run_dir, result
 
 
+@pytest.mark.slow  # default run: tests/worker/test_script_imports.py, test_server_pieces.py (the report's way)
 @pytest.mark.timeout(180)
 def test_the_spare_imports_a_module_the_script_imported(tmp_path):
     pids, run_dir, _ = _run(tmp_path, wait_s=90)

@@ -46,6 +46,7 @@ from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, State
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
 from unbroken.parallel import ddp as ddp_generations
+from unbroken.parallel import dtensor_state
 from unbroken.parallel.fabric import Fabric
 from unbroken.protocol.messages import Dump, Regroup
 from unbroken.recovery.transfer_plan import Move, plan_moves
@@ -272,8 +273,8 @@ class InFlight:
         alive = [r for r in range(self._cfg.world_size) if r not in replaced]
         receiving = rank in replaced and not self._keeps_own
         self._recover_recoverable(replaced)
-        plain = {f"object {name!r}": obj for name, obj in self._tracked.plain()}
-        moves = plan_moves(list(plain), {key: alive for key in plain}, {key: sorted(replaced) for key in plain}, alive)
+        plain, holders, needs = self._plain_pieces(replaced, alive)
+        moves = plan_moves(list(plain), holders, needs, alive)
         # The controller kept no per-rank state for the ranks in `fallback`: the lowest survivor's copy.
         moves += [Move(_PER_RANK, alive[0], r) for r in sorted(set(order.fallback) & replaced)]
 
@@ -295,6 +296,27 @@ class InFlight:
             self._tracked.load_per_rank(decode_tree(order.rank_state, f"rank {rank}'s per-rank state of step "
                                                                       f"{order.resume_step} from the controller"))
         self._realign_wrappers()
+
+    def _plain_pieces(self, replaced: set[int], alive: list[int]
+                      ) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, list[int]]]:
+        """The replicated plain objects as transfer pieces: ``({key: object}, holders, needs)``.
+
+        An object replicated whole is one piece that every rank holds. A sharded one (FSDP2's
+        DTensors) is one piece per class of identical local shards (HSDP: a shard coordinate),
+        held by that class's ranks and needed by the replaced ranks in it; a rank receives only
+        its own class's piece (same plan on every rank: the mesh is the same everywhere)."""
+        world = self._cfg.world_size
+        plain, holders, needs = {}, {}, {}
+        for name, obj in self._tracked.plain():
+            classes = self._tracked.shard_classes(obj, world)
+            if classes is None:
+                key = f"object {name!r}"
+                plain[key], holders[key], needs[key] = obj, alive, sorted(replaced)
+                continue
+            for n, ranks in enumerate(dtensor_state.holders_by_class(classes).values()):
+                key = f"object {name!r} shard class {n}"
+                plain[key], holders[key], needs[key] = obj, ranks, sorted(replaced & set(ranks))
+        return plain, holders, needs
 
     def _realign_wrappers(self) -> None:
         """Every rank, last in the transfer: each surviving DDP's reducer reset and its buckets laid out

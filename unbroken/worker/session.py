@@ -307,6 +307,7 @@ class Job:
     def _survive(self) -> int:
         """Drop the step in flight (gradients, what it changed before its commit), recover; the step to resume at."""
         pause_phase = self._phase if self._in_step else Phase.COMPUTE  # between steps: the next one's start
+        wrappers.reset_after_abort(self._tracked.objects.values())  # e.g. FSDP2 cut mid-forward: reshard
         self._tracked.drop_grads()
         capture = self._step_states.capture
         if self._in_step and capture is not None and not self._committed_this_step:
@@ -326,8 +327,8 @@ class Job:
         if self._control is None or self._announced_ready or not self._committed_this_step:
             return
         self._announced_ready = True
-        blocker = wrappers.in_flight_blocker(self._tracked.objects.values())
-        self._control.session_ready(self._tracked.min_replicas(), blocker)
+        blocker = wrappers.in_flight_blocker(self._tracked, self.world_size)
+        self._control.session_ready(self._tracked.min_replicas(self.world_size), blocker)
 
     def _report_progress(self) -> None:
         if self._control is not None:

@@ -99,4 +99,3 @@ def test_plot_writes_a_png(tmp_path):
 
     out = write_png(_log(), tmp_path / "t.png")
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-

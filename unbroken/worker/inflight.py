@@ -152,6 +152,7 @@ class InFlight:
         step to resume at."""
         started = time.monotonic()
         self.fault_noted = False
+        wrappers.reset_after_abort(self._tracked.objects.values())  # e.g. FSDP2 cut mid-forward: reshard
         self._paused_step, self.pause_phase = step, phase
         control = self._control
         reported = control.abort_gen

@@ -307,7 +307,6 @@ class Job:
     def _survive(self) -> int:
         """Drop the step in flight (gradients, what it changed before its commit), recover; the step to resume at."""
         pause_phase = self._phase if self._in_step else Phase.COMPUTE  # between steps: the next one's start
-        wrappers.reset_after_abort(self._tracked.objects.values())  # e.g. FSDP2 cut mid-forward: reshard
         self._tracked.drop_grads()
         capture = self._step_states.capture
         if self._in_step and capture is not None and not self._committed_this_step:

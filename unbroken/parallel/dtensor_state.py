@@ -19,6 +19,7 @@ Pure functions over torch objects; called in the training thread of one rank.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -129,8 +130,8 @@ def shard_classes(obj: Any, world_size: int) -> list[tuple] | None:
         ranks = mesh.mesh
         sharded = [d for d, pl in enumerate(placements) if not pl.is_replicate()]
         seen = set()
-        for index in torch.cartesian_prod(*[torch.arange(s) for s in ranks.shape]).reshape(-1, ranks.dim()).tolist():
-            rank = int(ranks[tuple(index)])
+        for index in itertools.product(*(range(size) for size in ranks.shape)):
+            rank = int(ranks[index])
             seen.add(rank)
             classes[rank].append((n, tuple(index[d] for d in sharded)))
         for rank in set(range(world_size)) - seen:

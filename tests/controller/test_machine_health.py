@@ -92,3 +92,19 @@ def test_different_failures_are_no_crash_loop():
         assert actions[0].rung == "exit"
         state, _ = run(state, sm.AgentStopped(0, attempt))
     assert state.phase is sm.JobPhase.RUNNING
+
+
+def test_a_rank_killed_after_its_loop_finished_counts_as_finished_not_as_a_fault():
+    """gloo can abort a process holding an abandoned op when a peer tears its groups down at the
+    job's end (FSDP2 HSDP after an in-flight recovery): the loop was over, nothing to recover."""
+    from tests.controller.test_machine import commit, start
+
+    state, _ = commit(start(), 9)
+    state, actions = sm.transition(state, sm.RankExited(1, 0, None, 6, step=10, after_finish=True))
+    assert actions == [] and state.finished_ranks == {1} and state.recovery is None
+    for rank in (0, 2, 3):
+        state, actions = sm.transition(state, sm.RankExited(rank, 0, 0, None, step=10, after_finish=True))
+    assert actions == [sm.Finish(0, "all 4 ranks finished")]
+    state, _ = commit(start(), 9)  # killed inside its loop: a fault, as before
+    state, actions = sm.transition(state, sm.RankExited(1, 0, None, 9, step=10))
+    assert actions[0].rung == "recover-in-place"

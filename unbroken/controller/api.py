@@ -85,6 +85,7 @@ class RankExited:
     signal: int | None
     step: int | None = None
     last_lines: tuple[str, ...] = ()
+    after_finish: bool = False  # it had reported its step loop finished (Progress phase "finished")
 
 
 @dataclass(frozen=True)

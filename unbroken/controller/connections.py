@@ -166,12 +166,14 @@ def _worker_exited(self: Connections, agent: int, msg: m.WorkerExited) -> None:
     w = ctl.workers[msg.rank]
     if msg.attempt != ctl.state.attempt:
         return
+    after_finish = w.state is WorkerState.FINISHING  # its step loop had ended
     w.state = WorkerState.FINISHED if msg.exit_code == 0 else WorkerState.FAILED
-    if msg.exit_code != 0:
+    if msg.exit_code != 0 and not after_finish:
         ctl.timing.fault_began(time.monotonic(), ctl.workers.values())
     ctl.events.emit("worker_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
-                    exit_code=msg.exit_code, signal=msg.signal, step=w.step)
-    ctl.apply(sm.RankExited(msg.rank, msg.attempt, msg.exit_code, msg.signal, w.step, tuple(msg.last_lines)))
+                    exit_code=msg.exit_code, signal=msg.signal, step=w.step, after_finish=after_finish)
+    ctl.apply(sm.RankExited(msg.rank, msg.attempt, msg.exit_code, msg.signal, w.step, tuple(msg.last_lines),
+                            after_finish=after_finish))
 
 
 def _worker_status(self: Connections, agent: int, msg: m.WorkerStatus) -> None:

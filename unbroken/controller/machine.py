@@ -127,7 +127,7 @@ def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, lis
         return state, []  # a worker of an attempt that is already being stopped
     if event.exit_code == 0 and state.phase is JobPhase.RECOVERING:
         return state, []  # cannot happen in a step loop; the recovery deadline covers it
-    if event.exit_code == 0:
+    if event.exit_code == 0 or _died_tearing_down(state, event):
         finished = state.finished_ranks | {event.rank}
         if len(finished) == state.world_size:
             return _replace(state, finished_ranks=finished, phase=JobPhase.SUCCEEDED), [
@@ -147,6 +147,15 @@ def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, lis
                                      f"{state.policy.crash_loop_limit} times in a row ({last!r}); restarting "
                                      "cannot help (--crash-loop-limit)")
     return _recover(state, failure)
+
+
+def _died_tearing_down(state: JobState, event: RankExited) -> bool:
+    """Killed by a signal after it reported its step loop ended: a crash of the process's teardown
+    (gloo can abort a process holding an abandoned op when a peer closes that op's connection; the
+    session's close waits for every rank first: worker/session.py), not of training, and redoing
+    it could not help. Counted as finished; the event log keeps the signal (``worker_exited``)."""
+    return (event.signal is not None and event.after_finish and state.phase is JobPhase.RUNNING
+            and state.recovery is None)
 
 
 def _repeats(failures: tuple[Failure, ...]) -> int:

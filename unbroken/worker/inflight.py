@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from unbroken.comm import generation_group
+from unbroken.comm import generation_group, wait_all
 from unbroken.comm.p2p import exchange_states
 from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
@@ -135,10 +135,25 @@ class InFlight:
         self.fault_noted = True
         return True
 
+    def barrier_before_teardown(self) -> None:
+        """At the end of a job that went through a regroup on surviving groups: wait until every rank
+        got here (its script is done) before any rank tears its groups down. Why: a rank holding an
+        abandoned op of an old generation can be aborted by gloo when a peer closes that op's
+        connection; once every rank is past its script, such a crash costs nothing (the controller
+        counts a rank that dies after its loop as finished). Best effort: an error is logged."""
+        if self._fabric is None or self._fabric.generation <= 0 or self.group is None:
+            return
+        try:
+            wait_all([self.group.barrier()], None, self.graveyard, "the barrier before the teardown")
+        except Exception as exc:  # noqa: BLE001 - the job is over; tear down anyway
+            log.warning("rank %d: barrier before the teardown failed: %s", self._cfg.rank, exc)
+
     def release_graveyard(self) -> bool:
         """At the end of the job: True if nothing abandoned is still pending. With surviving groups
         the graveyard is then emptied (the old backends have no op left), so the groups can be torn
-        down before the interpreter exits: a surviving group alive at exit can crash the process."""
+        down before the interpreter exits: a surviving group alive at exit can crash the process.
+        Every rank waits for the others first (:meth:`barrier_before_teardown`)."""
+        self.barrier_before_teardown()
         if self._fabric is None:
             return not self.graveyard
         if self._fabric.prune_graveyard():

@@ -314,10 +314,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def save_weights(model: nn.Module, path: str) -> None:
-    """Final weights as safetensors, written to a temporary name and renamed into place,
+    """Final weights as safetensors (see :func:`save_tensors`)."""
+    save_tensors(model.state_dict(), path)
+
+
+def save_tensors(state: dict[str, torch.Tensor], path: str) -> None:
+    """A state dict as safetensors, written to a temporary name and renamed into place,
     so a crash mid-write never leaves a truncated file where a good one was."""
     # clone(): the tied wte/lm_head weights share storage, which safetensors refuses.
-    tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
     tmp = f"{path}.tmp"
     save_file(tensors, tmp)
     os.replace(tmp, path)

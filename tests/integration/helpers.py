@@ -78,3 +78,23 @@ def run_and_sigstop(cmd: list[str], run_dir: Path, *, rank: int, after_step: int
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
     return job.returncode, output
+
+
+def check_in_flight(returncode: int, output: str, run_dir, replaced: set[int]) -> dict:
+    """Recovered in flight only: rung recover-in-place, one attempt, no checkpoint read, survivors'
+    pids unchanged; returns the last `recovered_in_flight` event."""
+    assert returncode == 0, output[-5000:]
+    decisions = events(run_dir, "decision")
+    assert decisions and {d["rung"] for d in decisions} == {"recover-in-place"}, decisions
+    assert len(events(run_dir, "attempt_started")) == 1, "the job was restarted: not in flight"
+    assert not events(run_dir, "restored"), "a checkpoint was read during an in-flight recovery"
+    first, last = {}, {}
+    for e in events(run_dir, "worker_started"):
+        first.setdefault(e["rank"], e["pid"])
+        last[e["rank"]] = e["pid"]
+    assert {r: p for r, p in first.items() if r not in replaced} == \
+           {r: p for r, p in last.items() if r not in replaced}, "a survivor's process changed"
+    assert {r for r in first if first[r] != last[r]} == replaced, (first, last)
+    done = events(run_dir, "recovered_in_flight")[-1]
+    assert set(done["replaced"]) <= replaced and done["steps_redone"] == 0, done
+    return done

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, run_cli
-from tests.integration.helpers import assert_same_weights, events, run_and_sigstop
+from tests.integration.helpers import assert_same_weights, check_in_flight, events, run_and_sigstop
 from tests.integration.real_scripts import assert_same_state, run_real
 
 DDP_EXAMPLE = REPO / "examples" / "train_ddp.py"
@@ -39,29 +39,9 @@ def reference(tmp_path_factory):
     return out
 
 
-def _check_in_flight(returncode: int, output: str, run_dir, replaced: set[int]) -> dict:
-    """Recovered in flight only: rung recover-in-place, one attempt, no checkpoint read, survivors'
-    pids unchanged; returns the last `recovered_in_flight` event."""
-    assert returncode == 0, output[-5000:]
-    decisions = events(run_dir, "decision")
-    assert decisions and {d["rung"] for d in decisions} == {"recover-in-place"}, decisions
-    assert len(events(run_dir, "attempt_started")) == 1, "the job was restarted: not in flight"
-    assert not events(run_dir, "restored"), "a checkpoint was read during an in-flight recovery"
-    first, last = {}, {}
-    for e in events(run_dir, "worker_started"):
-        first.setdefault(e["rank"], e["pid"])
-        last[e["rank"]] = e["pid"]
-    assert {r: p for r, p in first.items() if r not in replaced} == \
-           {r: p for r, p in last.items() if r not in replaced}, "a survivor's process changed"
-    assert {r for r in first if first[r] != last[r]} == replaced, (first, last)
-    done = events(run_dir, "recovered_in_flight")[-1]
-    assert set(done["replaced"]) <= replaced and done["steps_redone"] == 0, done
-    return done
-
-
 def _kill_case(tmp_path, reference, inject: str, replaced: set[int]) -> dict:
     result, out, run_dir = _train(tmp_path, "faulty", flags=["--inject", inject])
-    done = _check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, replaced)
+    done = check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, replaced)
     assert_same_weights(reference, out)
     return done
 
@@ -93,7 +73,7 @@ def test_ddp_stopped_rank_is_replaced_in_flight_bit_exact(tmp_path, reference):
     cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
            str(DDP_EXAMPLE), "--steps", str(STEPS), "--out", str(out), *ARGS, "--step-sleep-s", "0.2"]
     returncode, output = run_and_sigstop(cmd, run_dir, rank=2, after_step=4, start_s=300, finish_s=300)
-    _check_in_flight(returncode, output, run_dir, {2})
+    check_in_flight(returncode, output, run_dir, {2})
     assert [d["rank"] for d in events(run_dir, "hang_detected")] == [2]
     assert_same_weights(reference, out)
 
@@ -117,5 +97,5 @@ def test_ddp_batchnorm_statistics_recovered_in_flight_bit_exact(tmp_path, bn_ref
     step must put them back on every survivor, and a replaced rank 0 must get its own."""
     result, out, run_dir = run_real(tmp_path, "kill", steps=STEPS, script_args=BN_SCRIPT, timeout_s=240,
                                     flags=["--inject", f"kill:rank={killed}:step=5:at=sync"])
-    _check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, {killed})
+    check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, {killed})
     assert_same_state(bn_reference, out)

@@ -164,3 +164,29 @@ def test_reduce_scatter_completes_through_an_abortable_wait():
     for w in works:
         w.wait()
     assert listed[0].tolist() == [3.0, 3.0] and listed[1].tolist() == [2.0, 2.0]
+
+
+@pytest.mark.timeout(60)
+def test_coalesced_all_gather_and_reduce_scatter_which_gloo_lacks():
+    """gloo has no allgather_into_tensor_coalesced / reduce_scatter_tensor_coalesced (a DTensor's
+    redistribute, e.g. a full state dict of FSDP2, calls the first): the group composes them."""
+    store, graveyard = dist.HashStore(), []
+    groups = _pair(store, 0, [AbortSignal(), AbortSignal()], graveyard)
+    gathered = [[torch.zeros(4), torch.zeros(2, 3)] for _ in range(2)]
+    inputs = [[torch.tensor([1.0, 2.0]) + 10 * r, torch.arange(3.0) + 100 * r] for r in range(2)]
+    works = [groups[r].allgather_into_tensor_coalesced(gathered[r], inputs[r], dist.distributed_c10d.AllgatherOptions())
+             for r in range(2)]
+    for w in works:
+        w.wait()
+    for r in range(2):
+        assert gathered[r][0].tolist() == [1.0, 2.0, 11.0, 12.0]
+        assert gathered[r][1].tolist() == [[0.0, 1.0, 2.0], [100.0, 101.0, 102.0]]
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    outs = [[torch.zeros(1), torch.zeros(2)] for _ in range(2)]
+    ins = [[torch.tensor([1.0, 2.0]) * (r + 1), torch.arange(4.0) * (r + 1)] for r in range(2)]
+    works = [groups[r].reduce_scatter_tensor_coalesced(outs[r], ins[r], opts) for r in range(2)]
+    for w in works:
+        w.wait()
+    assert [o.tolist() for o in outs[0]] == [[3.0], [0.0, 3.0]]
+    assert [o.tolist() for o in outs[1]] == [[6.0], [6.0, 9.0]]

@@ -2,7 +2,9 @@
 
 Two runs of the same job under the launcher: a fault-free reference, then one with a
 SIGKILL, a corruption of optimizer state and a NaN loss (both repaired by `retry`) and a
-hang injected. A live table shows each rank's step, loss and state; the
+hang injected. ``--script ddp`` runs examples/train_ddp.py instead (stock
+``DistributedDataParallel``): a SIGKILL inside DDP's gradient all-reduce, a kill of rank 0 and a
+hang, each recovered in flight. A live table shows each rank's step, loss and state; the
 summary lists every fault, how it was recovered and how long it took, and whether the
 final weights equal the reference bit for bit.
 """
@@ -26,7 +28,22 @@ from unbroken.config import CheckpointConfig, LaunchConfig
 from unbroken.controller.eventlog import read_events
 from unbroken.controller.server import Controller
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SCRIPTS = {"gpt": "train_gpt.py", "ddp": "train_ddp.py"}  # --script of `unbroken demo`
+
+
+def fault_plan(script: str, steps: int, nproc: int) -> str:
+    """The faults of the demo's faulty run for ``script`` (spread over the run's steps)."""
+    kill_step, corrupt_step, hang_step = max(1, steps // 4), max(2, steps // 2), max(4, (3 * steps) // 4)
+    if script == "ddp":  # what stock DDP recovers in flight (tests/integration/test_ddp_in_flight.py)
+        return (f"kill:rank={min(2, nproc - 1)}:step={kill_step}:at=sync,"
+                f"kill:rank=0:step={corrupt_step}:at=sync,"
+                f"hang:rank={min(1, nproc - 1)}:step={hang_step}")
+    nan_step = max(3, (5 * steps) // 8)
+    return (f"kill:rank={min(2, nproc - 1)}:step={kill_step},"
+            f"corrupt:rank={min(3, nproc - 1)}:step={corrupt_step}:what=optimizer,"
+            f"nan:rank=0:step={nan_step},"
+            f"hang:rank={min(1, nproc - 1)}:step={hang_step}")
 
 
 def _progress_table(title: str, snap: dict[str, Any], started: float) -> Table:
@@ -119,7 +136,7 @@ def _recovery_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _timeline(console: Console, run_dir: Path) -> None:
+def _timeline(console: Console, run_dir: Path, plan: str) -> None:
     """The goodput table and the timeline picture of the faulty run (the picture needs matplotlib)."""
     from unbroken.cli.ops import goodput_table
     from unbroken.errors import ConfigError
@@ -129,32 +146,29 @@ def _timeline(console: Console, run_dir: Path) -> None:
     events = read_events(run_dir)
     console.print(goodput_table(goodput.breakdown(events)))
     try:
-        path = write_png(events, run_dir / "timeline.png", title="unbroken demo: 4 ranks, kill + memory fault + "
-                         "NaN + hang; step progress per rank, recovery phases shaded")
+        faults = " + ".join(f.split(":")[0] for f in plan.split(","))
+        path = write_png(events, run_dir / "timeline.png", title=f"unbroken demo: {faults}; step progress per "
+                         "rank, recovery phases shaded")
         console.print(escape(f"timeline picture: {path}  (again: unbroken report {run_dir} --plot out.png)"))
     except ConfigError as exc:
         console.print(escape(f"no timeline picture: {exc}"))
 
 
-def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, live: bool = True) -> int:
+def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, live: bool = True,
+             script: str = "gpt") -> int:
     console = Console(width=None if sys.stdout.isatty() else 170)  # logs: no truncated columns
     root = Path(run_dir or f"runs/demo-{secrets.token_hex(3)}").absolute()
-    kill_step, corrupt_step, hang_step = max(1, steps // 4), max(2, steps // 2), max(4, (3 * steps) // 4)
-    nan_step = max(3, (5 * steps) // 8)
-    common = dict(script=str(EXAMPLE), nproc_per_node=nproc, max_restarts=3, omp_num_threads=1)
+    common = dict(script=str(EXAMPLES / SCRIPTS[script]), nproc_per_node=nproc, max_restarts=3, omp_num_threads=1)
     args = ("--steps", str(steps), "--step-sleep-s", "0.02")
     console.rule("[bold]unbroken demo")
-    console.print(f"{nproc} ranks, example GPT, {steps} steps. Run directory: {escape(str(root))}")
+    console.print(f"{nproc} ranks, example GPT ({SCRIPTS[script]}), {steps} steps. Run directory: {escape(str(root))}")
     ref = resolve(LaunchConfig(**common, script_args=args + ("--out", str(root / "reference.safetensors")),
                                run_dir=root / "reference"))
     ref_result, _ = _run(console, "reference run (no faults)", ref, live)
     if ref_result.exit_code != 0:
         console.print(f"[red]the reference run failed: {escape(ref_result.reason)}")
         return 1
-    plan = (f"kill:rank={min(2, nproc - 1)}:step={kill_step},"
-            f"corrupt:rank={min(3, nproc - 1)}:step={corrupt_step}:what=optimizer,"
-            f"nan:rank=0:step={nan_step},"
-            f"hang:rank={min(1, nproc - 1)}:step={hang_step}")
+    plan = fault_plan(script, steps, nproc)
     console.print(f"faulty run: injecting [bold]{plan}[/bold]")
     faulty = resolve(LaunchConfig(**common, script_args=args + ("--out", str(root / "faulty.safetensors")),
                                   run_dir=root / "faulty", inject=plan,
@@ -169,8 +183,8 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
                   + (f", final loss (rank 0): {losses[0]:.4f}" if losses and losses[0] is not None else ""))
     console.print(f"final weights equal to the fault-free run, bit for bit: "
                   f"{'[green]yes' if equal else '[red]NO'}")
-    _timeline(console, faulty.run_dir)
-    ok = result.exit_code == 0 and equal and len(recovered) == len(rows) == 4
+    _timeline(console, faulty.run_dir, plan)
+    ok = result.exit_code == 0 and equal and len(recovered) == len(rows) == len(plan.split(","))
     console.print("[bold green]demo passed" if ok else "[bold red]demo FAILED")
     return 0 if ok else 1
 

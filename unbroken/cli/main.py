@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nproc-per-node", type=_int, default=4)
     demo.add_argument("--run-dir", default=None)
     demo.add_argument("--plain", action="store_true", help="no live view (for logs and CI)")
+    demo.add_argument("--script", choices=["gpt", "ddp"], default="gpt",
+                      help="gpt: examples/train_gpt.py (kill, memory fault, NaN, hang); ddp: examples/train_ddp.py, "
+                           "stock DistributedDataParallel (kill in the all-reduce, kill of rank 0, hang)")
     from unbroken.cli.ops import add_ops_commands
 
     add_ops_commands(sub)
@@ -242,7 +245,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from unbroken.cli.demo import run_demo
 
-    return run_demo(steps=args.steps, nproc=args.nproc_per_node, run_dir=args.run_dir, live=not args.plain)
+    return run_demo(steps=args.steps, nproc=args.nproc_per_node, run_dir=args.run_dir, live=not args.plain,
+                    script=args.script)
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:

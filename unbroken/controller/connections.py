@@ -183,7 +183,7 @@ def _worker_exited(self: Connections, agent: int, msg: m.WorkerExited) -> None:
     if msg.exit_code != 0 and not after_loop:
         ctl.timing.fault_began(time.monotonic(), ctl.workers.values())
     ctl.events.emit("worker_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
-                    exit_code=msg.exit_code, signal=msg.signal, step=w.step)
+                    exit_code=msg.exit_code, signal=msg.signal, step=w.step, after_loop=after_loop)
     ctl.apply(sm.RankExited(msg.rank, msg.attempt, msg.exit_code, msg.signal, w.step, tuple(msg.last_lines)))
 
 

@@ -302,7 +302,8 @@ class SurvivingGroup(dist.ProcessGroup):
         return self._reduce_scatter_by_allreduce(output, input.reshape(-1), opts, [output])
 
     def _reduce_scatter_by_allreduce(self, output: torch.Tensor, flat: torch.Tensor, opts: Any,
-                                     result: list[torch.Tensor]) -> AbortableWork:
+                                     result: list[torch.Tensor], then: Callable[[], None] | None = None
+                                     ) -> AbortableWork:
         """Reduce-scatter as an all-reduce of a copy, then this rank's chunk into ``output``.
 
         Why: gloo's reduce-scatter works (torch 2.13, list and tensor forms) fill the output but
@@ -317,11 +318,25 @@ class SurvivingGroup(dist.ProcessGroup):
 
         def finish() -> list[torch.Tensor]:
             output.copy_(buf.view(self.size(), -1)[self.rank()].view_as(output))
+            if then is not None:
+                then()
             return result
         return self._issue("allreduce", ([buf], ar_opts), None, finish=finish)
 
-    def reduce_scatter_tensor_coalesced(self, *args):
-        return self._issue("reduce_scatter_tensor_coalesced", args, None)
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts, *rest):
+        """gloo has no coalesced form: one reduce-scatter of the inputs laid side by side per rank chunk."""
+        if len(inputs) == 1:
+            return self._reduce_scatter_by_allreduce(outputs[0], inputs[0].reshape(-1), opts, outputs)
+        size = self.size()
+        flat = torch.cat([t.reshape(size, -1) for t in inputs], dim=1).reshape(-1)  # rank r's chunks together
+        out = torch.empty(flat.numel() // size, dtype=flat.dtype, device=flat.device)
+
+        def spread() -> None:
+            offset = 0
+            for output in outputs:
+                output.copy_(out[offset:offset + output.numel()].view_as(output))
+                offset += output.numel()
+        return self._reduce_scatter_by_allreduce(out, flat, opts, outputs, then=spread)
 
     def broadcast(self, *args):
         return self._issue("broadcast", args, lambda: _first_tensors(args))
@@ -359,11 +374,27 @@ class SurvivingGroup(dist.ProcessGroup):
         return self._issue("allgather_coalesced", args, None)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, *rest):
+        """gloo has no coalesced form (the functional collectives, e.g. a DTensor's redistribute, call
+        it): one all-gather of the inputs laid side by side, then each output filled from it."""
         def local():
             for output, tensor in zip(outputs, inputs):
                 output.view(-1, tensor.numel()).copy_(tensor.reshape(1, -1))
             return outputs
-        return self._issue("allgather_into_tensor_coalesced", (outputs, inputs, *rest), local)
+        if self._backend is None or self.held:
+            return self._issue("_allgather_base", (), local)
+        if len({t.dtype for t in inputs}) > 1:
+            raise UnbrokenError(f"allgather_into_tensor_coalesced on group {self.key!r}: inputs of dtypes "
+                                f"{sorted(str(t.dtype) for t in inputs)}; one dtype per call is supported")
+        flat = torch.cat([t.reshape(-1) for t in inputs])
+        gathered = torch.empty(flat.numel() * self.size(), dtype=flat.dtype, device=flat.device)
+
+        def finish() -> list[torch.Tensor]:
+            rows, offset = gathered.view(self.size(), -1), 0
+            for output, tensor in zip(outputs, inputs):
+                output.view(self.size(), -1).copy_(rows[:, offset:offset + tensor.numel()])
+                offset += tensor.numel()
+            return outputs
+        return self._issue("_allgather_base", (gathered, flat, *rest), local, finish=finish)
 
     def gather(self, *args):
         return self._issue("gather", args, None)

@@ -39,13 +39,14 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from unbroken.comm import generation_group
+from unbroken.comm import generation_group, wait_all
 from unbroken.comm.p2p import exchange_states
 from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
 from unbroken.parallel import ddp as ddp_generations
+from unbroken.parallel import dtensor_state
 from unbroken.parallel.fabric import Fabric
 from unbroken.protocol.messages import Dump, Regroup
 from unbroken.recovery.transfer_plan import Move, plan_moves
@@ -135,10 +136,25 @@ class InFlight:
         self.fault_noted = True
         return True
 
+    def barrier_before_teardown(self) -> None:
+        """At the end of a job that went through a regroup on surviving groups: wait until every rank
+        got here (its script is done) before any rank tears its groups down. Why: a rank holding an
+        abandoned op of an old generation can be aborted by gloo when a peer closes that op's
+        connection; once every rank is past its script, such a crash costs nothing (the controller
+        counts a rank that dies after its loop as finished). Best effort: an error is logged."""
+        if self._fabric is None or self._fabric.generation <= 0 or self.group is None:
+            return
+        try:
+            wait_all([self.group.barrier()], None, self.graveyard, "the barrier before the teardown")
+        except Exception as exc:  # noqa: BLE001 - the job is over; tear down anyway
+            log.warning("rank %d: barrier before the teardown failed: %s", self._cfg.rank, exc)
+
     def release_graveyard(self) -> bool:
         """At the end of the job: True if nothing abandoned is still pending. With surviving groups
         the graveyard is then emptied (the old backends have no op left), so the groups can be torn
-        down before the interpreter exits: a surviving group alive at exit can crash the process."""
+        down before the interpreter exits: a surviving group alive at exit can crash the process.
+        Every rank waits for the others first (:meth:`barrier_before_teardown`)."""
+        self.barrier_before_teardown()
         if self._fabric is None:
             return not self.graveyard
         if self._fabric.prune_graveyard():
@@ -152,6 +168,7 @@ class InFlight:
         step to resume at."""
         started = time.monotonic()
         self.fault_noted = False
+        wrappers.reset_after_abort(self._tracked.objects.values())  # e.g. FSDP2 cut mid-forward: reshard
         self._paused_step, self.pause_phase = step, phase
         control = self._control
         reported = control.abort_gen
@@ -292,8 +309,8 @@ class InFlight:
         t = time.monotonic()
         self._recover_recoverable(replaced)
         laps["recoverable_s"] = time.monotonic() - t
-        plain = {f"object {name!r}": obj for name, obj in self._tracked.plain()}
-        moves = plan_moves(list(plain), {key: alive for key in plain}, {key: sorted(replaced) for key in plain}, alive)
+        plain, holders, needs = self._plain_pieces(replaced, alive)
+        moves = plan_moves(list(plain), holders, needs, alive)
         # The controller kept no per-rank state for the ranks in `fallback`: the lowest survivor's copy.
         moves += [Move(_PER_RANK, alive[0], r) for r in sorted(set(order.fallback) & replaced)]
 
@@ -323,6 +340,27 @@ class InFlight:
         t = time.monotonic()
         self._realign_wrappers()
         laps["realign_s"] = time.monotonic() - t
+
+    def _plain_pieces(self, replaced: set[int], alive: list[int]
+                      ) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, list[int]]]:
+        """The replicated plain objects as transfer pieces: ``({key: object}, holders, needs)``.
+
+        An object replicated whole is one piece that every rank holds. A sharded one (FSDP2's
+        DTensors) is one piece per class of identical local shards (HSDP: a shard coordinate),
+        held by that class's ranks and needed by the replaced ranks in it; a rank receives only
+        its own class's piece (same plan on every rank: the mesh is the same everywhere)."""
+        world = self._cfg.world_size
+        plain, holders, needs = {}, {}, {}
+        for name, obj in self._tracked.plain():
+            classes = self._tracked.shard_classes(obj, world)
+            if classes is None:
+                key = f"object {name!r}"
+                plain[key], holders[key], needs[key] = obj, alive, sorted(replaced)
+                continue
+            for n, ranks in enumerate(dtensor_state.holders_by_class(classes).values()):
+                key = f"object {name!r} shard class {n}"
+                plain[key], holders[key], needs[key] = obj, ranks, sorted(replaced & set(ranks))
+        return plain, holders, needs
 
     def _realign_wrappers(self) -> None:
         """Every rank, last in the transfer: each surviving DDP's reducer reset and its buckets laid out

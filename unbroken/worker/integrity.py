@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from unbroken.errors import JobFailed, NonFiniteError, SilentCorruption
+from unbroken.parallel import dtensor_state
 from unbroken.worker.api import RecoverableState
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,12 @@ def check_finite(tracked: Mapping[str, Any], rank: int, step: int) -> None:
 def replicated_tensors(tracked: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """The tensors every data-parallel rank holds an identical copy of: the tracked modules'
     parameters and buffers, and the state of tracked optimizers that are not recoverable
-    (sharded state is laid out across ranks: not a copy)."""
+    (sharded state is laid out across ranks: not a copy; so are FSDP2's DTensor shards, which
+    only the ranks of one replica class hold: not compared yet)."""
     out: list[tuple[str, torch.Tensor]] = []
     for name, obj in tracked.items():
+        if dtensor_state.has_dtensors(obj):
+            continue
         if isinstance(obj, torch.nn.Module):
             out += [(f"{name}.{key}", t) for key, t in obj.state_dict(keep_vars=False).items()
                     if isinstance(t, torch.Tensor)]

@@ -326,8 +326,8 @@ class Job:
         if self._control is None or self._announced_ready or not self._committed_this_step:
             return
         self._announced_ready = True
-        blocker = wrappers.in_flight_blocker(self._tracked.objects.values())
-        self._control.session_ready(self._tracked.min_replicas(), blocker)
+        blocker = wrappers.in_flight_blocker(self._tracked, self.world_size)
+        self._control.session_ready(self._tracked.min_replicas(self.world_size), blocker)
 
     def _report_progress(self) -> None:
         if self._control is not None:

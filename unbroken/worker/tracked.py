@@ -34,6 +34,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.optim.lr_scheduler import LRScheduler
 
 from unbroken.errors import CheckpointError, ConfigError
+from unbroken.parallel import dtensor_state
 from unbroken.worker import rng
 from unbroken.worker.api import RecoverableState, SessionHooks
 
@@ -194,9 +195,14 @@ class TrackedState:
     def has_abandoned_work(self) -> bool:
         return any(o.abandoned_work for o in self.recoverable())
 
-    def min_replicas(self) -> int:
-        """The fewest copies any recoverable object keeps (0: none tracked, full replication)."""
-        return min((o.num_replicas for o in self.recoverable()), default=0)
+    def min_replicas(self, world_size: int) -> int:
+        """The fewest copies any recoverable or sharded object keeps (0: none, full replication)."""
+        counts = [o.num_replicas for o in self.recoverable()]
+        for _, obj in self.plain():
+            classes = self.shard_classes(obj, world_size)
+            if classes is not None:
+                counts.append(dtensor_state.num_replicas(classes))
+        return min(counts, default=0)
 
     def drop_grads(self) -> None:
         """Forget the gradients an aborted step computed."""
@@ -206,7 +212,11 @@ class TrackedState:
 
     # -- the state tree --------------------------------------------------------------------
     def state_of(self, obj: Any) -> Any:
-        return obj if isinstance(obj, torch.Tensor) else obj.state_dict()
+        """``obj``'s state; for a sharded object (FSDP2's DTensors) this rank's local shards only."""
+        if isinstance(obj, torch.Tensor):
+            return obj
+        state = obj.state_dict()
+        return dtensor_state.local_tree(state) if dtensor_state.has_dtensors(obj) else state
 
     def tree(self) -> dict[str, Any]:
         """The state tree of a checkpoint: every tracked object's state, and the RNG streams."""
@@ -217,8 +227,19 @@ class TrackedState:
         if isinstance(obj, torch.Tensor):
             with torch.no_grad():
                 obj.copy_(state)
+        elif isinstance(obj, torch.nn.Module) and dtensor_state.has_dtensors(obj):
+            dtensor_state.load_module(obj, state)  # local shards into the module's own, in place
+        elif isinstance(obj, torch.optim.Optimizer) and dtensor_state.has_dtensors(obj):
+            dtensor_state.load_optimizer(obj, state)
         else:
             obj.load_state_dict(state)
+
+    def shard_classes(self, obj: Any, world_size: int) -> list[tuple] | None:
+        """For a sharded object (DTensors over a mesh), each rank's class of identical holders
+        (:func:`unbroken.parallel.dtensor_state.shard_classes`); None when it is replicated whole."""
+        if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            return None
+        return dtensor_state.shard_classes(obj, world_size)
 
     def load_tree(self, state: dict[str, Any]) -> None:
         """Load a tree made by :meth:`tree` (CheckpointError if a tracked object has no state)."""

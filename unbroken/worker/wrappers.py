@@ -11,7 +11,10 @@ once per tracked object:
   order, as every later iteration uses them (see :func:`rebuild_ddp_buckets`), so that a job
   restarted from a checkpoint sums every gradient element exactly as the fault-free run did.
 
-Which DDP recovers in flight (:func:`in_flight_blocker`): one built on the default group of a
+Which wrappers recover in flight (:func:`in_flight_blocker`): an FSDP2 module whose mesh was built
+on the default group (its groups are then SurvivingGroups) with a replicate dimension first (HSDP;
+without one, a lost rank's shards have no replica and the job restarts from a checkpoint), and
+a DDP built on the default group of a
 worker under `unbroken run` on CPU (stock ``DistributedDataParallel(model)``), which is a
 :class:`~unbroken.parallel.group.SurvivingGroup`. A DDP on any other group (one the script built
 itself: ``dist.new_group``, a default group it initialised before ``unbroken.init()``,
@@ -28,8 +31,11 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from unbroken.parallel import dtensor_state
+from unbroken.parallel import fsdp as fsdp_generations
 from unbroken.parallel.group import SurvivingGroup
 from unbroken.worker.api import RecoverableState
+from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +89,35 @@ def surviving_ddps(objects: Iterable[Any]) -> list[DistributedDataParallel]:
     return [o for o in objects if isinstance(o, DistributedDataParallel) and isinstance(o.process_group, SurvivingGroup)]
 
 
-def in_flight_blocker(objects: Iterable[Any]) -> str:
-    """Why the tracked ``objects`` cannot be recovered in flight ("" when they can)."""
-    for obj in objects:
+def in_flight_blocker(tracked: TrackedState, world_size: int) -> str:
+    """Why the tracked objects cannot be recovered in flight ("" when they can)."""
+    for name, obj in tracked.objects.items():
         if isinstance(obj, DistributedDataParallel) and not isinstance(obj.process_group, SurvivingGroup):
             return ("it tracks a DistributedDataParallel module built on a process group unbroken cannot abort "
                     f"or move to a new generation ({type(obj.process_group).__name__}); under `unbroken run` on "
                     "CPU build it on the default group (no process_group argument) to recover it in flight")
+        why = _sharded_blocker(name, obj, tracked, world_size)
+        if why:
+            return why
     return ""
+
+
+def _sharded_blocker(name: str, obj: Any, tracked: TrackedState, world_size: int) -> str:
+    """An object of DTensors (FSDP2) recovers in flight when every group of its meshes moves to new
+    generations and its replicas are the blocks the controller plans with."""
+    if tracked.shard_classes(obj, world_size) is None:
+        return ""
+    for group in dtensor_state.mesh_groups(obj):
+        if not isinstance(group, SurvivingGroup):
+            return (f"tracked {name!r} holds DTensors on a mesh whose group is a {type(group).__name__}, which "
+                    "unbroken cannot move to a new generation; under `unbroken run` on CPU build the mesh "
+                    "after unbroken.init() with init_device_mesh (its groups are then sub-groups of the default one)")
+    return dtensor_state.replica_layout_problem(tracked.shard_classes(obj, world_size))
+
+
+def reset_after_abort(objects: Iterable[Any]) -> None:
+    """A survivor whose step was dropped: each root FSDP2 module cut mid-forward or mid-backward is
+    put back to its sharded, idle state (its collectives of the cut step failed or were aborted)."""
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            fsdp_generations.reset_after_abort(obj)

@@ -25,7 +25,7 @@ _MAX_SLEEP_S = 2e-3     # the abort latency bound; polling faster only burns a c
 
 
 def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: list[Work],
-             what: str) -> None:
+             what: str, *, completed_first: bool = False) -> None:
     """Wait until every work in ``works`` completed; raise if one failed or on abort.
 
     ``what`` names the operation for messages (e.g. "gradient all-reduce of step 7").
@@ -35,6 +35,8 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
     work that fails (a peer died) re-raises its torch error with a note, unless the abort
     check also says abort: then it is :class:`CollectiveAborted`, the order being the root
     cause. Without ``should_abort`` it simply waits (blocking) on each work in turn.
+    ``completed_first``: works seen complete count even after the order (a commit vote that
+    passed here passed: aborting it would split the ranks, see unbroken.recovery.consistency).
     """
     if should_abort is None:
         _wait_blocking(works, graveyard, what)
@@ -44,7 +46,7 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
     while pending:
         # The abort order is checked first, so every rank that sees it aborts the same
         # step, even where its own ops happened to finish.
-        if should_abort():
+        if not completed_first and should_abort():
             graveyard.extend(w for w in pending if not w.is_completed())
             raise CollectiveAborted(
                 f"{what} aborted on the abort order with {len(pending)} of {len(works)} collective "
@@ -66,6 +68,9 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
                 err.add_note(f"unbroken: during the {what}")
                 raise
         pending = still
+        if pending and completed_first and should_abort():
+            graveyard.extend(pending)
+            raise CollectiveAborted(f"{what} aborted on the abort order before it completed")
         if pending:
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)

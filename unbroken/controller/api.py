@@ -395,8 +395,9 @@ class JobState:
     failures: tuple[Failure, ...] = field(default_factory=tuple)
     gen: int = 0
     committed_step: int = -1
-    sync_step: int = -1
-    synced: frozenset[int] = frozenset()
+    # (rank, newest step whose reduction it reported) in this generation: with the commit vote a rank
+    # may report step k + 1 before the controller heard every rank's k (recovery.consistency).
+    synced: frozenset[tuple[int, int]] = frozenset()
     ready: frozenset[int] = frozenset()
     not_in_flight: tuple[tuple[int, str], ...] = ()  # (rank, why its state cannot be recovered in flight)
     num_replicas: int = 0

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from unbroken.comm import generation_group
+from unbroken.comm import generation_group, wait_all
 from unbroken.comm.p2p import exchange_states
 from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
@@ -105,6 +105,15 @@ class InFlight:
     def should_abort(self) -> bool:
         """True once the controller ordered this generation's collectives abandoned."""
         return self._control is not None and self._control.abort_gen > self.gen
+
+    def commit_vote(self, step: int) -> None:
+        """Step ``step``'s commit vote (unbroken.recovery.consistency): a 1-element all-reduce of the
+        generation that completes once every rank finished its reduction; CollectiveAborted on an abort
+        order before it completed here. The update of the step may begin when this returns."""
+        if self.group is None or self._cfg.world_size == 1:
+            return
+        work = dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=self._device), group=self.group, async_op=True)
+        wait_all([work], self.should_abort, self.graveyard, f"commit vote of step {step}", completed_first=True)
 
     @property
     def pending(self) -> bool:

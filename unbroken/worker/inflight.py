@@ -55,6 +55,10 @@ from unbroken.worker.state_blob import decode_tree
 from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
+
+#: After an abort order, how long a commit vote every rank may have joined still gets to complete (it
+#: takes about a millisecond; one a dead rank left fails in ~10 ms): not splitting live ranks on it.
+VOTE_GRACE_S = 0.25
 _PER_RANK = "per-rank state"  # the transfer's key for a fallback rank's per-rank state
 
 class DumpTarget(Protocol):
@@ -113,7 +117,7 @@ class InFlight:
         if self.group is None or self._cfg.world_size == 1:
             return
         work = dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=self._device), group=self.group, async_op=True)
-        wait_all([work], self.should_abort, self.graveyard, f"commit vote of step {step}", completed_first=True)
+        wait_all([work], self.should_abort, self.graveyard, f"commit vote of step {step}", vote_grace_s=VOTE_GRACE_S)
 
     @property
     def pending(self) -> bool:

@@ -140,3 +140,46 @@ def test_only_parameters_and_optimizer_state_wait_for_the_update():
     norm = [b.data_ptr() for b in model[1].buffers()]  # running stats: a forward moves them
     assert not deferred & set(norm)
     assert extra.data_ptr() not in deferred and tree["rng"]  # tracked tensors, RNG: at the boundary
+
+
+def test_a_step_without_an_update_abandons_its_snapshot_and_turns_the_overlap_off(tmp_path):
+    """The session's side (Checkpointer): settled at the update, a snapshot commits; a step that
+    ends without one (parameters changed outside a tracked optimizer, say) never commits its."""
+    import dataclasses
+
+    from unbroken.config import ENV_JOB_ID, worker_config_from_env
+    from unbroken.worker.checkpointing import Checkpointer
+
+    job_id = f"t{uuid.uuid4().hex[:12]}"
+    cfg = worker_config_from_env({ENV_JOB_ID: job_id}, every_steps=1, save_dir=str(tmp_path / "save"))
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, shm_dir=str(SHM)))
+    model = nn.Linear(64, 64)
+    tracked, events = TrackedState(), []
+    tracked.add("model", model, _hooks())
+    ckpt = Checkpointer(cfg, managed=True, tracked=tracked, injector=None, all_min=lambda v: v,
+                        event=lambda name, **fields: events.append((name, fields)), metrics={})
+    try:
+        assert ckpt.memory_tier and ckpt.overlap
+        ckpt.after_step(1)  # the snapshot of step 1: parameters copied in the background
+        assert ckpt.settle() >= 0.0  # step 2's update begins
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ckpt.after_step(2)  # step 2 ended; its snapshot is deferred again
+        with torch.no_grad():
+            model.weight.add_(1.0)  # step 3 changes a parameter without an update the session sees
+        ckpt.after_step(3)
+        assert not ckpt.overlap and [name for name, _ in events] == ["snapshot_overlap_off"]
+        ckpt.close()
+        loaded, meta = SnapshotReader(SHM, job_id, cfg.rank).load()
+        assert meta["step"] == 3  # written at the boundary once the overlap was off
+        assert torch.equal(loaded["tracked"]["model"]["weight"], model.weight.detach())
+        headers = [read_header(p) for p in ckpt_paths(job_id)]
+        assert sorted(h.step for h in headers if h and h.state == SlotState.COMMITTED) == [1, 3]  # never 2
+    finally:
+        ckpt.close()
+        remove_job(SHM, job_id)
+
+
+def ckpt_paths(job_id):
+    from unbroken.checkpoint.shm_files import slot_path
+    return [slot_path(SHM, job_id, 0, s) for s in (0, 1)]

@@ -121,7 +121,15 @@ def test_progress_done_moves_the_view_and_times_the_step():
     assert (w.step, w.steps_in_attempt, w.metrics, w.phase) == (1, 1, {"loss": 2.0}, Phase.DONE)
     assert hub.live.steps == [(0, 1, {"loss": 2.0})]
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="finished", metrics={}))
-    assert w.state == WorkerState.FINISHING and hub.applied == []
+    assert w.state == WorkerState.FINISHING and hub.applied == [sm.LoopFinished(0, 0)]  # the machine learns it
+
+
+def test_a_death_after_the_loop_is_no_fault_to_time():
+    hub = FakeHub()
+    worker_msg(hub, 1, m.Progress(rank=1, attempt=0, step=9, phase="finished", metrics={}))
+    AGENT_HANDLERS[m.WorkerExited](hub.connections, 0, m.WorkerExited(rank=1, pid=101, attempt=0, exit_code=None,
+                                                                       signal=9, last_lines=[]))
+    assert hub.applied[-1] == sm.RankExited(1, 0, None, 9, None, ()) and hub.timing.fault_t is None
 
 
 def test_a_worker_exit_becomes_rank_exited_with_the_step_the_controller_saw():

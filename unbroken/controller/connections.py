@@ -166,8 +166,9 @@ def _worker_exited(self: Connections, agent: int, msg: m.WorkerExited) -> None:
     w = ctl.workers[msg.rank]
     if msg.attempt != ctl.state.attempt:
         return
+    after_loop = w.state is WorkerState.FINISHING  # it had reported leaving its step loop: no fault (loop_end.py)
     w.state = WorkerState.FINISHED if msg.exit_code == 0 else WorkerState.FAILED
-    if msg.exit_code != 0:
+    if msg.exit_code != 0 and not after_loop:
         ctl.timing.fault_began(time.monotonic(), ctl.workers.values())
     ctl.events.emit("worker_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
                     exit_code=msg.exit_code, signal=msg.signal, step=w.step)
@@ -220,6 +221,7 @@ def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg:
     w.in_step_loop = w.in_step_loop or msg.phase in STEP_PHASES
     if msg.phase == Phase.FINISHED:
         w.state = WorkerState.FINISHING
+        ctl.apply(sm.LoopFinished(rank, attempt))
     if not ctl.monitor.note_progress(w, msg.phase, time.monotonic()):
         return
     w.step = msg.step  # a completed step: the progress the hang monitor watches

@@ -3,10 +3,9 @@
     python benchmarks/commit.py                        # N = 4, 16, 32 ranks, 60 steps each
     python benchmarks/commit.py --nprocs 4,16 --steps 40 --json commit.json
 
-Every step of a managed job commits before its optimizer update (worker/session.py `_commit`):
-the rank sends StepSynced to the controller and passes the step's commit vote, a 1-element
-all-reduce of the ranks (until session 4: it waited for the controller, having heard from
-every rank, to send the commit back). This script runs a tiny
+Every step of a managed job waits, before its optimizer update, for the controller's commit
+of the step (worker/session.py `_commit`: the rank sends StepSynced and waits until the
+controller, having heard from every rank, sends the commit back). This script runs a tiny
 model (one all-reduce of a 64-float gradient per step, SGD) on N ranks twice, interleaved:
 
   unbroken   `unbroken run --nproc-per-node N`: with the controller, so each `opt.step()`
@@ -15,8 +14,8 @@ model (one all-reduce of a 64-float gradient per step, SGD) on N ranks twice, in
 
 and prints, per N, the median over ranks of each rank's median `opt.step()` time and whole
 step time. commit_s = unbroken's opt_step_s - torchrun's. Messages per step at the
-controller: N StepSynced in plus N progress reports per phase, none out (counted from the
-protocol, printed; it was 6N with the commit sent back). This machine has 2 cores: at 16 and 32 ranks every process waits
+controller: N StepSynced in, N commits out, plus N progress reports per phase (counted from
+the protocol, printed). This machine has 2 cores: at 16 and 32 ranks every process waits
 for a core, so absolute figures are mostly scheduling; compare the rows of one run.
 A benchmark never asserts a time.
 """
@@ -124,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'step unbroken':>14} {'step torchrun':>14} {'ctl msgs/step':>14}")
     fmt = lambda v: "-" if v is None else f"{v * 1e3:.2f} ms"  # noqa: E731
     for row in rows:
-        # per rank per step: Progress compute, sync, update, done + StepSynced in (the commit: by the ranks vote)
+        # per rank per step: Progress compute, sync, update, done + StepSynced in; the commit out
         print(f"{row['nproc']:>4} {fmt(row['unbroken_opt_step_s']):>18} {fmt(row['torchrun_opt_step_s']):>18} "
               f"{fmt(row.get('commit_s')):>10} {fmt(row['unbroken_step_s']):>14} {fmt(row['torchrun_step_s']):>14} "
-              f"{5 * row['nproc']:>14}")
+              f"{6 * row['nproc']:>14}")
     if args.json:
         Path(args.json).write_text(json.dumps({"benchmark": "commit", "params": vars(args), "rows": rows}, indent=2))
     return 0

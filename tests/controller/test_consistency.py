@@ -65,24 +65,3 @@ def test_no_survivor_is_an_error():
 def test_unknown_phase_is_rejected():
     with pytest.raises(ValueError, match="unknown phase"):
         Position(3, "thinking")
-
-
-def test_a_survivor_past_the_commit_vote_is_evidence_the_step_committed():
-    """With the commit vote a rank updates before the controller has every rank's report: a
-    survivor in update of step 10 (or in step 11) means step 10's vote passed everywhere it ran."""
-    from unbroken.recovery.consistency import split_vote, voted_step
-
-    assert voted_step(COMMITTED, {0: Position(10, "sync"), 1: Position(10, "compute")}) == COMMITTED
-    assert voted_step(COMMITTED, {0: Position(10, "update"), 1: Position(11, "sync")}) == 10
-    assert voted_step(COMMITTED, {0: Position(10, "done"), 1: Position(10, "update")}) == 10
-    assert voted_step(COMMITTED, {0: Position(11, "compute")}) == 10
-    for positions in itertools.product(ALL_POSITIONS, repeat=3):  # the record never goes backwards
-        assert voted_step(COMMITTED, dict(zip((0, 1, 3), positions))) >= COMMITTED
-    # Every survivor past the vote: roll forward from the evidence, as from the record.
-    survivors = {0: Position(10, "update"), 1: Position(11, "compute"), 3: Position(10, "done")}
-    committed = voted_step(COMMITTED, survivors)
-    assert split_vote(committed, survivors) == []
-    assert decide(committed, survivors).resume_step == 11
-    # Rank 1 still inside the vote of step 10 that completed on rank 0: split, no in-flight decision.
-    split = {0: Position(10, "update"), 1: Position(10, "sync"), 3: Position(11, "compute")}
-    assert split_vote(voted_step(COMMITTED, split), split) == [1]

@@ -62,39 +62,6 @@ def test_crash_after_commit_rolls_forward():
     assert actions[0].resume_step == 6
 
 
-def test_a_step_commits_by_the_vote_before_the_controller_heard_every_rank():
-    """Rank 3's report of step 5 was not yet read when rank 1 died: the survivors' positions say the
-    vote of step 5 passed (one updates, one is in step 6), so step 5 rolls forward."""
-    state, _ = commit(start(), 4)
-    state, _ = run(state, *(sm.StepSynced(r, 0, 0, 5) for r in (0, 1, 2)), sm.StepSynced(0, 0, 0, 6))
-    assert state.committed_step == 4  # rank 0 reported step 6 already; rank 3's 5 is missing
-    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
-    state, actions = run(state, sm.WorkerPaused(0, 0, 6, "sync"), sm.WorkerPaused(2, 0, 5, "update"),
-                         sm.WorkerPaused(3, 0, 6, "compute"), sm.ReplacementJoined(1, 0, 1))
-    (regroup,) = actions
-    assert (regroup.resume_step, regroup.direction) == (6, "roll-back") and state.committed_step == 5
-
-
-def test_the_controller_record_follows_the_slowest_rank_when_reports_interleave():
-    state, _ = commit(start(), 4)
-    state, actions = run(state, *(sm.StepSynced(r, 0, 0, 5) for r in (0, 1, 2)), sm.StepSynced(0, 0, 0, 6),
-                         sm.StepSynced(1, 0, 0, 6))
-    assert actions == [] and state.committed_step == 4
-    state, actions = run(state, sm.StepSynced(3, 0, 0, 5))
-    assert actions == [sm.CommitStep(0, 5)] and state.committed_step == 5
-
-
-def test_a_split_commit_vote_restarts_the_job_from_its_checkpoint():
-    """Rank 1 died inside the vote of step 5: it completed on rank 0 (in update) but not on rank 2
-    (still in sync): no in-flight rung can put both on one state."""
-    state, _ = commit(start(), 4)
-    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
-    state, actions = run(state, sm.WorkerPaused(0, 0, 5, "update"), sm.WorkerPaused(2, 0, 5, "sync"),
-                         sm.WorkerPaused(3, 0, 5, "update"), sm.ReplacementJoined(1, 0, 1))
-    assert kinds(actions) == ["Decide", "Decide", "StopAttempt"] and actions[1].rung == "exit"
-    assert "commit vote of step 5 completed on some ranks, not on [2]" in actions[0].reason
-
-
 def test_a_second_fault_during_recovery_starts_the_next_generation():
     state = start()
     state, _ = run(state, sm.RankExited(2, 0, None, 9), sm.WorkerPaused(0, 0, 0, "sync"))

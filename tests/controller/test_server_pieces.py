@@ -193,7 +193,8 @@ def test_the_executor_turns_actions_into_the_messages_agents_and_workers_get():
     hub.executor.execute([sm.KillRank(1, "hung"), sm.CommitStep(gen=0, step=3),
                           sm.OrderRegroup(2, 3, frozenset({1, 0})), sm.AbortGeneration(2, "lost rank 1")])
     assert agent.sent == [m.KillWorker(rank=1, pid=101, reason="hung")]
-    assert worker.sent == [m.Regroup(gen=2, resume_step=3, replaced=[0, 1], fallback=[0, 1]),  # commits: by vote
+    assert worker.sent == [m.CommitStep(gen=0, step=3),
+                           m.Regroup(gen=2, resume_step=3, replaced=[0, 1], fallback=[0, 1]),
                            m.Abort(gen=2, reason="lost rank 1")]
     assert hub.recovery_deadline[0] == 2
     assert hub.events.names() == ["kill_worker", "regroup", "per_rank_state", "per_rank_state", "abort_generation"]

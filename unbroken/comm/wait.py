@@ -25,7 +25,7 @@ _MAX_SLEEP_S = 2e-3     # the abort latency bound; polling faster only burns a c
 
 
 def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: list[Work],
-             what: str, *, vote_grace_s: float | None = None) -> None:
+             what: str) -> None:
     """Wait until every work in ``works`` completed; raise if one failed or on abort.
 
     ``what`` names the operation for messages (e.g. "gradient all-reduce of step 7").
@@ -35,21 +35,16 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
     work that fails (a peer died) re-raises its torch error with a note, unless the abort
     check also says abort: then it is :class:`CollectiveAborted`, the order being the root
     cause. Without ``should_abort`` it simply waits (blocking) on each work in turn.
-    ``vote_grace_s`` (a commit vote, see unbroken.recovery.consistency): what completed counts
-    even after the order, and the works get ``vote_grace_s`` more to complete: a vote that passed
-    on one rank passes on every rank that joined it, unless a rank died inside it (then it fails
-    fast), so aborting it early would split live ranks that all joined it.
     """
     if should_abort is None:
         _wait_blocking(works, graveyard, what)
         return
     pending = list(works)
     sleep_s = _FIRST_SLEEP_S
-    abort_seen_at: float | None = None
     while pending:
         # The abort order is checked first, so every rank that sees it aborts the same
         # step, even where its own ops happened to finish.
-        if vote_grace_s is None and should_abort():
+        if should_abort():
             graveyard.extend(w for w in pending if not w.is_completed())
             raise CollectiveAborted(
                 f"{what} aborted on the abort order with {len(pending)} of {len(works)} collective "
@@ -71,11 +66,6 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
                 err.add_note(f"unbroken: during the {what}")
                 raise
         pending = still
-        if pending and vote_grace_s is not None and should_abort():
-            abort_seen_at = abort_seen_at or time.monotonic()
-            if time.monotonic() - abort_seen_at >= vote_grace_s:
-                graveyard.extend(pending)
-                raise CollectiveAborted(f"{what} aborted on the abort order: not complete {vote_grace_s} s after it")
         if pending:
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)

@@ -416,9 +416,8 @@ class JobState:
     failures: tuple[Failure, ...] = field(default_factory=tuple)
     gen: int = 0
     committed_step: int = -1
-    # (rank, newest step whose reduction it reported) in this generation: with the commit vote a rank
-    # may report step k + 1 before the controller heard every rank's k (recovery.consistency).
-    synced: frozenset[tuple[int, int]] = frozenset()
+    sync_step: int = -1
+    synced: frozenset[int] = frozenset()
     ready: frozenset[int] = frozenset()
     not_in_flight: tuple[tuple[int, str], ...] = ()  # (rank, why its state cannot be recovered in flight)
     num_replicas: int = 0

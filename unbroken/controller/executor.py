@@ -126,8 +126,7 @@ class Executor:
             ctl.recovery_deadline = None
 
     def _commit_step(self, action: sm.CommitStep) -> None:
-        """Nothing to send: every rank passed (or will pass) the step's commit vote on its own; the
-        record (JobState.committed_step) is what recovery decisions read."""
+        self._ctl.connections.send_to_workers(action)  # the action is the wire message
 
     def _abort(self, action: sm.AbortGeneration) -> None:
         ctl = self._ctl

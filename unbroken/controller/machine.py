@@ -38,7 +38,7 @@ from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for
     JobState, Event, Action, FINAL_PHASES, TerminateRequested, GraceExpired, Terminating)
 from unbroken.errors import EXIT_FATAL
 from unbroken.recovery.replica_map import ReplicaMap
-from unbroken.recovery.consistency import InconsistentReports, Position, SplitVote, decide, split_vote, voted_step
+from unbroken.recovery.consistency import InconsistentReports, Position, decide
 from unbroken.recovery.ladder import GIVE_UP, choose_rung
 from unbroken.names import IN_FLIGHT_RUNGS, REPLACING_RUNGS, Rung
 
@@ -299,7 +299,7 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
     state = _replace(state, phase=JobPhase.RUNNING, attempt=attempt, restarts_used=state.restarts_used + 1,
                      stopped_agents=frozenset(), finished_ranks=frozenset(), loop_finished=frozenset(),
                      exited_after_loop=frozenset(), hung_ranks=frozenset(),
-                     gen=0, committed_step=-1, synced=frozenset(), ready=frozenset(),
+                     gen=0, committed_step=-1, sync_step=-1, synced=frozenset(), ready=frozenset(),
                      not_in_flight=(), recovery=None)
     return state, [StartAttempt(attempt)]
 
@@ -381,14 +381,12 @@ def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Ac
 def _on_step_synced(state: JobState, event: StepSynced) -> tuple[JobState, list[Action]]:
     if state.phase is not JobPhase.RUNNING or event.gen != state.gen or event.step <= state.committed_step:
         return state, []
-    newest = dict(state.synced)
-    newest[event.rank] = max(event.step, newest.get(event.rank, -1))
-    synced = frozenset(newest.items())
-    if len(newest) < state.world_size or min(newest.values()) <= state.committed_step:
-        return _replace(state, synced=synced), []
-    # Every rank finished the reduction of this step (the ranks' commit vote has passed or will): record it.
-    step = min(newest.values())
-    return _replace(state, synced=synced, committed_step=step), [CommitStep(state.gen, step)]
+    synced = state.synced | {event.rank} if event.step == state.sync_step else frozenset({event.rank})
+    if len(synced) < state.world_size:
+        return _replace(state, sync_step=event.step, synced=synced), []
+    # Every rank finished the reduction of this step: it commits, atomically with fault handling.
+    return _replace(state, sync_step=event.step, synced=frozenset(), committed_step=event.step), [
+        CommitStep(state.gen, event.step)]
 
 
 def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
@@ -418,18 +416,12 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
     needed = state.ranks - rec.replaced if rec.rung == Rung.DUMP else state.ranks  # a dump has no replacements
     if not rec.regrouped and (rec.paused | rec.joined) >= needed:
         survivors = {rank: Position(step, phase) for rank, step, phase in rec.positions if rank in rec.paused}
-        state = _replace(state, committed_step=voted_step(state.committed_step, survivors))  # a vote passed
-        split = split_vote(state.committed_step, survivors)
         try:
-            if split:
-                raise SplitVote(f"the commit vote of step {state.committed_step} completed on some ranks, not on "
-                                f"{split}: survivors are on two states")
             decision = decide(state.committed_step, survivors)
-        except (InconsistentReports, ValueError) as exc:  # a split vote (rare) or a bug: restart the job
+        except (InconsistentReports, ValueError) as exc:  # a bug, never a normal fault: restart the job
             failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
             state = _replace(state, recovery=dataclasses.replace(rec, tries=state.policy.max_recovery_tries))
-            why = str(exc) if isinstance(exc, SplitVote) else f"inconsistent survivor reports: {exc}"
-            actions = [Decide(Rung.RECOVER_IN_PLACE, failure, why)]
+            actions = [Decide(Rung.RECOVER_IN_PLACE, failure, f"inconsistent survivor reports: {exc}")]
             state, more = _recover(state, failure)
             return state, actions + more
         rec = dataclasses.replace(rec, regrouped=True)

@@ -3,18 +3,13 @@
 Pure functions, no processes. The invariant they serve: training continues from a state
 that the fault-free run also had, so the final weights equal it bit for bit.
 
-How a step commits. Every rank, once its gradient reduction of step k completed, reports it
-to the controller (StepSynced, not waited for) and joins the *commit vote* of step k: a
-1-element all-reduce of the generation's group. The vote completes on a rank only after
-every rank joined it, i.e. finished its reduction: the rule "a step commits only when every
-rank's update may begin" holds, and the rank begins update k. The controller records k
-committed when it has every rank's report, and learns it earlier from a survivor's position
-(:func:`voted_step`): a survivor in update k passed the vote. Either every survivor passed the
-vote of k (roll forward), or none did (roll back: nobody alive began update k; a dead rank
-that did is replaced from replicas). The one split case, a rank dying inside the vote so that
-it completed on some survivors and not on others (:func:`split_vote`), leaves survivors on
-two states with no gradient to finish the others' update: the job restarts from its newest
-checkpoint instead. No shard is ever left half-updated.
+How a step commits. Every rank reports entering ``update`` for step k only after its
+gradient reduction of step k completed, and then waits for the controller's commit of
+step k. The controller commits k when *every* rank has reported it, and it decides that
+under the same lock as it learns of faults, so "k committed" is atomic: either every
+survivor will apply update k (roll forward), or none has started it (roll back). No shard
+is ever left half-updated, whatever subset of ranks had finished the reduction, including
+the case where the dead rank was the only one that had.
 
 Hence the rule: the job resumes at the first uncommitted step. A survivor in step
 ``committed + 1`` rolls back to its start (drops gradients, restores its step-start RNG);
@@ -61,10 +56,6 @@ class InconsistentReports(ValueError):
     """The survivors' reports contradict the commit record: a bug, never a normal fault."""
 
 
-class SplitVote(InconsistentReports):
-    """A rank died inside a step's commit vote: it completed on some survivors and not on others."""
-
-
 def decide(committed_step: int, survivors: Mapping[int, Position]) -> Decision:
     """The step everyone resumes at, from the commit record and the survivors' positions.
 
@@ -97,16 +88,3 @@ def decide(committed_step: int, survivors: Mapping[int, Position]) -> Decision:
     return Decision(Direction.ROLL_BACK, in_flight, resume,
                     f"step {in_flight} was not committed (survivors in {', '.join(phases)}): "
                     f"every rank redoes it from its start")
-
-
-def voted_step(committed_step: int, survivors: Mapping[int, Position]) -> int:
-    """The newest step known committed: the controller's record, or the newest step a survivor
-    began updating or left (it passed that step's commit vote, which needs every rank's reduction)."""
-    passed = [pos.step if pos.phase in (Phase.UPDATE, Phase.DONE) else pos.step - 1 for pos in survivors.values()]
-    return max([committed_step, *passed])
-
-
-def split_vote(committed_step: int, survivors: Mapping[int, Position]) -> list[int]:
-    """The survivors still inside the commit vote of ``committed_step`` (from :func:`voted_step`),
-    which completed on another rank: they finished the reduction but cannot know the vote passed."""
-    return sorted(rank for rank, pos in survivors.items() if pos.step == committed_step and pos.phase == Phase.SYNC)

@@ -41,13 +41,15 @@ class ControlClient:
                                          timeout_s=timeout_s)
         self._replies: queue.Queue = queue.Queue()
         self._closed = threading.Event()
-        # In-flight recovery: the newest abort order, set by the reader thread.
+        # In-flight recovery: the newest abort order and commit, set by the reader thread.
         # A rank of generation g must leave it as soon as abort_gen > g.
         self.abort_gen = gen
         self.abort_reason = ""
         # Called from the reader thread with (abort_gen, reason) on each abort order (and when the
         # controller is lost): the session fires its surviving groups' abort signal there.
         self.on_abort: Callable[[int, str], None] | None = None
+        self._commit = threading.Condition()
+        self.committed_step = -1
         self._restore_at: dict[int, int] = {}  # restore round -> decided step, set by the reader thread
         self._restore_cv = threading.Condition()
         self._conn.send(m.WorkerRegister(rank=rank, pid=pid, attempt=attempt, gen=gen, replacement=replacement))
@@ -64,7 +66,13 @@ class ControlClient:
                 break
             if isinstance(msg, m.Abort):
                 self.abort_gen, self.abort_reason = max(self.abort_gen, msg.gen), msg.reason
+                with self._commit:
+                    self._commit.notify_all()
                 self._tell_abort()
+            elif isinstance(msg, m.CommitStep):
+                with self._commit:
+                    self.committed_step = max(self.committed_step, msg.step)
+                    self._commit.notify_all()
             elif isinstance(msg, m.RestoreAt):
                 if msg.attempt == self.attempt:
                     with self._restore_cv:
@@ -75,6 +83,8 @@ class ControlClient:
         self._closed.set()
         self.abort_gen = LOST_CONTROLLER_GEN  # without the controller nothing commits: leave any wait
         self.abort_reason = self.abort_reason or "the controller connection was lost"
+        with self._commit:
+            self._commit.notify_all()
         self._tell_abort()
 
     def _tell_abort(self) -> None:
@@ -108,11 +118,18 @@ class ControlClient:
         self._send(m.SessionReady(rank=self.rank, attempt=self.attempt, num_replicas=num_replicas,
                                   not_in_flight=not_in_flight))
 
-    def synced(self, gen: int, step: int, state: bytes = b"", state_same: bool = False) -> None:
-        """Report the reduction of ``step`` done, with this rank's own state after its compute (or
-        ``state_same``: the one it last sent); the step commits by the ranks' vote, not waited for here."""
+    def wait_commit(self, gen: int, step: int, poll_s: float = 0.05, state: bytes = b"",
+                    state_same: bool = False) -> bool:
+        """Report the reduction of ``step`` done (with this rank's own state after its compute, or
+        ``state_same``: the one it last sent) and wait for its commit; False on an abort order."""
         self._send(m.StepSynced(rank=self.rank, attempt=self.attempt, gen=gen, step=step, state=state,
                                 state_same=state_same))
+        with self._commit:
+            while self.committed_step < step:
+                if self.abort_gen > gen:
+                    return False
+                self._commit.wait(poll_s)
+        return True
 
     def dumped(self, step: int, ranks: list[int], error: str) -> None:
         self._send(m.Dumped(rank=self.rank, attempt=self.attempt, step=step, ranks=ranks, error=error))

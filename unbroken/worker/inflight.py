@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from unbroken.comm import generation_group, wait_all
+from unbroken.comm import generation_group
 from unbroken.comm.p2p import exchange_states
 from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
@@ -55,10 +55,6 @@ from unbroken.worker.state_blob import decode_tree
 from unbroken.worker.tracked import TrackedState
 
 log = logging.getLogger(__name__)
-
-#: After an abort order, how long a commit vote every rank may have joined still gets to complete (it
-#: takes about a millisecond; one a dead rank left fails in ~10 ms): not splitting live ranks on it.
-VOTE_GRACE_S = 0.25
 _PER_RANK = "per-rank state"  # the transfer's key for a fallback rank's per-rank state
 
 class DumpTarget(Protocol):
@@ -109,15 +105,6 @@ class InFlight:
     def should_abort(self) -> bool:
         """True once the controller ordered this generation's collectives abandoned."""
         return self._control is not None and self._control.abort_gen > self.gen
-
-    def commit_vote(self, step: int) -> None:
-        """Step ``step``'s commit vote (unbroken.recovery.consistency): a 1-element all-reduce of the
-        generation that completes once every rank finished its reduction; CollectiveAborted on an abort
-        order before it completed here. The update of the step may begin when this returns."""
-        if self.group is None or self._cfg.world_size == 1:
-            return
-        work = dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=self._device), group=self.group, async_op=True)
-        wait_all([work], self.should_abort, self.graveyard, f"commit vote of step {step}", vote_grace_s=VOTE_GRACE_S)
 
     @property
     def pending(self) -> bool:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from unbroken.comm import wait_all
 from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_env
-from unbroken.errors import EXIT_FATAL, ConfigError, FatalError
+from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import STEP_PHASES, Phase
@@ -254,13 +254,13 @@ class Job:
             self.phase(name)
 
     def _commit(self) -> None:
-        """Entering ``update``: the reduction is done; report it, pass the step's commit vote (every rank's
-        reduction done: recovery.consistency). CollectiveAborted when an abort order comes first."""
+        """Entering ``update``: the reduction is done; wait until the controller commits the step."""
         if self._control is None or self._committed_this_step:
             return
         own = self._step_states.after_compute(self._tracked.per_rank_tree())  # a roll forward resumes here
-        self._control.synced(self._inflight.gen, self._step, state=own.state, state_same=own.same)
-        self._inflight.commit_vote(self._step)
+        if not self._control.wait_commit(self._inflight.gen, self._step, state=own.state, state_same=own.same):
+            raise CollectiveAborted(f"rank {self.rank}: step {self._step} was not committed (abort order for "
+                                    f"generation {self._control.abort_gen}: {self._control.abort_reason})")
         self._committed_this_step = True
         self._metrics["snapshot_wait_s"] = self._ckpt.settle()  # the update may change what it still copies
 

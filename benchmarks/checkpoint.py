@@ -6,6 +6,7 @@ one state of --size-mb MiB of float32 in ~30 tensors, in one run, interleaved pe
 
     python benchmarks/checkpoint.py [--size-mb 1024] [--repeats 5] [--dir DIR] [--json PATH]
         [--persister-size-mb 256] [--persister-steps 10] [--persister-repeats 5]
+        [--overlap-size-mb 256] [--overlap-steps 6] [--overlap-repeats 3]
 
 Figures per row (median over repeats, min/max in the JSON):
   blocked_s          training blocked (ours: SnapshotWriter.write; DCP async: async_save)
@@ -31,6 +32,11 @@ Persister running in another process, writing every PERSIST_EVERY-th snapshot to
 (niced, as in the agent), in alternating phases. persister_slowdown_ratio is their ratio;
 steps whose snapshot was skipped (slots held or pinned for the persister) are left out of
 it and counted in skipped_snapshot_steps.
+
+Last, the overlapped snapshot in a training loop (benchmarks/snapshot_overlap.py): a model of
+--overlap-size-mb MiB of weights + AdamW, a snapshot every step copied while the next forward
+and backward run, settled before the update; training blocked per snapshot vs a plain copy_
+and DCP async_save of the same state, and the loop's speed vs the same loop without snapshots.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.shm_files import remove_job
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import CheckpointConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import snapshot_overlap  # noqa: E402  (a sibling script)
 
 N_TENSORS = 30
 SHM_DIR = Path("/dev/shm")
@@ -480,7 +489,13 @@ def main() -> None:
                         help="training steps per phase (without / with the persister)")
     parser.add_argument("--persister-repeats", type=int, default=5,
                         help="pairs of phases (without, with), alternating")
+    parser.add_argument("--overlap-size-mb", type=int, default=256,
+                        help="weights of the overlapped-snapshot training loop (0: skip it)")
+    parser.add_argument("--overlap-steps", type=int, default=6, help="steps per mode and repeat")
+    parser.add_argument("--overlap-repeats", type=int, default=3, help="repeats of (none, overlap, boundary)")
     args = parser.parse_args()
+    if args.overlap_size_mb < 0 or args.overlap_steps < 1 or args.overlap_repeats < 1:
+        parser.error("--overlap-size-mb must be >= 0, --overlap-steps and --overlap-repeats >= 1")
     if args.size_mb < 1 or args.repeats < 1:
         parser.error("--size-mb and --repeats must be >= 1")
     if args.persister_size_mb < 0 or args.persister_steps < 1 or args.persister_repeats < 1:
@@ -530,10 +545,15 @@ def main() -> None:
                    "platform": platform.platform(), "loadavg_start": load_start,
                    "loadavg_end": list(os.getloadavg())}
         print_table(rows, r, params, cold)
+        overlap = None
+        if args.overlap_size_mb:
+            overlap = snapshot_overlap.measure(args.overlap_size_mb, args.overlap_steps, args.overlap_repeats,
+                                               2, SHM_DIR, root)
+            snapshot_overlap.print_result(overlap, args.overlap_size_mb, args.overlap_steps, args.overlap_repeats)
         if args.json:
             args.json.write_text(json.dumps({"benchmark": "checkpoint", "params": params,
-                                             "machine": machine, "rows": rows, "ratios": r},
-                                            indent=1) + "\n")
+                                             "machine": machine, "rows": rows, "ratios": r,
+                                             "overlap": overlap}, indent=1) + "\n")
     finally:
         if bench is not None:
             bench.close()

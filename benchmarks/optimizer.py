@@ -10,6 +10,10 @@ Rows: ``ddp_adamw`` (DistributedDataParallel + torch.optim.AdamW on every rank),
 so only the whole step compares fairly. All four run in the same processes, interleaved
 (the order rotates every repeat); each repeat times ``--steps`` steps after a barrier and
 the table shows the median (min-max) over repeats of rank 0's time per step.
+
+Then (``--commit-nprocs``, default 16; 0 skips) the per-step commit overhead of a managed job
+at that many ranks, from benchmarks/commit.py: ``opt.step()`` of a tiny model under
+``unbroken run`` (where it includes the step's commit) minus the same under torchrun.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb and our bucket size")
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures here (BENCHMARKS.md layout)")
+    p.add_argument("--commit-nprocs", type=int, default=16, help="ranks of the commit-overhead run (0: skip it)")
+    p.add_argument("--commit-steps", type=int, default=40, help="steps of the commit-overhead run")
     p.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # RANK PORT OUT
     args = p.parse_args(argv)
     if args.world_size < 2 or args.world_size % 2:
@@ -210,6 +216,23 @@ def print_table(report: dict) -> None:
           "(+ 4 params + 4 grads on every rank; seeds' bf16 table: 4 + 16*N/d)")
 
 
+def commit_overhead(nproc: int, steps: int) -> dict:
+    """benchmarks/commit.py's two runs at ``nproc`` ranks; prints and returns the per-step commit overhead."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import commit  # a sibling script
+
+    runs = {kind: commit.run_one(kind, nproc, steps, 900.0) for kind in ("unbroken", "torchrun")}
+    bad = {k: r["error"] for k, r in runs.items() if "error" in r}
+    if bad:
+        print(f"commit overhead at {nproc} ranks: not measured: {bad}")
+        return {"nproc": nproc, "error": bad}
+    overhead = runs["unbroken"]["opt_step_s"] - runs["torchrun"]["opt_step_s"]
+    print(f"per-step commit overhead at {nproc} ranks (opt.step under unbroken run minus torchrun, tiny model, "
+          f"{steps} steps, load {os.getloadavg()[0]:.1f}): {overhead * 1e3:.2f} ms "
+          f"({runs['unbroken']['opt_step_s'] * 1e3:.2f} vs {runs['torchrun']['opt_step_s'] * 1e3:.2f} ms)")
+    return {"nproc": nproc, "commit_s": overhead, **{f"{k}_opt_step_s": r["opt_step_s"] for k, r in runs.items()}}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -218,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     report = summarize(args, launch(args, argv))
     print_table(report)
+    if args.commit_nprocs:
+        report["commit"] = commit_overhead(args.commit_nprocs, args.commit_steps)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")

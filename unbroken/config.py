@@ -1,13 +1,11 @@
 """The configuration tree: frozen dataclasses, validated when built.
 
-Precedence is defaults < environment < command line. Only this module reads
-``os.environ``: the launcher resolves a :class:`LaunchConfig` from its flags, and passes
-each worker a :class:`WorkerConfig` through environment variables that
-:func:`worker_config_from_env` reads back. Everything else takes config objects.
+Precedence is defaults < environment < command line. Only this module reads ``os.environ``:
+the launcher resolves a :class:`LaunchConfig` from its flags, and passes each worker a :class:`WorkerConfig`
+through environment variables that :func:`worker_config_from_env` reads back. Everything else takes config objects.
 
-A setting of the workers is one field of :class:`WorkerSettings`: its environment variable
-(``UNBROKEN_<NAME>``), its `unbroken run` flag (``--<name>``, ``--no-<name>`` for a switch
-that is on by default), its help and its range check all come from that field.
+A setting of the workers is one field of :class:`WorkerSettings`: its environment variable (``UNBROKEN_<NAME>``),
+its `unbroken run` flag (``--<name>``, ``--no-<name>`` for a switch on by default), help and range check.
 """
 
 from __future__ import annotations
@@ -102,6 +100,8 @@ class WorkerSettings:
     finite_check: bool = setting(
         True, "do not treat a NaN/Inf loss or gradient as a fault (default: redo the step, rung retry)")
     spare_preimport: bool = setting(True, "warm spares do not import what the script imported (default: they do)")
+    overlap_snapshots: bool = setting(True, "copy all state into the memory tier at the step boundary (default: "
+                                            "parameters and optimizer state during the next forward/backward)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

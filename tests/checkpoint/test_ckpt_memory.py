@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from unbroken.checkpoint import memory
+from unbroken.checkpoint import sources as sources_module
 from unbroken.checkpoint.memory import HEADER_BYTES, SnapshotWriter
 from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.shm_files import claim_job, remove_job, slot_path, sweep_stale
@@ -329,7 +330,7 @@ def test_bad_input_and_failed_write_keep_the_committed_snapshot(job):
 @pytest.mark.timeout(60)
 def test_device_tensors_are_copied_without_host_staging(job, monkeypatch):
     """The path a CUDA state takes (tensors copied straight into the slot), forced on CPU."""
-    monkeypatch.setattr(memory, "_is_host", lambda t: False)
+    monkeypatch.setattr(sources_module, "is_host", lambda t: False)
     model, opt = _model_and_optimizer()
     _train(model, opt, 2, seed=3)
     base = torch.randn(6, 4)
@@ -337,7 +338,7 @@ def test_device_tensors_are_copied_without_host_staging(job, monkeypatch):
              "transposed": base.t(), "bf16": torch.randn(5).to(torch.bfloat16),
              "cplx": torch.randn(3, dtype=torch.complex64), "flags": torch.tensor([True, False]),
              "scalar": torch.tensor(7), "empty": torch.zeros(0, 3)}
-    sources, _ = memory._flatten_sources(state)
+    sources, _ = sources_module.flatten_sources(state)
     assert all(src is not host for host, src in sources.values() if host.numel())
     writer = SnapshotWriter(SHM, job, 0)
     try:

@@ -10,8 +10,12 @@ tensor bytes [4096, meta), then one of the meta. (Version 2; version 1 used crc3
 tensors and meta together, 3-5x slower, and its slots read as invalid now.)
 
 A slot's state goes EMPTY -> WRITING -> COPIED -> COMMITTED -> WRITING ... WRITING is stored
-before the first byte of a snapshot, COPIED once tensors and meta are in place (the training
-step resumes there), COMMITTED only after the checksum table and the checksummed header are. The
+before the first byte of a snapshot, COPIED once tensors and meta are in place, COMMITTED only
+after the checksum table and the checksummed header are. Tensors the caller names as *deferred*
+(unchanged until it calls `settle`: parameters and optimizer state before the next update) are
+copied by the commit thread while training goes on; the rest, and the meta, before `write`
+returns. A snapshot with deferred tensors commits only once settled (the caller vouches that
+they did not change during the copy); an unsettled one is abandoned, never committed. The
 writer writes the slot not holding the newest committed snapshot, unless the other slot is held
 for the persister: then it overwrites the newest, the held one staying committed meanwhile.
 Either way a crash at any point leaves a committed snapshot intact. A reader pins the slot it reads (flock LOCK_SH); the writer
@@ -36,16 +40,15 @@ import struct
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Collection, NamedTuple
 
 import torch
 import xxhash
 
-from unbroken.checkpoint.codec import flatten_state
 from unbroken.checkpoint.capacity import (  # noqa: F401  (the slot sizes, reachable as memory.*)
     CHUNK_BYTES, GROW_ROUND_BYTES, GROWTH, HEADER_BYTES, MIN_HEADROOM_BYTES, grown_slot_bytes, headroom_bytes)
+from unbroken.checkpoint.sources import flatten_sources
 from unbroken.checkpoint.shm_files import (check_dir, open_ours, open_slot, persisted_path, read_ours,
                                            read_persisted, slot_path)
 from unbroken.errors import CheckpointError, ConfigError
@@ -113,9 +116,10 @@ def hashed_ranges(h: SlotHeader) -> list[tuple[int, int]]:
 class SnapshotWriter:
     """Copies one rank's state into its two shared-memory slots; runs in the worker.
 
-    Owns the two slot mappings and at most one commit thread (checksums of the last write, then
-    COPIED -> COMMITTED). `write` blocks for the wait on the previous commit plus the copy.
-    Call it from one thread; one writer per rank (the agent makes sure an old worker of the
+    Owns the two slot mappings and at most one commit thread (the deferred copies of the last
+    write, its checksums, then COPIED -> COMMITTED once settled). `write` blocks for the wait on
+    the previous commit plus the copy of what is not deferred; `settle` for the rest of the copy.
+    Call them from one thread; one writer per rank (the agent makes sure an old worker of the
     rank is dead before it starts a new one). close() unmaps; the files stay.
     """
 
@@ -128,6 +132,7 @@ class SnapshotWriter:
         self._persisted_path = persisted_path(self.dir, job_id, rank)
         self._maps: list[_Mapping | None] = [None, None]
         self._thread: threading.Thread | None = None
+        self._pending: _Pending | None = None  # the commit thread's snapshot, until joined
         self._error: BaseException | None = None
         self.skipped_writes = 0  # snapshots skipped because a reader pinned the slot
         headers = [read_header(p) for p in self.paths]
@@ -136,19 +141,23 @@ class SnapshotWriter:
                 if h and h.state == SlotState.COMMITTED]
         _, self._newest, self.committed_step = max(done) if done else (0, None, None)
 
-    def write(self, step: int, state: Any, meta: dict | None = None) -> float:
+    def write(self, step: int, state: Any, meta: dict | None = None, deferred: Collection[int] = ()) -> float:
         """Copy `state` into a slot (see _target_slot); return the seconds the caller was
-        blocked (the wait for the previous commit, and the copy).
+        blocked (the wait for the previous commit, and the copy of what is not deferred).
 
-        A background thread commits the snapshot; `flush` waits for it. CheckpointError when
-        the state or meta cannot be encoded, shm_dir lacks space, or the last commit failed;
-        a committed snapshot is always left intact.
+        ``deferred``: ``data_ptr()`` of the state's tensors the caller will not change until it
+        calls :meth:`settle`; the commit thread copies them meanwhile, and the snapshot commits
+        only once settled. An earlier snapshot still unsettled is abandoned first (never
+        committed: its tensors may have changed). A background thread commits the snapshot;
+        `flush` waits for it. CheckpointError when the state or meta cannot be encoded,
+        shm_dir lacks space, or the last commit failed; a committed snapshot is always left intact.
         """
         start = time.perf_counter()
         if type(step) is not int or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
+        self.abandon()
         self._wait_commit(None)
-        sources, spec = _flatten_sources(state)
+        sources, spec = flatten_sources(state)
         index, cursor = {}, HEADER_BYTES
         for name, (host, _) in sources.items():
             cursor, nbytes = round_up(cursor, ALIGN_BYTES), host.numel() * host.element_size()
@@ -186,17 +195,20 @@ class SnapshotWriter:
             header = SlotHeader(SlotState.WRITING, self._seq, step, HEADER_BYTES, meta_off,
                              len(meta_bytes), table_off, CHUNK_BYTES, n_chunks, 0)
             m.mm[:HEADER.size] = header.pack()
+            later = []
             for name, (_, src) in sources.items():
                 e = index[name]
                 # On a GPU `src` is a CUDA tensor: one device-to-host copy into the pageable
                 # mapping. Later step: register the mapping as pinned memory (cudaHostRegister),
                 # copy with non_blocking=True, and have the commit thread wait on a CUDA event.
-                dst = m.buf[e["offset"]:e["offset"] + e["nbytes"]]
-                dst.view(src.dtype).view(src.shape).copy_(src)
+                dst = m.buf[e["offset"]:e["offset"] + e["nbytes"]].view(src.dtype).view(src.shape)
+                if src.numel() and src.data_ptr() in deferred:
+                    later.append((dst, src))
+                else:
+                    dst.copy_(src)
             m.mm[meta_off:meta_off + len(meta_bytes)] = meta_bytes
-            header = header._replace(state=SlotState.COPIED)
-            m.mm[:HEADER.size] = header.pack()
-            self._thread = threading.Thread(target=self._commit, args=(m, fd, slot, header),
+            self._pending = _Pending(later)
+            self._thread = threading.Thread(target=self._commit, args=(m, fd, slot, header, self._pending),
                                             daemon=True, name=f"unbroken-snapshot-r{self.rank}")
             self._thread.start()
         except BaseException:
@@ -239,14 +251,47 @@ class SnapshotWriter:
             due.append(h.step if ok else -1)
         return due[slot] >= 0 and due[slot] == max(due)
 
+    @property
+    def unsettled(self) -> bool:
+        """A snapshot with deferred tensors is pending and not settled yet."""
+        return self._pending is not None and not self._pending.go.is_set()
+
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """Wait until the deferred tensors of the pending snapshot are copied (the caller may
+        change them after this returns True), and let its commit go on. False if the copy still
+        runs after `timeout_s` (the snapshot stays unsettled). An error of the copy is raised
+        by the next write, flush or close."""
+        pending = self._pending
+        if pending is None or pending.go.is_set():
+            return True
+        if not pending.copied.wait(timeout_s):
+            return False
+        pending.go.set()
+        return True
+
+    def abandon(self) -> None:
+        """Never commit the pending snapshot if it is unsettled: its deferred tensors may have
+        changed (a step ended without the update the caller would settle at). Its slot stays
+        uncommitted; the committed snapshot before it stays the newest."""
+        pending = self._pending
+        if pending is not None and not pending.go.is_set():
+            pending.abandoned = True
+            pending.go.set()
+            logger.info("rank %d: abandoned an unsettled shared-memory snapshot (it stays uncommitted)", self.rank)
+
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait for the pending commit; False if it still runs after `timeout_s`.
+        """Settle the pending snapshot (the caller vouches that its deferred tensors did not
+        change) and wait for its commit; False if it still runs after `timeout_s`.
         Raises CheckpointError if it failed."""
+        if not self.settle(timeout_s):
+            return False
         return self._wait_commit(timeout_s)
 
     def close(self) -> None:
-        """Wait for the pending commit, then unmap the slots (the files stay)."""
+        """Abandon an unsettled snapshot, wait for the pending commit, then unmap the slots (the
+        files stay)."""
         try:
+            self.abandon()
             self._wait_commit(None)
         finally:
             for m in self._maps:
@@ -254,16 +299,27 @@ class SnapshotWriter:
                     m.close()
             self._maps = [None, None]
 
-    def _commit(self, m: _Mapping, fd: int, slot: int, header: SlotHeader) -> None:
-        """Commit thread: checksum table, checksummed header, the state COMMITTED, unpin."""
+    def _commit(self, m: _Mapping, fd: int, slot: int, header: SlotHeader, pending: _Pending) -> None:
+        """Commit thread: the deferred copies, COPIED, checksum table, checksummed header; once
+        settled the state COMMITTED; unpin."""
         try:
+            try:
+                for dst, src in pending.later:
+                    dst.copy_(src)
+                header = header._replace(state=SlotState.COPIED)
+                m.mm[:HEADER.size] = header.pack()
+            finally:
+                pending.later = []  # drop the references to the live tensors
+                pending.copied.set()
             with memoryview(m.mm) as view:
                 hashes = [xxhash.xxh3_64_intdigest(view[a:b]) for a, b in hashed_ranges(header)]
             table = struct.pack(f"<{len(hashes)}Q", *hashes)
             m.mm[header.table_off:header.table_off + len(table)] = table
             m.mm[:HEADER.size] = header._replace(table_crc=zlib.crc32(table)).pack()
-            _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.COMMITTED)  # the commit point
-            self._newest, self.committed_step = slot, header.step
+            pending.go.wait()
+            if not pending.abandoned:
+                _STATE.pack_into(m.mm, _STATE_OFFSET, SlotState.COMMITTED)  # the commit point
+                self._newest, self.committed_step = slot, header.step
         except BaseException as exc:  # re-raised in the training thread by _wait_commit
             self._error = exc
         finally:
@@ -274,7 +330,7 @@ class SnapshotWriter:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 return False
-            self._thread = None
+            self._thread, self._pending = None, None
         if self._error is not None:
             exc, self._error = self._error, None
             raise CheckpointError(f"committing the shared-memory snapshot of rank {self.rank} "
@@ -337,6 +393,18 @@ class SnapshotWriter:
 # ---- helpers -----------------------------------------------------------------------
 
 
+class _Pending:
+    """One snapshot's hand-over between the training thread and its commit thread: the deferred
+    (destination, live source) copies, set `copied` once they are done, `go` once the snapshot
+    may commit (settled) or must not (`abandoned`)."""
+
+    def __init__(self, later: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.later, self.abandoned = later, False
+        self.copied, self.go = threading.Event(), threading.Event()
+        if not later:  # everything was copied at the boundary: nothing to settle
+            self.go.set()
+
+
 class _Mapping:
     """One slot file mapped shared and writable; `buf` is a uint8 tensor over all of it."""
 
@@ -365,46 +433,6 @@ def _close_map(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:  # a view is still alive (held by a traceback): the GC unmaps it
         pass
-
-
-def _is_host(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
-
-
-def _flatten_sources(state: Any) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict]:
-    """flatten_state as {name: (host layout, source tensor)}, without staging copies.
-
-    flatten_state would copy a device (or non-contiguous) tensor into fresh host memory: a
-    copy plus page faults. Instead each such tensor stands in, while flattening, as an
-    untouched host placeholder of its shape and dtype, and its bytes go straight from the
-    device into the slot. The host layout (dtype, shape) is what flatten_state recorded.
-    """
-    stand_ins: dict[tuple, torch.Tensor] = {}  # view of a device storage -> placeholder
-    origin: dict[int, torch.Tensor] = {}  # placeholder data_ptr -> device tensor
-
-    def swap(x: Any) -> Any:
-        kind = type(x)
-        if kind in (dict, OrderedDict):
-            out = kind((k, swap(v)) for k, v in x.items())
-            if hasattr(x, "_metadata"):
-                out._metadata = x._metadata
-            return out
-        if kind in (list, tuple):
-            return kind(swap(v) for v in x)
-        if kind in (torch.Tensor, torch.nn.Parameter) and x.numel() > 0 and not x.is_quantized \
-                and x.layout == torch.strided and x.device.type != "meta" \
-                and not (_is_host(x) and x.is_contiguous()):
-            key = (str(x.device), x.untyped_storage().data_ptr(), x.storage_offset(),
-                   tuple(x.shape), x.stride(), x.dtype)
-            if key not in stand_ins:  # tied weights share one placeholder: stored once
-                stand_ins[key] = torch.empty(x.shape, dtype=x.dtype)
-                origin[stand_ins[key].data_ptr()] = x.detach()
-            return stand_ins[key]
-        return x
-
-    tensors, spec = flatten_state(swap(state))
-    return {name: (t, origin.get(t.data_ptr(), t) if t.numel() else t)
-            for name, t in tensors.items()}, spec
 
 
 def _gib(n: int) -> str:

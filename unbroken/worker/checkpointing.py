@@ -7,10 +7,17 @@ before the first), :meth:`~unbroken.worker.session.Job.checkpoint` and rung `dum
 
 * the **memory tier** (under `unbroken run` with a job id and ``every_steps``): every
   ``every_steps`` steps the state is copied into this rank's shared-memory slot
-  (:class:`~unbroken.checkpoint.memory.SnapshotWriter`, built at the first snapshot; the
-  step is blocked only for the copy), and the agent persists some of them to storage. If
-  a snapshot fails (e.g. /dev/shm too small), the memory tier is off for the rest of the
-  process and storage checkpoints go on;
+  (:class:`~unbroken.checkpoint.memory.SnapshotWriter`, built at the first snapshot), and the
+  agent persists some of them to storage. What a step may change before its update (norm
+  statistics, tracked tensors, RNG, other objects) is copied at the step boundary; parameters
+  and optimizer state are copied while the next step's forward and backward run, and the
+  session calls :meth:`Checkpointer.settle` where they may change next (the update, a
+  recovery, the loop's end, an injected memory fault): the step waits there only for what is
+  left of the copy. A step that ends without an update leaves its snapshot unsettled: it is
+  abandoned (never committed) and the overlap is off for the rest of the process
+  (``--no-overlap-snapshots`` turns it off from the start). If a snapshot fails (e.g.
+  /dev/shm too small), the memory tier is off for the rest of the process and storage
+  checkpoints go on;
 * the **storage tier** otherwise: every ``storage_every_steps`` steps each rank writes its
   part, and rank 0 commits the step once every rank's part is durable.
 
@@ -61,6 +68,7 @@ class Checkpointer:
             if ckpt.save_dir else None
         self.memory_tier = managed and bool(cfg.job_id) and ckpt.every_steps > 0
         self._snapshots: SnapshotWriter | None = None  # built at the first snapshot
+        self.overlap = cfg.worker.overlap_snapshots  # off for good after a step without an update
         self._warned_save_failure = False
 
     def check_capacity(self, step: int) -> None:
@@ -91,6 +99,7 @@ class Checkpointer:
 
     def after_step(self, step: int) -> None:
         """After a completed step (``step`` steps done): the checkpoint its number calls for, if any."""
+        self._drop_unsettled(step)
         ckpt = self._cfg.checkpoint
         if self.memory_tier:  # a shared-memory snapshot; the agent persists some of them
             if step % ckpt.every_steps == 0:
@@ -98,24 +107,53 @@ class Checkpointer:
         elif ckpt.storage_every_steps and step % ckpt.storage_every_steps == 0:
             self.save(step)
 
-    def checkpoint_now(self, step: int) -> None:
-        """Checkpoint the state after ``step`` completed steps: to memory (if on), and to storage."""
+    def checkpoint_now(self, step: int, in_step: bool = False) -> None:
+        """Checkpoint the state after ``step`` completed steps: to memory (if on), and to storage.
+        ``in_step``: called inside a step, where the pending snapshot's copy completes first (before
+        the update nothing it copies has changed; after it, it is settled already)."""
+        if in_step:
+            self.settle()
+        self._drop_unsettled(step)
         if self.memory_tier:
-            self.snapshot(step)
+            self.snapshot(step, overlap=False)  # wherever the script calls it: all copied now
         self.save(step)
 
-    def snapshot(self, step: int) -> None:
-        """Copy the state into this rank's shared-memory slot (the step is blocked only for the copy)."""
+    def snapshot(self, step: int, overlap: bool = True) -> None:
+        """Copy the state into this rank's shared-memory slot; with ``overlap`` (and :attr:`overlap`),
+        parameters and optimizer state in the background, until :meth:`settle`."""
         try:
             if self._snapshots is None:
                 ckpt = self._cfg.checkpoint
                 hold = ckpt.persist_every_steps if ckpt.save_dir else 0  # kept until the agent persisted it
                 self._snapshots = SnapshotWriter(ckpt.shm_dir, self._cfg.job_id, self._cfg.rank, hold_every=hold)
-            self._snapshots.write(step, self._tracked.tree(), {"step": step})
+            tree = self._tracked.tree()
+            deferred = self._tracked.unchanged_until_update(tree) if overlap and self.overlap else ()
+            self._snapshots.write(step, tree, {"step": step}, deferred=deferred)
             self._metrics["shm_bytes"] = sum(p.stat().st_size for p in self._snapshots.paths if p.exists())
         except CheckpointError as exc:  # e.g. /dev/shm too small: storage checkpoints go on
             self.memory_tier = False
             self._save_failed(step, exc)
+
+    def settle(self) -> float:
+        """Before the parameters or optimizer state may change (the update, a recovery, the loop's
+        end): wait for the pending snapshot's copy of them; return the seconds waited."""
+        if self._snapshots is None or not self._snapshots.unsettled:
+            return 0.0
+        started = time.perf_counter()
+        self._snapshots.settle()
+        return time.perf_counter() - started
+
+    def _drop_unsettled(self, step: int) -> None:
+        """A snapshot still unsettled at a step's end: the step had no update the session saw, so its
+        parameters may have changed during the copy: never commit it, and copy at the boundary from now on."""
+        if self._snapshots is None or not self._snapshots.unsettled:
+            return
+        self._snapshots.abandon()
+        if self.overlap:
+            self.overlap = False
+            self._event("snapshot_overlap_off", step=step, reason="a step ended without an update")
+            log.info("rank %d: step %d ended without an optimizer update; memory-tier snapshots are copied at "
+                     "the step boundary from now on (no overlap with the next step)", self._cfg.rank, step)
 
     def save(self, step: int) -> None:
         """Write this rank's part of ``step`` to storage; rank 0 commits it once every rank's

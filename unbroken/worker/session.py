@@ -111,7 +111,8 @@ class Job:
             claim = lambda fault: control.claim_fault(fault.fault_id)  # noqa: E731
         else:
             claim = file_claim(self.cfg.run_dir)
-        return FaultInjector(faults, self.rank, claim, tracked=lambda: self._tracked.objects,
+        # A memory fault damages the live state: the pending snapshot's copy of it completes first.
+        return FaultInjector(faults, self.rank, claim, tracked=lambda: (self._ckpt.settle(), self._tracked.objects)[1],
                              degraded=self.report_degraded)
 
     # -- the training-loop API ---------------------------------------------------------
@@ -179,6 +180,7 @@ class Job:
         self._report_finished()
 
     def _report_finished(self) -> None:  # past the loop: no step progress to expect any more
+        self._ckpt.settle()  # the script may change its state from here on
         if self._control is not None:
             self._control.progress(self._step, Phase.FINISHED, {})
 
@@ -260,6 +262,7 @@ class Job:
             raise CollectiveAborted(f"rank {self.rank}: step {self._step} was not committed (abort order for "
                                     f"generation {self._control.abort_gen}: {self._control.abort_reason})")
         self._committed_this_step = True
+        self._metrics["snapshot_wait_s"] = self._ckpt.settle()  # the update may change what it still copies
 
     # -- collectives that can be abandoned ----------------------------------------------
     @property
@@ -307,6 +310,7 @@ class Job:
     def _survive(self) -> int:
         """Drop the step in flight (gradients, what it changed before its commit), recover; the step to resume at."""
         pause_phase = self._phase if self._in_step else Phase.COMPUTE  # between steps: the next one's start
+        self._ckpt.settle()  # before recovery writes into the state (a dropped step changed none of it)
         self._tracked.drop_grads()
         capture = self._step_states.capture
         if self._in_step and capture is not None and not self._committed_this_step:
@@ -336,11 +340,9 @@ class Job:
 
     # -- reports, checkpoints, the end ---------------------------------------------------
     def report_degraded(self, reason: str) -> None:
-        """Report this rank degraded (sub-health: e.g. a device health monitor's warning).
-
-        Under ``--sub-health-policy grace-exit`` the job dumps its state at once and restarts
-        cleanly from it; under ``ignore`` (the default) the report is only logged.
-        """
+        """Report this rank degraded (sub-health: e.g. a device health monitor's warning). Under
+        ``--sub-health-policy grace-exit`` the job dumps its state at once and restarts cleanly from it;
+        under ``ignore`` (the default) the report is only logged."""
         log.warning("rank %d: reported degraded at step %d: %s", self.rank, self._step, reason)
         if self._control is not None:
             self._control.degraded(reason)
@@ -354,7 +356,7 @@ class Job:
         """Checkpoint the state now (after the last completed step), to storage too; not after a dropped step."""
         if self._step_dropped("job.checkpoint"):
             return
-        self._ckpt.checkpoint_now(self._step)
+        self._ckpt.checkpoint_now(self._step, in_step=self._in_step)
 
     @property
     def step_completed(self) -> bool:
@@ -405,11 +407,9 @@ class Job:
         return int(t.item())
 
     def _restore(self) -> int:
-        """Agree with every rank on the newest step all can load, load it; return the step.
-
-        Sources by the resume rule (restore.build_sources). Every rank must load the same step: under
-        `unbroken run` the controller decides it, elsewhere an all-reduce (see restore.py).
-        """
+        """Agree with every rank on the newest step all can load, load it; return the step. Sources by
+        the resume rule (restore.build_sources). Every rank must load the same step: under `unbroken run`
+        the controller decides it, elsewhere an all-reduce (see restore.py)."""
         if self._restored:
             return self._step
         self._restored = True

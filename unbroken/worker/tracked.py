@@ -223,6 +223,21 @@ class TrackedState:
         states, streams = self._states(list(self.objects))
         return {"tracked": states, "rng": streams}
 
+    def unchanged_until_update(self, tree: dict[str, Any]) -> set[int]:
+        """``data_ptr()`` of the tensors of ``tree`` (from :meth:`tree`) that stay as they are until
+        the next step's update begins: the parameters of tracked modules, and the state of tracked
+        optimizers and recoverable objects (the commit rule covers them). Not in it: norm
+        statistics and other buffers (a forward moves them; DDP broadcasts them), tracked tensors,
+        the RNG streams and every other object's state."""
+        out: set[int] = set()
+        for name, obj in self.objects.items():
+            if isinstance(obj, torch.nn.Module) and not isinstance(obj, RecoverableState):
+                params = {p.data_ptr() for p in obj.parameters()}
+                out.update(t.data_ptr() for t in _tensors(tree["tracked"][name]) if t.data_ptr() in params)
+            elif _committed_state(obj):
+                out.update(t.data_ptr() for t in _tensors(tree["tracked"][name]))
+        return out
+
     def load_one(self, obj: Any, state: Any) -> None:
         if isinstance(obj, torch.Tensor):
             with torch.no_grad():
@@ -251,6 +266,18 @@ class TrackedState:
         for name, obj in self.objects.items():
             self.load_one(obj, tracked[name])
         self._rng.restore(state["rng"])
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    """The tensor leaves of a state tree (dicts, lists, tuples)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for value in x.values():
+            yield from _tensors(value)
+    elif isinstance(x, (list, tuple)):
+        for value in x:
+            yield from _tensors(value)
 
 
 def _committed_state(obj: Any) -> bool:

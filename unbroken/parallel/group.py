@@ -10,7 +10,9 @@ with the next generation's backend; the object DDP holds does not change.
 Every collective is abortable (FACTS.md: nothing cancels a gloo op): the backend's work is
 wrapped in an :class:`AbortableWork` whose ``wait()`` polls and asks the abort signal, and
 whose future is failed at once when the signal fires. The backend work it gave up on goes to
-the fabric's graveyard (kept referenced until it ends, never destroyed early).
+the fabric's graveyard (kept referenced until it ends, never destroyed early). Point-to-point
+ops (a pipeline's sends and recvs) are abortable too: gloo's complete only inside ``wait()``,
+so a :class:`ThreadWaitedWork` waits for them in a daemon thread and the polling asks it.
 
 Before a rank's first generation the group is *detached*: collectives complete at once,
 locally, as if every peer held what this rank holds (broadcast keeps the tensors, all-gather
@@ -198,6 +200,50 @@ class AbortableWork(dist.Work):
         return self._future.value()
 
 
+class ThreadWaitedWork(dist.Work):
+    """A gloo send/recv work, waited on by a daemon thread so that it can be polled.
+
+    gloo's send and recv works complete only inside ``wait()``: ``is_completed()`` stays False
+    until then (torch 2.13), so a polling wait on them never ends. The thread waits (until the
+    op ends or fails, at the latest at the backend's timeout, keeping the work referenced that
+    long: FACTS.md); :meth:`is_completed` reports what it saw. No future (like gloo's own).
+    """
+
+    def __init__(self, inner: dist.Work, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._inner, self._tensors = inner, tensors
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="unbroken-p2p-wait").start()
+
+    def _run(self) -> None:
+        try:
+            self._inner.wait()
+        except Exception as exc:  # noqa: BLE001 - re-raised by wait() in the caller's thread
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> Future:
+        raise RuntimeError("a point-to-point work has no future: it completes through wait()")
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._tensors
+
+
 def _unwrap(trigger: Future) -> Any:
     value, error = trigger.value()
     if error is not None:
@@ -374,8 +420,19 @@ class SurvivingGroup(dist.ProcessGroup):
     def alltoall_base(self, *args):
         return self._issue("alltoall_base", args, None)
 
-    def send(self, *args):
-        return self._issue("send", args, None)
+    def send(self, tensors, dst, tag):
+        return self._issue_p2p("send", tensors, dst, tag)
 
-    def recv(self, *args):
-        return self._issue("recv", args, None)
+    def recv(self, tensors, src, tag):
+        return self._issue_p2p("recv", tensors, src, tag)
+
+    def _issue_p2p(self, op: str, tensors: list[torch.Tensor], peer: int, tag: int) -> AbortableWork:
+        """A send or recv (a pipeline's activations and gradients): abortable like the collectives,
+        not a reduction (it marks no phase), refused while detached or held (it has no local result)."""
+        what = f"{op} with group rank {peer} (tag {tag}) on group {self.key!r} generation {self._gen}"
+        if self._backend is None or self.held:
+            raise DetachedCollective(
+                f"{what}: this rank has not joined the survivors yet (a replacement building its wrappers); "
+                "point-to-point ops have no local result: issue them in the training loop")
+        inner = ThreadWaitedWork(getattr(self._backend, op)(tensors, peer, tag), tensors)
+        return AbortableWork(inner, self._signal, self._graveyard, what)

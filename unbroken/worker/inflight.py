@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -48,7 +49,8 @@ from unbroken.names import Phase
 from unbroken.parallel import ddp as ddp_generations
 from unbroken.parallel.fabric import Fabric
 from unbroken.protocol.messages import Dump, Regroup
-from unbroken.recovery.transfer_plan import Move, plan_moves
+from unbroken.recovery.mesh_map import MeshReplicaMap, object_moves
+from unbroken.recovery.transfer_plan import Move
 from unbroken.worker import wrappers
 from unbroken.worker.control import ControlClient
 from unbroken.worker.state_blob import decode_tree
@@ -90,6 +92,8 @@ class InFlight:
         self.fault_noted = False  # a fault inside a step: recover before the next one
         self._paused_step = 0
         self._order: Regroup | None = None
+        self.replica_map: MeshReplicaMap | None = None  # the job's mesh (job.mesh): who holds whose objects
+        self.after_transfer: list[Callable[[], None]] = []  # run by every rank last in each transfer
         if fabric is not None:
             self.graveyard = fabric.graveyard  # one graveyard (the groups hold it): close() checks it
             if control is not None:
@@ -272,23 +276,23 @@ class InFlight:
         alive = [r for r in range(self._cfg.world_size) if r not in replaced]
         receiving = rank in replaced and not self._keeps_own
         self._recover_recoverable(replaced)
-        plain = {f"object {name!r}": obj for name, obj in self._tracked.plain()}
-        moves = plan_moves(list(plain), {key: alive for key in plain}, {key: sorted(replaced) for key in plain}, alive)
+        plain = dict(self._tracked.plain())
+        moves, names = object_moves(list(plain), self.replica_map, replaced, alive)  # mesh: same stage/shard
         # The controller kept no per-rank state for the ranks in `fallback`: the lowest survivor's copy.
         moves += [Move(_PER_RANK, alive[0], r) for r in sorted(set(order.fallback) & replaced)]
 
         def state_of(key: str) -> Any:
-            return self._tracked.per_rank_tree() if key == _PER_RANK else self._tracked.state_of(plain[key])
+            return self._tracked.per_rank_tree() if key == _PER_RANK else self._tracked.state_of(plain[names[key]])
 
         def local_of(key: str) -> Any:  # a replacement's own tensors (its model as built) take the data
-            return None if key == _PER_RANK else self._tracked.state_of(plain[key])
+            return None if key == _PER_RANK else self._tracked.state_of(plain[names[key]])
 
         got = exchange_states(moves, self.group, state_of=state_of, local_of=local_of, device=self._device,
                               should_abort=self.should_abort, graveyard=self.graveyard,
                               what=f"state transfer of generation {order.gen}")
-        for key, obj in plain.items():
+        for key, name in names.items():
             if key in got:
-                self._tracked.load_one(obj, got[key])
+                self._tracked.load_one(plain[name], got[key])
         if receiving and _PER_RANK in got:
             self._tracked.load_per_rank(got[_PER_RANK])
         elif receiving:
@@ -301,3 +305,5 @@ class InFlight:
         as at track (parameter order), so every rank's buckets match the fault-free run's."""
         for ddp in wrappers.surviving_ddps(self._tracked.objects.values()):
             ddp_generations.realign_buckets(ddp)
+        for hook in self.after_transfer:  # e.g. the mesh's pipeline schedules warm up again at the redo
+            hook()

@@ -95,6 +95,9 @@ class JobMesh:
         for schedule in self._schedules:
             for flag in _SCHEDULE_INIT_FLAGS:
                 setattr(schedule, flag, False)
+            losses = getattr(schedule, "_internal_losses", None)
+            if losses is not None:  # an aborted step's partial micro-batch losses (the last stage)
+                losses.clear()
 
     def _check_dim(self, dim: str) -> None:
         if dim not in self._coords:

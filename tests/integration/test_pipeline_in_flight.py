@@ -119,3 +119,43 @@ def test_stopped_stage_rank_is_replaced_in_flight_bit_exact(tmp_path, reference)
     _check_in_flight(returncode, output, run_dir, {2})
     assert [d["rank"] for d in events(run_dir, "hang_detected")] == [2]
     assert_same_stages(reference, out)
+
+
+# -- no live holder of a stage: the checkpoint tiers ------------------------------------------
+CKPT = ["--ckpt-every-steps", "3"]
+
+
+def _check_restarted_from_memory(result, run_dir, reason: str) -> dict:
+    """The job restarted once (rung exit, the reason naming the stage without a holder), every
+    rank restored the newest memory-tier step; returns the `recovered` event (steps lost)."""
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    exits = [d for d in events(run_dir, "decision") if d["rung"] == "exit"]
+    assert len(exits) == 1 and reason in exits[0]["reason"], events(run_dir, "decision")
+    restored = events(run_dir, "restored")
+    assert {e["tier"] for e in restored} == {"memory"} and len(restored) == 4, restored
+    (recovered,) = events(run_dir, "recovered")
+    return recovered
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_both_replicas_of_a_stage_lost_fall_to_the_memory_tier_bit_exact(tmp_path, reference):
+    result, out, run_dir = _train(tmp_path, "both", flags=["--save", str(tmp_path / "ckpt"), *CKPT,
+                                  "--inject", "kill:rank=2:step=5,kill:rank=3:step=5"])
+    recovered = _check_restarted_from_memory(result, run_dir, "no live replica of the state of pp=1, tp=0")
+    assert recovered["restored_step"] == 3 and recovered["step"] >= 5  # steps 3-4 lost and redone
+    assert_same_stages(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_pipeline_without_replicas_falls_to_the_memory_tier_bit_exact(tmp_path):
+    """dp = 1 (PP4): no stage has a second holder; a kill restarts the job from the memory tier."""
+    pp4 = ["--pp", "4", "--dp", "1", "--n-layer", "4"]
+    result, reference, _ = _train(tmp_path, "reference-pp4", script=pp4)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result, out, run_dir = _train(tmp_path, "pp4", script=pp4, flags=["--save", str(tmp_path / "ckpt"), *CKPT,
+                                  "--inject", "kill:rank=2:step=5"])
+    recovered = _check_restarted_from_memory(result, run_dir, "no live replica of the state of pp=2, tp=0 of rank 2")
+    assert (recovered["step"], recovered["restored_step"]) == (5, 3)
+    assert_same_stages(reference, out)

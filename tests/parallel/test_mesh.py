@@ -72,3 +72,35 @@ def test_mesh_groups_survive_a_generation_and_a_replacement_builds_its_mesh_whil
         assert f["generations"] == {"0": {"pp": 0, "dp": 0, "tp": 0}, "1": {"pp": 1, "dp": 1, "tp": 1}}
     assert facts[(3, 1)]["generations"] == {"1": {"pp": 1, "dp": 1, "tp": 1}}
     del store
+
+
+class _Schedule:
+    """The attributes of a torch 2.13 single-stage schedule that JobMesh touches."""
+
+    def __init__(self) -> None:
+        self._stage_forward_initialized = self._stage_backward_initialized = True
+        self._internal_losses = ["a partial micro-batch loss"]
+
+
+def test_registered_schedules_warm_up_again_after_a_regroup_and_drop_partial_losses():
+    from unbroken.parallel.mesh import JobMesh
+    from unbroken.recovery.mesh_map import MeshReplicaMap
+
+    mesh = JobMesh(None, MeshReplicaMap((("pp", 2), ("dp", 2), ("tp", 1))), rank=2)
+    schedule = mesh.pipeline(_Schedule())
+    assert (mesh.coord("pp"), mesh.coord("dp"), mesh.group_ranks("dp")) == (1, 0, [2, 3])
+    mesh.after_regroup()
+    assert not schedule._stage_forward_initialized and not schedule._stage_backward_initialized
+    assert schedule._internal_losses == []
+
+
+def test_pipeline_refuses_what_is_not_a_single_stage_schedule():
+    from unbroken.errors import ConfigError
+    from unbroken.parallel.mesh import JobMesh
+    from unbroken.recovery.mesh_map import MeshReplicaMap
+
+    mesh = JobMesh(None, MeshReplicaMap((("pp", 2), ("dp", 2))), rank=0)
+    with pytest.raises(ConfigError, match="a object has no .*_stage_forward_initialized.*ScheduleGPipe"):
+        mesh.pipeline(object())
+    with pytest.raises(ConfigError, match="'tp' is not a dimension of the job's mesh"):
+        mesh.coord("tp")

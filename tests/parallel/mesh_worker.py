@@ -15,6 +15,9 @@ import argparse
 import json
 import os
 import sys
+import time
+
+_T0 = time.monotonic()
 from datetime import timedelta
 from pathlib import Path
 
@@ -65,10 +68,12 @@ def main() -> int:
     facts["replicas"] = mesh.replica_map.replicas_of(args.rank)
     if args.gen > 0:
         fabric.release()
+    facts["mesh_built_s"] = time.monotonic() - _T0
     check_dims(mesh, facts, args.gen)
     if args.survive:
         facts["switch_s"] = fabric.switch(1)
         check_dims(mesh, facts, 1)
+    facts["done_s"] = time.monotonic() - _T0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{args.rank}.gen{args.gen}.json").write_text(json.dumps(facts))
     os._exit(0)  # the groups hold no pending op; skip interpreter teardown of live gloo groups

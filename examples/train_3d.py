@@ -78,7 +78,8 @@ def build_schedule(stage_mod: Stage, mesh: "unbroken.parallel.mesh.JobMesh", cfg
     """The stage's PipelineStage with its micro-batch shapes given (no shape exchange at the first
     step: nothing to pickle, nothing a replacement would have to replay) and its schedule."""
     micro = args.batch_size // args.microbatches
-    hidden = torch.zeros(micro, cfg.block_size, cfg.n_embd, device=device)
+    # requires_grad: the shapes' metadata says a gradient flows back through the hidden states
+    hidden = torch.zeros(micro, cfg.block_size, cfg.n_embd, device=device, requires_grad=True)
     tokens = torch.zeros(micro, cfg.block_size, dtype=torch.long, device=device)
     logits = torch.zeros(micro, cfg.block_size, cfg.vocab_size, device=device)
     stage = PipelineStage(stage_mod, mesh.coord("pp"), mesh.size("pp"), device,

@@ -141,11 +141,20 @@ class InFlight:
     def release_graveyard(self) -> bool:
         """At the end of the job: True if nothing abandoned is still pending. With surviving groups
         the graveyard is then emptied (the old backends have no op left), so the groups can be torn
-        down before the interpreter exits: a surviving group alive at exit can crash the process."""
+        down before the interpreter exits: a surviving group alive at exit can crash the process.
+
+        An abandoned op still pending here (a survivor's all-reduce with a peer that left the step
+        before it: in a dp group the lost rank is not in, nothing fails it) would abort this process
+        at exit (``terminate`` on gloo's IoException once the peer exits). So it is waited for: it
+        ends when its peers close their old backends (they exit) or at its timeout, at most
+        ``pg_timeout_s`` from now."""
         if self._fabric is None:
             return not self.graveyard
-        if self._fabric.prune_graveyard():
-            return False
+        deadline = time.monotonic() + self._cfg.worker.pg_timeout_s
+        while self._fabric.prune_graveyard():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
         self.graveyard.clear()
         return True
 

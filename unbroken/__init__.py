@@ -11,16 +11,19 @@ The training-loop API::
 
 from unbroken import errors
 from unbroken.errors import EXIT_FATAL, FatalError, UnbrokenError
-from unbroken.worker.session import Job, init
 
 __all__ = ["EXIT_FATAL", "FatalError", "Job", "UnbrokenError", "errors", "init", "optim"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # `unbroken.optim` is imported on first use: a script that does not use it pays nothing.
-    if name == "optim":
-        import importlib
+    # Imported on first use: the launcher, the agent and the controller (which import
+    # `unbroken.cli`, `.agent`, `.controller`) never import torch; a script that does not use
+    # `unbroken.optim` pays nothing for it.
+    import importlib
 
+    if name in ("Job", "init"):
+        return getattr(importlib.import_module("unbroken.worker.session"), name)
+    if name == "optim":
         return importlib.import_module("unbroken.optim")
     raise AttributeError(f"module 'unbroken' has no attribute {name!r}")

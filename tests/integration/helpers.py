@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -36,10 +38,19 @@ def events(run_dir: Path, name: str | None = None) -> list[dict]:
 
 
 def reference_run(tmp_path_factory, name: str = "reference", *, steps: int, train_args: list[str] = ()) -> Path:
-    """Final weights of a fault-free 4-rank run (for a module-scoped fixture)."""
+    """Final weights of a fault-free 4-rank run of the example (for a module-scoped fixture).
+
+    Run once per test session for each (steps, train_args): test modules that compare with the
+    same fault-free run share it (a 4-rank run costs 15-50 s of the default run)."""
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join([str(steps), *train_args]))
+    shared = tmp_path_factory.getbasetemp() / "references" / f"{key}.safetensors"
+    if shared.exists():
+        return shared
     result, out, _ = train(tmp_path_factory.mktemp(name), "reference", steps=steps, train_args=train_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+    shared.parent.mkdir(exist_ok=True)
+    shutil.copyfile(out, shared)
+    return shared
 
 
 def run_and_sigstop(cmd: list[str], run_dir: Path, *, rank: int, after_step: int, start_s: float,

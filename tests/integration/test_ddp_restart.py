@@ -26,6 +26,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # default run: DDP in flight (test_ddp_in_flight), restart from memory (test_job_restart)
 @pytest.mark.timeout(240)
 def test_ddp_job_restart_from_memory_is_bit_exact(tmp_path, reference):
     result, out, run_dir = run_real(tmp_path, "kill", steps=STEPS, script_args=SCRIPT, flags=[
@@ -39,7 +40,7 @@ def test_ddp_job_restart_from_memory_is_bit_exact(tmp_path, reference):
     assert {(e["step"], e["tier"]) for e in restored} == {(5, "memory")} and len(restored) == 4
 
 
-@pytest.mark.slow  # from memory stays in the default run
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ddp_restart_from_storage_is_bit_exact(tmp_path, reference):
     ckpt = tmp_path / "ckpt"

@@ -16,6 +16,7 @@ from tests.integration.helpers import assert_same_weights, train
 NOBODY = 65534
 
 
+@pytest.mark.slow  # default run: the unit tests of tests/checkpoint/test_shm_foreign.py
 @pytest.mark.timeout(240)
 def test_symlinks_planted_by_another_user_are_replaced_and_the_job_trains_as_a_clean_run(tmp_path):
     if os.geteuid() != 0:

@@ -29,6 +29,7 @@ def _fill(directory) -> None:
             assert exc.errno == errno.ENOSPC
 
 
+@pytest.mark.slow  # default run: tests/checkpoint/test_shm_capacity.py, test_save_failures.py
 @pytest.mark.timeout(300)
 def test_a_full_shm_dir_mid_run_and_a_restart_degrade_to_storage_and_the_job_finishes(tmp_path):
     with mounted_tmpfs(tmp_path / "shm", "300m") as shm:

@@ -73,6 +73,7 @@ def test_sigkill_recovered_in_place_bit_exact(tmp_path, reference, sharded_refer
     assert done["steps_redone"] == 0
 
 
+@pytest.mark.slow  # a hang recovered in flight stays in the default run: test_hang_blame
 @pytest.mark.timeout(200)
 def test_hung_worker_killed_and_recovered_in_place(tmp_path, reference):
     result, out, run_dir = train(tmp_path, "hang", steps=STEPS, flags=["--inject", "hang:rank=1:step=8"])

@@ -182,6 +182,7 @@ def _job_prefixes(run_dir: Path) -> set[str]:
     return found
 
 
+@pytest.mark.slow  # default run: tests/controller/test_store_service.py (the secret, the bounds), the socket test below
 @pytest.mark.timeout(240)
 def test_a_local_client_without_the_secret_can_neither_read_nor_write_the_rendezvous_during_a_kill(
         tmp_path, reference):

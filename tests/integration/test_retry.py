@@ -54,7 +54,7 @@ def test_nan_loss_redone_by_retry_bit_exact(tmp_path, sharded_reference):
 
 @pytest.fixture(scope="module")
 def plain_reference(tmp_path_factory):
-    return reference_run(tmp_path_factory, "plain-reference", steps=STEPS, train_args=["--optimizer", "plain"])
+    return reference_run(tmp_path_factory, "plain-reference", steps=STEPS)  # TRAIN_ARGS: plain
 
 
 @pytest.mark.timeout(200)

@@ -29,7 +29,6 @@ from typing import TextIO
 
 import psutil
 
-from unbroken.agent.persister import Persister
 from unbroken.agent.placement import Placement
 from unbroken.checkpoint import shm_files
 from unbroken.checkpoint.launch_dirs import run_id
@@ -79,9 +78,13 @@ class Agent:
         self._spare: subprocess.Popen | None = None
         self._use_spare = bool(REPLACING_RUNGS & set(cfg.recover_strategy))
         ckpt = cfg.checkpoint
-        self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks, self._report_persisted,
-                                    run_id=run_id(cfg.secret, cfg.job_id)) \
-            if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id else None
+        self._persister = None
+        if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id:
+            # Imported here: the persister reads snapshots with torch; an agent without one never imports torch.
+            from unbroken.agent.persister import Persister
+
+            self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks,
+                                        self._report_persisted, run_id=run_id(cfg.secret, cfg.job_id))
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
 

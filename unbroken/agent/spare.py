@@ -26,7 +26,7 @@ def main() -> None:
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
-    import unbroken  # noqa: F401
+    import unbroken.worker.session  # noqa: F401  - what unbroken.init() imports
 
     line = sys.stdin.readline()
     if not line:  # the agent closed our stdin: not needed any more

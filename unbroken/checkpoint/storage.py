@@ -30,11 +30,7 @@ import time
 import zlib
 from typing import Any, Callable, Iterator
 
-import safetensors.torch
-
-from unbroken.checkpoint.codec import flatten_state, unflatten_state
 from unbroken.checkpoint.files import _AnyPath, open_root
-from unbroken.checkpoint.safetensors_stream import SafetensorsStream
 from unbroken.checkpoint.step_checks import (MANIFEST_CRC_FIELD, check_agreement, check_bytes, check_format,
                                              check_manifest, check_record, manifest_crc, safetensors_names)
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError
@@ -103,6 +99,8 @@ class StorageTier:
         must not change until this returns. Raises CheckpointError when the state cannot be
         encoded or written (a full disk, for one); the previous checkpoints are untouched then.
         """
+        from unbroken.checkpoint.codec import flatten_state  # torch: only where tensors are (not the controller)
+        from unbroken.checkpoint.safetensors_stream import SafetensorsStream
         self._check_rank_args(step, rank, world_size)
         tensors, spec = flatten_state(state)
         meta = dict(meta or {})
@@ -279,6 +277,8 @@ class StorageTier:
 
     def load_rank(self, step: int, rank: int) -> tuple[Any, dict]:
         """Verify, then return (state tree, meta saved with it). Nothing is returned half-way."""
+        import safetensors.torch  # torch: only where tensors are (not the controller)
+        from unbroken.checkpoint.codec import unflatten_state
         path, entry, record = self._check_metadata(step, rank)
         try:
             data = self._files.read_bytes(path)

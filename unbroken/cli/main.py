@@ -214,11 +214,12 @@ def _stop_on_sigterm(graceful) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    launch = launch_config(args)  # bad flags exit 2 here, before the launcher imports torch (seconds)
     from unbroken.agent.launcher import GracefulStop, resolve, run_job
 
     from unbroken.checkpoint.launch_dirs import check_launch_dirs
 
-    cfg = resolve(launch_config(args))
+    cfg = resolve(launch)
     for note in check_launch_dirs(cfg.checkpoint.save_dir, cfg.checkpoint.load_dir):  # before any worker
         print(f"unbroken: {note}", file=sys.stderr)
     graceful = GracefulStop()

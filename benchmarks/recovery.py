@@ -153,6 +153,24 @@ def add_event_figures(run: Run, events: list[dict], stop_t: float | None = None)
             for key in ("detect_s", "replace_s", "regroup_s", "restore_s", "total_s"):
                 if key in ev:
                     run.extra[key] = float(ev[key])
+    add_restore_phases(run, [ev for ev in events if ev.get("event") == "restore_phases"])
+
+
+def add_restore_phases(run: Run, phases: list[dict]) -> None:
+    """Where the first in-flight recovery's restore_s went (the workers' ``restore_phases`` events):
+    the replacement's own script between init() and job.steps() (``rp_script_s``), its receive
+    rounds and its loads; the survivors' longest restore (they wait for the replacement)."""
+    first = [ev for ev in phases if ev.get("gen") == min((e.get("gen", 0) for e in phases), default=0)]
+    new = [ev for ev in first if ev.get("role") == "replacement"]
+    if new:
+        ev = new[0]
+        run.extra["rp_replacement_s"] = float(ev.get("restore_s", 0.0))
+        run.extra["rp_script_s"] = float(ev.get("script_s", 0.0))
+        run.extra["rp_receive_s"] = sum(float(ev.get(k, 0.0)) for k in ("x_headers_s", "x_bodies_s", "x_large_s"))
+        run.extra["rp_load_s"] = float(ev.get("load_s", 0.0)) + float(ev.get("x_unpack_s", 0.0))
+    survivors = [float(ev.get("restore_s", 0.0)) for ev in first if ev.get("role") == "survivor"]
+    if survivors:
+        run.extra["rp_survivor_max_s"] = max(survivors)
 
 
 # -----------------------------------------------------------------------------------------
@@ -374,7 +392,8 @@ def print_table(args: argparse.Namespace, results: dict[str, list[Run]], skipped
         table.add_row(name, spread(rec, "{:.2f}"), ratio, spread(lost, "{:.0f}"), spread(jobs, "{:.1f}"),
                       weights, "; ".join(source))
         keys = [k for k in ("controller_recover_s", "hang_timeout_s", "hang_detect_s", "detect_s", "replace_s",
-                            "regroup_s", "restore_s", "total_s")
+                            "regroup_s", "restore_s", "total_s", "rp_script_s", "rp_receive_s", "rp_load_s",
+                            "rp_replacement_s", "rp_survivor_max_s")
                 if any(k in r.extra for r in runs)]
         if keys:
             footnotes.append(f"{name}, from events.jsonl: " + ", ".join(
@@ -384,6 +403,9 @@ def print_table(args: argparse.Namespace, results: dict[str, list[Run]], skipped
         console.print(line, highlight=False)
     console.print("torchrun_restart: the example's checkpoints under plain torchrun (UNBROKEN_SAVE_DIR, "
                   "UNBROKEN_CKPT_EVERY_STEPS): unbroken's storage tier, written synchronously by each worker")
+    console.print("rp_*: restore_s taken apart (restore_phases events): the replacement's script between "
+                  "unbroken.init() and job.steps(), its receive rounds, its loads, its own restore; the survivors' "
+                  "longest restore (they wait for the replacement's script)")
     console.print(f"fault-free reference (unbroken run, no fault): job_s {reference.job_s:.1f}")
     console.print("recover_s: 'injecting fault' line -> first completed step >= the fault step (rank 0's "
                   "output, stamped on arrival); lost_steps: completed steps computed again; "

@@ -4,9 +4,10 @@
     python benchmarks/step_capture.py --steps 400 --json step_capture.json
 
 Under `unbroken run` every step of a rank (a) captures, at its start, every tracked object the
-commit rule does not cover plus the RNG streams (worker/rollback.py: a snapshot), (b) sends the
-per-rank part with its 'compute' report and (c) the per-rank part after compute with its commit
-report (each encoded only when it differs from the last one sent; else marked unchanged). This benchmark runs the example GPT
+commit rule does not cover plus the RNG streams (worker/rollback.py: a snapshot of the replicated
+part, the encoding of the per-rank part), (b) sends the per-rank part with its 'compute' report and
+(c) the per-rank part after compute with its commit report (each sent only when its encoding
+differs from the last one sent; else marked unchanged). This benchmark runs the example GPT
 (examples/train_gpt.py: AdamW, a cosine LR scheduler, dropout, a tracked sampler that advances
 inside the step, per-rank seeds) in one process and times the same loop with and without
 (a)-(c). Both arms frame the two messages (not the socket write): the session sends them either
@@ -75,6 +76,7 @@ def build(size: dict, batch_size: int, block_size: int):
     hooks = SessionHooks(on_phase=lambda name, step: None, should_abort=lambda: False, defer_completion=False)
     for name, obj in dict(model=model, optimizer=opt, scheduler=sched, data=sampler).items():
         tracked.add(name, obj, hooks)
+    tracked.frozen = True  # as Job.steps() does before the first step
     torch.manual_seed(1000 + 3)  # per-rank seed
     random.seed(3)
 

@@ -63,4 +63,5 @@ def test_the_derived_names_are_the_documented_ones():
     names = {f.name: (setting_flag(f), setting_env(f)) for f in FIELDS}
     assert names["finite_check"] == ("no-finite-check", "UNBROKEN_FINITE_CHECK")
     assert names["pg_timeout_s"] == ("pg-timeout-s", "UNBROKEN_PG_TIMEOUT_S")
+    assert names["spare_preimport"] == ("no-spare-preimport", "UNBROKEN_SPARE_PREIMPORT")
     assert LaunchConfig(script="x").worker == WorkerSettings()

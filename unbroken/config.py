@@ -101,6 +101,7 @@ class WorkerSettings:
            "from the majority (silent data corruption; default 0: off)", at_least=0, off="0: off")
     finite_check: bool = setting(
         True, "do not treat a NaN/Inf loss or gradient as a fault (default: redo the step, rung retry)")
+    spare_preimport: bool = setting(True, "warm spares do not import what the script imported (default: they do)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -352,8 +353,7 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
     else:
         mode = "single"
     ckpt = CheckpointConfig(
-        save_dir=env.get(ENV_SAVE_DIR) or None,
-        load_dir=env.get(ENV_LOAD_DIR) or None,
+        save_dir=env.get(ENV_SAVE_DIR) or None, load_dir=env.get(ENV_LOAD_DIR) or None,
         every_steps=_env_number(env, ENV_CKPT_EVERY, 0),
         persist_every_steps=_env_number(env, ENV_PERSIST_EVERY, 0),
         keep=_env_number(env, ENV_KEEP, 3),

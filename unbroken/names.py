@@ -70,3 +70,7 @@ class WorkerState(enum.StrEnum):
 
 #: States of a process the controller still talks to.
 LIVE_WORKER_STATES = frozenset({WorkerState.STARTING, WorkerState.RUNNING})
+
+#: The worker event that carries the modules the script imported (worker/script_imports.py): the
+#: controller passes them on to the agents' warm spares (protocol message SpareImports).
+SCRIPT_IMPORTS_EVENT = "script_imports"

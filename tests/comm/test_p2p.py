@@ -128,3 +128,71 @@ def test_bare_tensor_ranges_go_only_between_their_two_ranks():
                                                   graveyard=[], what="test"))
     assert torch.equal(flats[2], torch.tensor([0.0, 1, 2, 3, 4, 1, 1, 1, 1, 1]))
     assert torch.equal(flats[1], torch.ones(10))  # a sender's own buffer is unchanged
+
+
+class _CountingGroup:
+    """A gloo group that counts the send ops a rank issues (the transfer's message count)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group, self.sends = group, 0
+
+    def rank(self) -> int:
+        return self._group.rank()
+
+    def send(self, tensors, dst, tag):
+        self.sends += 1
+        return self._group.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        return self._group.recv(tensors, src, tag)
+
+
+def test_pieces_of_one_holder_travel_as_one_bundle_large_tensors_straight_into_their_place():
+    # Rank 0 holds three pieces for rank 1: a model and an optimizer state (small tensors: one flat
+    # buffer) and a 2 MiB tensor (over BATCH_MAX_BYTES: its own message, into the receiver's tensor).
+    from unbroken.comm.p2p import BATCH_MAX_BYTES
+
+    groups = _groups(2)
+    big = torch.arange(2 * 1024 * 1024 // 4, dtype=torch.float32)
+    assert big.numel() * 4 > BATCH_MAX_BYTES
+    trees = {"object 'model'": _model(0).state_dict(), "object 'optimizer'": _optimizer_state(1),
+             "object 'table'": {"big": big, "flag": torch.tensor(True), "empty": torch.zeros(0)}}
+    own_model, own_big = _model(5), torch.zeros_like(big)
+    local = {"object 'model'": own_model.state_dict(), "object 'table'": {"big": own_big}}
+    moves = [Move(key, 0, 1) for key in trees]
+    counting = _CountingGroup(groups[0])
+    got: dict[int, dict] = {}
+    timings: dict[str, float] = {}
+
+    def rank_main(rank: int) -> None:
+        group = counting if rank == 0 else groups[1]
+        got[rank] = exchange_states(moves, group, state_of=lambda k: trees[k], local_of=lambda k: local.get(k),
+                                    device=torch.device("cpu"), should_abort=lambda: False, graveyard=[],
+                                    what="test", timings=timings if rank == 1 else None)
+    _run_ranks(2, rank_main)
+    assert counting.sends == 4  # header, meta, flat buffer, the one large tensor: not one message per tensor
+    received = got[1]
+    table = received["object 'table'"]
+    assert torch.equal(table["big"], big) and table["big"].data_ptr() == own_big.data_ptr()
+    assert table["flag"].dtype == torch.bool and bool(table["flag"]) and table["empty"].numel() == 0
+    for name, t in trees["object 'model'"].items():
+        assert torch.equal(received["object 'model'"][name], t)
+        assert received["object 'model'"][name].data_ptr() == own_model.state_dict()[name].data_ptr()
+    state = received["object 'optimizer'"]["state"][0]
+    assert torch.equal(state["exp_avg"], trees["object 'optimizer'"]["state"][0]["exp_avg"])
+    assert state["count"].dtype == torch.int64 and received["object 'optimizer'"]["param_groups"][0]["lr"] == 0.003
+    assert {"headers_s", "bodies_s", "large_s", "unpack_s"} <= set(timings)
+
+
+def test_a_meta_naming_other_pieces_is_refused():
+    from unbroken.comm.p2p import _Bundle, _Incoming
+    from unbroken.errors import CheckpointCorrupt
+
+    incoming = _Incoming(_Bundle(0, 0, 1, ["object 'model'"]), {"object 'model'": None})
+    incoming.meta = torch.frombuffer(bytearray(b'{"pieces": [{"key": "object \'x\'", "spec": {}, "index": []}]}'),
+                                     dtype=torch.uint8)
+    with pytest.raises(CheckpointCorrupt, match=r"carries pieces \[\"object 'x'\"\], expected \[\"object 'model'\"\]"):
+        incoming.plan(torch.device("cpu"))
+    incoming.meta = torch.frombuffer(bytearray(b'{"pieces": [{"key": 1}]}'), dtype=torch.uint8)
+    with pytest.raises(CheckpointCorrupt, match="does not list each piece's key"):
+        incoming.plan(torch.device("cpu"))

@@ -193,3 +193,36 @@ def test_an_exit_code_other_than_exit_fatal_still_restarts():
     state = start(allowed=("exit",))
     _, actions = run(state, sm.RankExited(1, 0, EXIT_FATAL - 1, None))
     assert kinds(actions) == ["Decide", "StopAttempt"] and actions[0].rung == "exit"
+
+
+def test_a_rank_killed_after_it_finished_its_loop_is_a_warning_and_the_job_succeeds():
+    state = start(world=2)
+    state, actions = run(state, sm.LoopFinished(1, 0), sm.RankExited(1, 0, None, 9, step=20))
+    assert actions == [sm.ExitedAfterLoop(1, None, 9, 20)]  # no decision, no recovery, no restart
+    assert state.phase is sm.JobPhase.RUNNING and state.recovery is None and state.restarts_used == 0
+    state, actions = run(state, sm.LoopFinished(0, 0), sm.RankExited(0, 0, 0, None, step=20))
+    assert state.phase is sm.JobPhase.SUCCEEDED
+    assert actions == [sm.Finish(0, "all 2 ranks finished their loops (ranks [1] exited abnormally afterwards: "
+                                    "see the 'exited_after_loop' events)")]
+
+
+def test_a_crash_at_interpreter_exit_after_the_loop_is_a_warning_too():
+    state = start(world=2)
+    state, actions = run(state, sm.LoopFinished(0, 0), sm.LoopFinished(1, 0), sm.RankExited(0, 0, 0, None),
+                         sm.RankExited(1, 0, 134, None, step=8))
+    assert kinds(actions) == ["ExitedAfterLoop", "Finish"] and actions[-1].exit_code == 0
+
+
+def test_a_rank_that_dies_before_finishing_its_loop_still_recovers():
+    state = start(world=2)
+    state, actions = run(state, sm.LoopFinished(0, 0), sm.RankExited(1, 0, None, 9, step=19))
+    assert kinds(actions)[0] == "Decide" and state.phase is sm.JobPhase.RECOVERING
+    assert "ExitedAfterLoop" not in kinds(actions)
+
+
+def test_a_loop_finished_in_an_older_attempt_does_not_count():
+    state = start(world=2, allowed=("exit",))
+    state, _ = run(state, sm.LoopFinished(1, 0), sm.RankExited(0, 0, 1, None), sm.AgentStopped(0, 0))
+    assert state.attempt == 1 and not state.loop_finished
+    state, actions = run(state, sm.LoopFinished(1, 0), sm.RankExited(1, 1, None, 9))  # attempt 0's report: stale
+    assert kinds(actions)[0] == "Decide" and "ExitedAfterLoop" not in kinds(actions)

@@ -121,7 +121,15 @@ def test_progress_done_moves_the_view_and_times_the_step():
     assert (w.step, w.steps_in_attempt, w.metrics, w.phase) == (1, 1, {"loss": 2.0}, Phase.DONE)
     assert hub.live.steps == [(0, 1, {"loss": 2.0})]
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="finished", metrics={}))
-    assert w.state == WorkerState.FINISHING and hub.applied == []
+    assert w.state == WorkerState.FINISHING and hub.applied == [sm.LoopFinished(0, 0)]  # the machine learns it
+
+
+def test_a_death_after_the_loop_is_no_fault_to_time():
+    hub = FakeHub()
+    worker_msg(hub, 1, m.Progress(rank=1, attempt=0, step=9, phase="finished", metrics={}))
+    AGENT_HANDLERS[m.WorkerExited](hub.connections, 0, m.WorkerExited(rank=1, pid=101, attempt=0, exit_code=None,
+                                                                       signal=9, last_lines=[]))
+    assert hub.applied[-1] == sm.RankExited(1, 0, None, 9, None, ()) and hub.timing.fault_t is None
 
 
 def test_a_worker_exit_becomes_rank_exited_with_the_step_the_controller_saw():
@@ -296,3 +304,15 @@ def test_a_job_finishes_once_the_first_outcome_wins():
     hub.executor.execute([sm.Finish(143, "terminated: SIGTERM"), sm.Finish(143, "a second SIGTERM")])
     assert hub.events.names().count("job_finished") == 1
     assert hub.outcome.reason == "terminated: SIGTERM"
+
+
+def test_what_the_script_imported_goes_to_every_agent_once_checked():
+    hub = FakeHub()
+    agents = {0: FakeConn(), 1: FakeConn()}
+    hub.connections.agents.update(agents)
+    modules = ["numpy", "torch.distributed.fsdp", "os; rm -rf /", 7]
+    worker_msg(hub, 0, m.WorkerEvent(rank=0, attempt=0, name="script_imports", fields={"modules": modules}))
+    worker_msg(hub, 1, m.WorkerEvent(rank=1, attempt=0, name="script_imports", fields={"modules": ["other"]}))
+    for conn in agents.values():  # the first report only, names only
+        assert conn.sent == [m.SpareImports(modules=["numpy", "torch.distributed.fsdp"])]
+    assert hub.events.lines == [("script_imports", {"count": 2, "modules": ["numpy", "torch.distributed.fsdp"]})]

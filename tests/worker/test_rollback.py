@@ -223,3 +223,103 @@ def test_norm_statistics_are_per_rank_and_a_dropped_step_puts_them_back():
 
 def test_modules_without_norm_statistics_add_nothing_to_the_per_rank_state():
     assert "buffers" not in _tracked().per_rank_tree()
+
+
+@pytest.mark.parametrize("a,b,equal", [
+    ({"x": 0.0}, {"x": -0.0}, False), ({"x": float("nan")}, {"x": float("nan")}, True),  # the same NaN bits
+    ({"x": 1}, {"x": True}, False), ({"x": 1}, {"x": 1.0}, False), ({"x": [1, 2]}, {"x": (1, 2)}, False),
+    ({"t": torch.zeros(2)}, {"t": -torch.zeros(2)}, False), ({"t": torch.ones(2)}, {"t": torch.ones(2)}, True),
+    ({"t": torch.ones(2)}, {"t": torch.ones(2, dtype=torch.float64)}, False),
+    ({"t": torch.ones(2)}, {"t": torch.ones(1, 2)}, False), ({"a": 1, "b": 2}, {"b": 2, "a": 1}, False),
+])
+def test_equal_encodings_are_equal_states_bit_for_bit(a, b, equal):
+    """StepStates tells an unchanged per-rank state by its encoding: equal bytes must mean equal
+    types, key order, float signs, tensor dtypes, shapes and bytes."""
+    encoder = state_blob.TreeEncoder()
+    assert (encoder.encode(a) == encoder.encode(b)) is equal
+
+
+class LiveBuffer:
+    """A per-rank object whose state_dict returns the tensor it keeps changing in place."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.zeros(3)
+
+    def state_dict(self) -> dict:
+        return {"buffer": self.buffer}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.copy_(state["buffer"])
+
+
+def test_a_tensor_changed_in_place_is_seen_and_a_dropped_step_gets_it_back():
+    tracked = TrackedState()
+    live = LiveBuffer()
+    tracked.add("live", live, HOOKS)
+    tracked.frozen = True
+    states = rollback.StepStates(rank=0)
+    states.begin(0, *tracked.step_start())
+    live.buffer.add_(1.0)  # the same tensor object, new values
+    assert not states.after_compute(tracked.per_rank_tree()).same
+    live.buffer.add_(1.0)
+    states.begin(1, *tracked.step_start())
+    assert not states.start_report.same
+    live.buffer.add_(5.0)  # the step moves it; the step is dropped
+    tracked.load_rollback(states.capture.local(), states.capture.per_rank_tree())
+    assert live.buffer.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_value_checkpoints_cannot_hold_is_named_by_its_path():
+    tracked = TrackedState()
+    position = Position()
+    tracked.add("data", position, HOOKS)
+    states = rollback.StepStates(rank=0)
+    states.begin(0, *tracked.step_start())
+    position.state_dict = lambda: {"position": 1, "odd": object()}  # a later state gains a value of another kind
+    with pytest.raises(Exception, match="objects/data/odd.*not supported"):
+        states.after_compute(tracked.per_rank_tree())
+
+
+def test_the_torch_stream_is_reused_unmoved_and_every_move_is_seen():
+    """torch's CPU stream read through its view: the captured form is reused while the stream does
+    not move, and every kind of move is seen, including a change of the cached normal samples only."""
+    import struct
+
+    from unbroken.worker import rng
+    if rng._torch_words() is None:
+        pytest.skip(f"no view of the CPU generator on torch {torch.__version__}: every read is a full read")
+
+    def with_samples(float_sample, double_sample):
+        """The current state with the cached normal samples set (None: none cached)."""
+        raw = bytearray(torch.get_rng_state().numpy().tobytes())
+        struct.pack_into("<f?", raw, 5048, float_sample or 0.0, float_sample is not None)
+        struct.pack_into("<dddi", raw, 5016, 0.0, double_sample or 0.0, 0.0, double_sample is not None)
+        return lambda: torch.set_rng_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+
+    reader = rng.StreamReader()
+    first = reader.capture()
+    assert reader.capture()["torch"] is first["torch"]
+    for move in (lambda: torch.rand(3), lambda: torch.randn(1, dtype=torch.float64), lambda: torch.manual_seed(4),
+                 with_samples(1.5, None), with_samples(1.5, 2.5), with_samples(None, 2.5), with_samples(None, None)):
+        before = reader.capture()
+        move()
+        now = reader.capture()
+        assert torch.equal(now["torch"], torch.get_rng_state()), move
+        assert not torch.equal(now["torch"], before["torch"]), move
+    state = reader.capture()
+    torch.rand(2)
+    reader.put_back(state)  # moved: set back
+    assert torch.equal(torch.get_rng_state(), state["torch"])
+    reader.put_back(reader.capture())  # not moved: nothing to set
+    assert torch.equal(torch.get_rng_state(), state["torch"])
+
+
+def test_the_norm_layers_are_found_once_the_objects_are_frozen(monkeypatch):
+    tracked = TrackedState()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    tracked.add("model", model, HOOKS)
+    tracked.frozen = True  # job.steps() began
+    assert "buffers" in tracked.per_rank_tree()
+    monkeypatch.setattr(torch.nn.Module, "named_modules", lambda *a, **k: pytest.fail("walked the module tree again"))
+    assert sorted(tracked.step_start()[1]["buffers"]["model"]) == [
+        "1.num_batches_tracked", "1.running_mean", "1.running_var"]

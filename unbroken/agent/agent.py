@@ -44,6 +44,9 @@ WATCH_INTERVAL_S = 0.05
 STATUS_EVERY = 5  # watch rounds between looks at the workers' process states (stopped, zombie)
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+#: After a spare became a replacement, the next one starts this much later: its imports (seconds of
+#: CPU) would otherwise compete with the recovery in progress (the replacement's script, the transfer).
+SPARE_RESTART_DELAY_S = 3.0
 #: After SIGTERM, how much longer than --sigterm-dump-timeout-s an agent waits for the
 #: controller's shutdown order before it stops its node on its own (the controller is gone or stuck).
 SIGTERM_MARGIN_S = 5.0
@@ -76,6 +79,8 @@ class Agent:
         self.standby = cfg.standby
         self._placement = Placement(cfg.node_rank, cfg.nproc_per_node, cfg.standby)
         self._spare: subprocess.Popen | None = None
+        self._spare_imports: list[str] = []  # what the script imported: each spare imports it too
+        self._spare_due_t: float | None = None  # when the next spare starts (after one was taken)
         self._use_spare = bool(REPLACING_RUNGS & set(cfg.recover_strategy))
         ckpt = cfg.checkpoint
         self._persister = None
@@ -104,7 +109,10 @@ class Agent:
         try:
             while True:
                 try:
-                    msg = self._conn.recv()
+                    msg = self._conn.recv(timeout_s=self._spare_wait_s())
+                except TimeoutError:  # (an OSError) a spare is due to start
+                    self._start_spare_when_due()
+                    continue
                 except (ConnectionClosed, ProtocolError, OSError) as exc:
                     return 1, f"lost the controller at {self.controller}: {exc}"
                 if isinstance(msg, m.StartWorkers):
@@ -116,6 +124,8 @@ class Agent:
                     self._kill(msg.rank, msg.pid)
                 elif isinstance(msg, m.RestartWorker):
                     self._restart(msg)
+                elif isinstance(msg, m.SpareImports):
+                    self._set_spare_imports(msg.modules)
                 elif isinstance(msg, m.Shutdown):
                     return msg.exit_code, msg.reason
         finally:
@@ -220,23 +230,55 @@ class Agent:
         self._spare = subprocess.Popen([sys.executable, "-u", "-P", "-m", "unbroken.agent.spare"], env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        start_new_session=True, preexec_fn=_die_with_parent)
+        if self._spare_imports:
+            self._tell_spare({"imports": self._spare_imports})
+
+    def _set_spare_imports(self, modules: list[str]) -> None:
+        """The modules the script imported (the controller's SpareImports): the idle spare imports
+        them now (a line on its stdin, read once its own imports are done), every later one at start."""
+        self._spare_imports = m.spare_import_names(modules)
+        if self._spare is not None and self._spare_imports and not self._tell_spare({"imports": self._spare_imports}):
+            self._start_spare()  # that one could not take the line (it died): a new one gets it at start
+
+    def _tell_spare(self, line: dict) -> bool:
+        """One JSON line to the idle spare's stdin (it reads them in order: agent/spare.py); a spare
+        that cannot take it is dropped (the next replacement then starts cold or from a new spare)."""
+        spare = self._spare
+        try:
+            assert spare is not None and spare.stdin is not None
+            spare.stdin.write((json.dumps(line) + "\n").encode())
+            spare.stdin.flush()
+            return True
+        except OSError:
+            self._drop_spare()
+            return False
 
     def _take_spare(self, env: dict[str, str], argv: list[str]) -> subprocess.Popen | None:
-        spare, self._spare = self._spare, None
+        spare = self._spare
         if spare is None or spare.poll() is not None:
+            self._spare = None
             return None
+        if not self._tell_spare({"env": env, "argv": argv}):
+            return None
+        self._spare = None
         try:
             assert spare.stdin is not None
-            spare.stdin.write((json.dumps({"env": env, "argv": argv}) + "\n").encode())
             spare.stdin.close()
         except OSError:
-            spare.kill()
-            spare.wait()
-            return None
-        # The next spare starts from this (the command) thread: PR_SET_PDEATHSIG follows the
-        # thread that forked, and this one lives as long as the agent.
-        self._start_spare()
+            pass
+        # The next spare starts later (SPARE_RESTART_DELAY_S), from this (the command) thread:
+        # PR_SET_PDEATHSIG follows the thread that forked, and this one lives as long as the agent.
+        self._spare_due_t = time.monotonic() + SPARE_RESTART_DELAY_S
         return spare
+
+    def _spare_wait_s(self) -> float | None:
+        """How long the command loop may wait for a message before the next spare is due (None: none is)."""
+        return None if self._spare_due_t is None else max(0.0, self._spare_due_t - time.monotonic())
+
+    def _start_spare_when_due(self) -> None:
+        if self._spare_due_t is not None and time.monotonic() >= self._spare_due_t:
+            self._spare_due_t = None
+            self._start_spare()
 
     def _drop_spare(self) -> None:
         spare, self._spare = self._spare, None

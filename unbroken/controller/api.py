@@ -88,6 +88,14 @@ class RankExited:
 
 
 @dataclass(frozen=True)
+class LoopFinished:
+    """A rank reported that it left its step loop (Progress phase ``finished``): its training is done."""
+
+    rank: int
+    attempt: int
+
+
+@dataclass(frozen=True)
 class WorkerHung:
     rank: int
     attempt: int
@@ -209,7 +217,7 @@ class StepPersisted:
     error: str = ""
 
 
-Event = (AgentJoined | RankExited | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
+Event = (AgentJoined | RankExited | LoopFinished | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
          | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped
          | WorkerDegraded | RestoreOffered | StepPersisted | TerminateRequested | GraceExpired)
 
@@ -232,6 +240,17 @@ class KillRank:
 
     rank: int
     reason: str
+
+
+@dataclass(frozen=True)
+class ExitedAfterLoop:
+    """A rank that had finished its step loop exited abnormally (a signal, a crash at interpreter
+    exit): a warning for the event log; the rank counts as finished, nothing is recovered."""
+
+    rank: int
+    exit_code: int | None
+    signal: int | None
+    step: int | None
 
 
 @dataclass(frozen=True)
@@ -332,7 +351,7 @@ class CommitPersisted:
     seconds: float
 
 
-Action = (StartAttempt | StopAttempt | KillRank | Decide | Finish | CommitStep | AbortGeneration
+Action = (StartAttempt | StopAttempt | KillRank | ExitedAfterLoop | Decide | Finish | CommitStep | AbortGeneration
           | RestartRanks | OrderRegroup | Recovered | DumpOrder | CommitDump | AnswerRestore | RestoreDecided
           | CommitPersisted | Terminating)
 
@@ -389,7 +408,9 @@ class JobState:
     restarts_used: int = 0
     agents: frozenset[int] = frozenset()
     stopped_agents: frozenset[int] = frozenset()
-    finished_ranks: frozenset[int] = frozenset()
+    finished_ranks: frozenset[int] = frozenset()  # exited after their loop (cleanly, or as loop_finished)
+    loop_finished: frozenset[int] = frozenset()  # reported leaving their step loop, this attempt
+    exited_after_loop: frozenset[int] = frozenset()  # of those, exited abnormally afterwards (a warning)
     hung_ranks: frozenset[int] = frozenset()
     first_failure: Failure | None = None
     failures: tuple[Failure, ...] = field(default_factory=tuple)

@@ -20,7 +20,7 @@ from unbroken.controller import machine as sm
 from unbroken.controller.hub import Hub
 from unbroken.controller.rank_state import Point
 from unbroken.errors import ConnectionClosed, ProtocolError
-from unbroken.names import LIVE_WORKER_STATES, STEP_PHASES, Phase, WorkerState
+from unbroken.names import LIVE_WORKER_STATES, SCRIPT_IMPORTS_EVENT, STEP_PHASES, Phase, WorkerState
 from unbroken.protocol import messages as m
 from unbroken.protocol.wire import Connection
 from unbroken.recovery.restore_point import RankOffer
@@ -38,6 +38,7 @@ class Connections:
     def __init__(self, ctl: Hub) -> None:
         self._ctl = ctl
         self.agents: dict[int, Connection] = {}
+        self.spare_imports: list[str] | None = None  # what the script imported (the first report)
 
     # -- serving -------------------------------------------------------------------------
     def serve(self, conn: Connection) -> None:
@@ -77,6 +78,8 @@ class Connections:
                 event = sm.AgentJoined(node)
             self.agents[agent] = conn
             ctl.apply(event)
+            if self.spare_imports is not None:
+                self.send_to_agent(agent, m.SpareImports(modules=self.spare_imports))
         try:
             while True:
                 msg = conn.recv()
@@ -125,6 +128,15 @@ class Connections:
         ctl.events.emit("replacement_joined", rank=rank, gen=gen, attempt=ctl.state.attempt)
         ctl.apply(sm.ReplacementJoined(rank, ctl.state.attempt, gen))
 
+    def _script_imports(self, modules: object) -> None:
+        """The first report of what the script imported goes to every agent (for its warm spares)
+        and to each agent that registers later; later reports change nothing."""
+        if self.spare_imports is not None:
+            return
+        self.spare_imports = m.spare_import_names(modules)
+        self._ctl.events.emit(SCRIPT_IMPORTS_EVENT, count=len(self.spare_imports), modules=self.spare_imports)
+        self.broadcast_agents(m.SpareImports(modules=self.spare_imports))
+
     # -- sending (for the executor) --------------------------------------------------------
     def send_to_agent(self, node: int, msg: m.Message) -> None:
         conn = self.agents.get(node)
@@ -166,8 +178,9 @@ def _worker_exited(self: Connections, agent: int, msg: m.WorkerExited) -> None:
     w = ctl.workers[msg.rank]
     if msg.attempt != ctl.state.attempt:
         return
+    after_loop = w.state is WorkerState.FINISHING  # it had reported leaving its step loop: no fault (loop_end.py)
     w.state = WorkerState.FINISHED if msg.exit_code == 0 else WorkerState.FAILED
-    if msg.exit_code != 0:
+    if msg.exit_code != 0 and not after_loop:
         ctl.timing.fault_began(time.monotonic(), ctl.workers.values())
     ctl.events.emit("worker_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
                     exit_code=msg.exit_code, signal=msg.signal, step=w.step)
@@ -220,6 +233,7 @@ def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg:
     w.in_step_loop = w.in_step_loop or msg.phase in STEP_PHASES
     if msg.phase == Phase.FINISHED:
         w.state = WorkerState.FINISHING
+        ctl.apply(sm.LoopFinished(rank, attempt))
     if not ctl.monitor.note_progress(w, msg.phase, time.monotonic()):
         return
     w.step = msg.step  # a completed step: the progress the hang monitor watches
@@ -284,6 +298,9 @@ def _restore_offer(self: Connections, rank: int, attempt: int, conn: Connection,
 def _worker_event(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.WorkerEvent) -> None:
     if msg.name == "restored":
         self._ctl.timing.restored(attempt, msg.fields.get("step", 0), msg.fields.get("tier", "none"))
+    if msg.name == SCRIPT_IMPORTS_EVENT:
+        self._script_imports(msg.fields.get("modules"))
+        return
     self._ctl.events.emit(msg.name, rank=rank, attempt=attempt, **msg.fields)
 
 

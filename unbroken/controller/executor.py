@@ -41,6 +41,7 @@ class Executor:
         self.store_prefix = ""  # the current attempt's rendezvous key prefix (rendezvous.py)
         self._table: dict[type, Callable[[Any], None]] = {
             sm.StartAttempt: self._start_attempt, sm.StopAttempt: self._stop_attempt, sm.KillRank: self._kill,
+            sm.ExitedAfterLoop: self._exited_after_loop,
             sm.Decide: self._decide, sm.CommitStep: self._commit_step, sm.AbortGeneration: self._abort,
             sm.RestartRanks: self._restart_ranks, sm.OrderRegroup: self._regroup,
             sm.Recovered: self._recovered, sm.DumpOrder: self._dump, sm.CommitDump: self._commit_dump,
@@ -82,6 +83,12 @@ class Executor:
         ctl.events.emit("kill_worker", rank=action.rank, pid=w.pid, reason=action.reason)
         ctl.connections.send_to_agent(ctl.state.agent_of(action.rank),
                                       m.KillWorker(rank=action.rank, pid=w.pid, reason=action.reason))
+
+    def _exited_after_loop(self, action: sm.ExitedAfterLoop) -> None:
+        how = f"signal {action.signal}" if action.signal else f"exit code {action.exit_code}"
+        self._ctl.events.emit("exited_after_loop", rank=action.rank, exit_code=action.exit_code, signal=action.signal,
+                              step=action.step, warning=f"rank {action.rank} exited abnormally ({how}) after it "
+                              "finished its step loop: counted as finished, nothing recovered")
 
     def _restart_ranks(self, action: sm.RestartRanks) -> None:
         ctl = self._ctl

@@ -9,6 +9,8 @@ States of a job (:class:`JobPhase`)::
     STARTING --all agents joined--> RUNNING --a rank failed, rung 'exit'--> STOPPING
     STOPPING --all agents stopped their workers--> RUNNING (attempt + 1)
     RUNNING --every rank exited 0--> SUCCEEDED
+    RUNNING --a rank that reported leaving its step loop dies--> RUNNING (it counts as finished,
+        with a warning: see :mod:`unbroken.controller.loop_end`) --every rank finished--> SUCCEEDED
     RUNNING --a rank failed, rung 'recover-in-place'--> RECOVERING (generation + 1)
     RECOVERING --every survivor paused, every replacement joined--> (regroup sent)
     RECOVERING --every rank resumed--> RUNNING
@@ -26,9 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from unbroken.controller import commits, terminate
+from unbroken.controller import commits, loop_end, terminate
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
-    JobPhase, Failure, AgentJoined, RankExited, WorkerHung, AgentStopped, AgentLost,
+    JobPhase, Failure, AgentJoined, RankExited, LoopFinished, ExitedAfterLoop, WorkerHung, AgentStopped, AgentLost,
     StandbyJoined, SessionReady, StepSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
     WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, StartAttempt,
     StopAttempt, KillRank, Decide, Finish, CommitStep, AbortGeneration, RestartRanks, OrderRegroup, Recovered,
@@ -74,6 +76,8 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return _on_agent_lost(state, event)
     if getattr(event, "attempt", state.attempt) != state.attempt:
         return state, []  # a message of an attempt that is already gone
+    if isinstance(event, LoopFinished):
+        return loop_end.on_loop_finished(state, event)
     if isinstance(event, SessionReady):
         blockers = state.not_in_flight + (((event.rank, event.not_in_flight),) if event.not_in_flight else ())
         return _replace(state, ready=state.ready | {event.rank}, num_replicas=event.num_replicas,
@@ -129,12 +133,10 @@ def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, lis
         return state, []  # a worker of an attempt that is already being stopped
     if event.exit_code == 0 and state.phase is JobPhase.RECOVERING:
         return state, []  # cannot happen in a step loop; the recovery deadline covers it
+    if loop_end.covers(state, event):  # it had finished its loop: a warning, not a failure
+        return loop_end.on_exit_after_loop(state, event)
     if event.exit_code == 0:
-        finished = state.finished_ranks | {event.rank}
-        if len(finished) == state.world_size:
-            return _replace(state, finished_ranks=finished, phase=JobPhase.SUCCEEDED), [
-                Finish(0, f"all {state.world_size} ranks finished")]
-        return _replace(state, finished_ranks=finished), []
+        return loop_end.finished(state, event.rank)
     kind = "hang" if event.rank in state.hung_ranks else ("crash" if event.signal else "exit")
     if event.exit_code == EXIT_FATAL and not event.signal:
         kind = "fatal"
@@ -305,7 +307,8 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
         return _replace(state, stopped_agents=stopped), []
     attempt = state.attempt + 1
     state = _replace(state, phase=JobPhase.RUNNING, attempt=attempt, restarts_used=state.restarts_used + 1,
-                     stopped_agents=frozenset(), finished_ranks=frozenset(), hung_ranks=frozenset(),
+                     stopped_agents=frozenset(), finished_ranks=frozenset(), loop_finished=frozenset(),
+                     exited_after_loop=frozenset(), hung_ranks=frozenset(),
                      gen=0, committed_step=-1, sync_step=-1, synced=frozenset(), ready=frozenset(),
                      not_in_flight=(), mesh=(), mesh_replicate="", recovery=None)
     return state, [StartAttempt(attempt)]

@@ -17,6 +17,23 @@ from unbroken.protocol.schema import (  # noqa: F401  (re-exported: the protocol
 #: The most bytes one rank's encoded per-rank state may take (worker/rollback.py): it travels
 #: in control-plane frames (at most MAX_FRAME_BYTES = 1 MiB), up to two of them in one order.
 PER_RANK_LIMIT_BYTES = 256 * 1024
+#: The most module names one SpareImports carries, and the longest name (a spare imports each).
+MAX_SPARE_IMPORTS = 256
+MAX_MODULE_NAME_CHARS = 200
+
+
+def spare_import_names(names: Any) -> list[str]:
+    """The valid names of ``names``, in order, without repeats, at most MAX_SPARE_IMPORTS: dotted
+    Python identifiers (``torch.distributed.fsdp``) of at most MAX_MODULE_NAME_CHARS; anything else
+    is dropped (what a spare imports must be a module name, nothing more)."""
+    out: dict[str, None] = {}
+    for name in names if isinstance(names, (list, tuple)) else ():
+        if (isinstance(name, str) and len(name) <= MAX_MODULE_NAME_CHARS
+                and all(part.isidentifier() for part in name.split("."))):
+            out.setdefault(name)
+            if len(out) == MAX_SPARE_IMPORTS:
+                break
+    return list(out)
 
 
 # ---------------------------------------------------------------- the messages
@@ -235,6 +252,15 @@ class Resumed(Message):
     gen: int
     step: int
     restore_s: float
+
+
+@message("spare_imports")
+class SpareImports(Message):
+    """The modules the job's script imported (a worker reported them at ``unbroken.init()``):
+    the agent's warm spares import them too, so a replacement pays no import (agent/spare.py).
+    Names only, checked with :func:`spare_import_names` at each end."""
+
+    modules: list[str]
 
 
 @message("restart_worker")

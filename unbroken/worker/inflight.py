@@ -92,6 +92,7 @@ class InFlight:
         self.fault_noted = False  # a fault inside a step: recover before the next one
         self._paused_step = 0
         self._order: Regroup | None = None
+        self._joined_t: float | None = None  # a replacement: when it joined its generation (in init())
         self.replica_map: MeshReplicaMap | None = None  # the job's mesh (job.mesh): who holds whose objects
         self.after_transfer: list[Callable[[], None]] = []  # run by every rank last in each transfer
         if fabric is not None:
@@ -183,13 +184,16 @@ class InFlight:
         self._order = self._await_order(self._control.abort_gen)
         if self._fabric is not None:  # the script's wrappers are built next: their collectives stay local
             self._fabric.hold()
+        self._joined_t = time.monotonic()  # the script's own work up to job.steps() starts now
 
     def join(self) -> int:
         """A replacement's side, in ``job.steps()``: receive the state; returns the step to resume at."""
         order, self._order = self._order, None
         if self._fabric is not None:
             self._fabric.release()
-        return self._transfer_until_done(time.monotonic(), order)
+        now = time.monotonic()
+        script_s = now - self._joined_t if self._joined_t is not None else None
+        return self._transfer_until_done(now, order, script_s=script_s)
 
     # -- the regroup ----------------------------------------------------------------------
     def _adopt_group(self, gen: int) -> None:
@@ -248,13 +252,14 @@ class InFlight:
             log.warning("rank %d: dump of step %d failed: %s", rank, order.step, error)
         self._control.dumped(order.step, ranks, error)
 
-    def _transfer_until_done(self, started: float, order: Regroup) -> int:
+    def _transfer_until_done(self, started: float, order: Regroup, script_s: float | None = None) -> int:
         while True:
             regroup_t = time.monotonic()
+            laps: dict[str, float] = {}
             try:
                 if self.needs_state:
                     self._injector.at(order.resume_step, Phase.RESTORE)
-                self._transfer(order)
+                self._transfer(order, laps)
             except Exception as exc:  # a peer lost during the transfer: the next generation comes
                 if not self.is_recoverable(exc):
                     raise
@@ -265,18 +270,31 @@ class InFlight:
                 order = self._await_order(reported)
                 continue
             restore_s = time.monotonic() - regroup_t
+            role = "repaired" if self._keeps_own else "replacement" if self.needs_state else "survivor"
             self.needs_state = self._keeps_own = False
             self._control.resumed(order.gen, order.resume_step, restore_s)
+            self._report_laps(order.gen, role, restore_s, script_s, laps)
             log.info("rank %d: resumed at step %d in generation %d after %.3f s (restore %.3f s)",
                      self._cfg.rank, order.resume_step, order.gen, time.monotonic() - started, restore_s)
             return order.resume_step
+
+    def _report_laps(self, gen: int, role: str, restore_s: float, script_s: float | None,
+                     laps: dict[str, float]) -> None:
+        """Event ``restore_phases``: where this rank's restore time went (seconds per sub-phase;
+        ``script_s``: a replacement's own script between ``unbroken.init()`` and ``job.steps()``,
+        which the survivors wait for inside their ``x_sends_s``)."""
+        fields = {"gen": gen, "role": role, "restore_s": round(restore_s, 4),
+                  **{k: round(v, 4) for k, v in laps.items()}}
+        if script_s is not None:
+            fields["script_s"] = round(script_s, 4)
+        self._control.event("restore_phases", fields)
 
     def _recover_recoverable(self, replaced: set[int] | tuple[()]) -> None:
         for obj in self._tracked.recoverable():  # e.g. a sharded optimizer: shards from their holders
             obj.set_process_group(self.group)
             obj.recover(replaced)
 
-    def _transfer(self, order: Regroup) -> None:
+    def _transfer(self, order: Regroup, laps: dict[str, float]) -> None:
         """The transfer every rank runs after a regroup, from the same plan everywhere: recoverable
         state first (its own collectives), then each replicated plain object, and the per-rank
         state of ranks in ``fallback``, point to point from one live holder each (spread over
@@ -284,7 +302,9 @@ class InFlight:
         rank, replaced = self._cfg.rank, set(order.replaced)
         alive = [r for r in range(self._cfg.world_size) if r not in replaced]
         receiving = rank in replaced and not self._keeps_own
+        t = time.monotonic()
         self._recover_recoverable(replaced)
+        laps["recoverable_s"] = time.monotonic() - t
         plain = dict(self._tracked.plain())
         moves, names = object_moves(list(plain), self.replica_map, replaced, alive)  # mesh: same stage/shard
         # The controller kept no per-rank state for the ranks in `fallback`: the lowest survivor's copy.
@@ -296,9 +316,14 @@ class InFlight:
         def local_of(key: str) -> Any:  # a replacement's own tensors (its model as built) take the data
             return None if key == _PER_RANK else self._tracked.state_of(plain[names[key]])
 
+        exchange: dict[str, float] = {}
+        t = time.monotonic()
         got = exchange_states(moves, self.group, state_of=state_of, local_of=local_of, device=self._device,
                               should_abort=self.should_abort, graveyard=self.graveyard,
-                              what=f"state transfer of generation {order.gen}")
+                              what=f"state transfer of generation {order.gen}", timings=exchange)
+        laps["exchange_s"] = time.monotonic() - t
+        laps.update({f"x_{k}": v for k, v in exchange.items()})
+        t = time.monotonic()
         for key, name in names.items():
             if key in got:
                 self._tracked.load_one(plain[name], got[key])
@@ -307,7 +332,10 @@ class InFlight:
         elif receiving:
             self._tracked.load_per_rank(decode_tree(order.rank_state, f"rank {rank}'s per-rank state of step "
                                                                       f"{order.resume_step} from the controller"))
+        laps["load_s"] = time.monotonic() - t
+        t = time.monotonic()
         self._realign_wrappers()
+        laps["realign_s"] = time.monotonic() - t
 
     def _realign_wrappers(self) -> None:
         """Every rank, last in the transfer: each surviving DDP's reducer reset and its buckets laid out

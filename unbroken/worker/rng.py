@@ -15,6 +15,7 @@ import _random
 import array
 import ctypes
 import random
+import struct
 import sys
 from typing import Any
 
@@ -22,6 +23,13 @@ import torch
 
 #: A Mersenne Twister's state as numpy and CPython hold it: 624 uint32 words and an int position.
 _MT_STATE_BYTES = 624 * 4 + 4
+#: torch's CPU generator in memory (CPUGeneratorImpl after its GeneratorImpl base): the mt19937 data
+#: (uint64 seed, int left, bool seeded, uint32 next, 624 uint32 words) and the two cached normal
+#: samples (optional<float>, optional<double>). Checked against get_rng_state() for these versions.
+_TORCH_ENGINE_BYTES = 2544
+_TORCH_WORDS_AT = 20  # the 624 words, from the start of the engine data
+_TORCH_FLOAT_SAMPLE_AT, _TORCH_DOUBLE_SAMPLE_AT = 2520, 2528  # each: the value, then "engaged"
+_TORCH_LAYOUT_CHECKED = frozenset({(2, 13)})
 
 
 def capture() -> dict[str, Any]:
@@ -47,11 +55,15 @@ class StreamReader:
 
     The captured form of a stream that did not move since the last read is reused (shared:
     callers copy before they mutate), so a stream the script does not draw from costs next to
-    nothing. Whether Python's or numpy's moved is told by its raw state words, read through a
-    :class:`_StateWords` view (a 2.5 KB copy) instead of ``random.getstate()`` (625 ints) or
-    ``np.random.get_state()`` (a Python loop over 624 words: ~50 us, several times that on a
-    loaded machine). Every full read checks the view against the real state; a view that does
-    not match is dropped for good and that stream is read in full from then on.
+    nothing. Whether a stream moved is told by its raw state in memory, read through a
+    :class:`_StateWords` view (a 2.5 KB copy) instead of ``torch.get_rng_state()`` (a tensor made
+    through the dispatcher), ``random.getstate()`` (625 ints) or ``np.random.get_state()`` (a
+    Python loop over 624 words: ~50 us, several times that on a loaded machine). Python's and
+    numpy's views are checked against the real state on every full read; torch's when it is made
+    (its words, seed, position and cached normal samples, and that it moves with a draw), for the
+    torch versions whose layout was checked (``_TORCH_LAYOUT_CHECKED``; others: full reads). A
+    view that does not match is dropped for good and that stream is read in full from then on.
+    ``put_back`` sets torch's stream only when its view says it moved.
 
     Python's fingerprint is complete (its words, position and ``gauss_next``). numpy's lacks
     the legacy pending Gaussian (``has_gauss``/``gauss``), so a numpy state with one pending is
@@ -62,6 +74,10 @@ class StreamReader:
 
     def __init__(self) -> None:
         self._cuda = torch.cuda.is_available()  # fixed for the process; is_initialized() is not
+        self._torch_view: _StateWords | None = None
+        self._torch_viewable = True  # False once no view could be made (or one did not match)
+        self._torch_mark: bytes | None = None  # the view's bytes at the last full read
+        self._torch_form: torch.Tensor | None = None  # ... its get_rng_state()
         self._python_view: _StateWords | None = _python_words()
         self._python_mark: tuple | None = None  # (words, gauss_next) of the last full read
         self._python_state: tuple | None = None  # random.getstate() of the last full read
@@ -72,7 +88,7 @@ class StreamReader:
         self._numpy_form: list | None = None
 
     def capture(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": self._python()}
+        state: dict[str, Any] = {"torch": self._torch(), "python": self._python()}
         np = sys.modules.get("numpy")
         if np is not None:
             state["numpy"] = self._numpy(np)
@@ -83,7 +99,9 @@ class StreamReader:
     def put_back(self, state: dict[str, Any]) -> None:
         """Set torch's CPU stream and Python's (if it moved) back to ``state``, this reader's last
         :meth:`capture`: what reading an object's state must not change."""
-        torch.set_rng_state(state["torch"])
+        view = self._torch_view
+        if view is None or state["torch"] is not self._torch_form or view.read() != self._torch_mark:
+            torch.set_rng_state(state["torch"])
         if self._python_state is not None and (self._python_view is None or self._python_now() != self._python_mark):
             random.setstate(self._python_state)
 
@@ -93,8 +111,21 @@ class StreamReader:
 
     def forget(self) -> None:
         """Drop the reused forms: the next read reads every stream in full."""
+        self._torch_mark = self._torch_form = None
         self._python_mark = self._python_state = self._python_form = None
         self._numpy_mark = self._numpy_form = None
+
+    # -- torch's CPU generator ---------------------------------------------------------------
+    def _torch(self) -> torch.Tensor:
+        if self._torch_view is None and self._torch_viewable:
+            self._torch_view = _torch_words()
+            self._torch_viewable = self._torch_view is not None
+        view = self._torch_view
+        mark = view.read() if view is not None else None
+        if mark is not None and mark == self._torch_mark and self._torch_form is not None:
+            return self._torch_form
+        self._torch_mark, self._torch_form = mark, torch.get_rng_state()
+        return self._torch_form
 
     # -- Python's random -------------------------------------------------------------------
     def _python_now(self) -> tuple:
@@ -144,14 +175,14 @@ class StreamReader:
 
 
 class _StateWords:
-    """A read-only view of a generator's raw state words in this process's memory (624 uint32
-    words and an int position: ``_MT_STATE_BYTES``), kept with the object that owns them so the
-    memory stays valid. Read as bytes only to tell whether the state moved; the reader checks
-    each view against the generator's own state before trusting it."""
+    """A read-only view of a generator's raw state in this process's memory (for numpy and
+    CPython: 624 uint32 words and an int position, ``_MT_STATE_BYTES``), kept with the object
+    that owns it so the memory stays valid. Read as bytes only to tell whether the state moved;
+    the reader checks each view against the generator's own state before trusting it."""
 
-    def __init__(self, owner: Any, address: int) -> None:
+    def __init__(self, owner: Any, address: int, size_bytes: int = _MT_STATE_BYTES) -> None:
         self.owner = owner
-        self._words = (ctypes.c_char * _MT_STATE_BYTES).from_address(address)
+        self._words = (ctypes.c_char * size_bytes).from_address(address)
 
     def read(self) -> bytes:
         return self._words.raw
@@ -166,3 +197,48 @@ def _python_words() -> _StateWords | None:
     if not isinstance(owner, _random.Random) or _random.Random.__basicsize__ < header_bytes + _MT_STATE_BYTES:
         return None
     return _StateWords(owner, id(owner) + header_bytes)
+
+
+def _torch_words() -> _StateWords | None:
+    """A view of torch's default CPU generator's state in memory (``_TORCH_ENGINE_BYTES`` from its
+    mt19937 data on), or None: for a torch whose layout was not checked, or where the memory does
+    not hold what get_rng_state() says (its words, seed, position, cached normal samples) or does
+    not move with a draw. The draw is undone: the stream is where it was. The view also covers
+    padding and a disengaged sample's stale value: those may change with no change of state, which
+    only makes the reader read in full once more, never miss a move."""
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) not in _TORCH_LAYOUT_CHECKED:
+        return None
+    generator = torch.default_generator
+    impl = ctypes.c_void_p.from_address(id(generator) + object.__basicsize__).value  # THPGenerator.cdata
+    if not impl or impl % 8:
+        return None
+    saved = torch.get_rng_state()
+    legacy = saved.numpy().tobytes()
+    words = struct.pack("<624I", *struct.unpack_from("<624Q", legacy, 24))
+    found = ctypes.string_at(impl, 512).find(words[:64])  # the engine data lie in the object's first bytes
+    engine_at = found - _TORCH_WORDS_AT
+    if found < 0 or engine_at < 8 or engine_at % 8:
+        return None
+    view = _StateWords(generator, impl + engine_at, _TORCH_ENGINE_BYTES)
+    before = view.read()
+    if not _torch_view_agrees(before, legacy):
+        return None
+    torch.rand(1, device="cpu")
+    moved = view.read() != before and _torch_view_agrees(view.read(), torch.get_rng_state().numpy().tobytes())
+    torch.set_rng_state(saved)  # (padding and a disengaged sample's bytes may differ now: no matter)
+    return view if moved and _torch_view_agrees(view.read(), legacy) else None
+
+
+def _torch_view_agrees(raw: bytes, legacy: bytes) -> bool:
+    """Whether a view's bytes hold the state of ``legacy`` (get_rng_state's bytes: uint64 seed, int
+    left, int seeded, uint64 next, 624 uint64 words, doubles x, y, rho, int y-valid; float, bool)."""
+    seed, left, seeded, next_ = struct.unpack_from("<QiiQ", legacy, 0)
+    _, double_sample, _, double_valid = struct.unpack_from("<dddi", legacy, 24 + 624 * 8)
+    float_sample, float_valid = struct.unpack_from("<f?", legacy, 24 + 624 * 8 + 32)
+    view_seed, view_left, view_seeded, view_next = struct.unpack_from("<Qi?3xI", raw, 0)
+    view_float, view_float_valid = struct.unpack_from("<f?", raw, _TORCH_FLOAT_SAMPLE_AT)
+    view_double, view_double_valid = struct.unpack_from("<d?", raw, _TORCH_DOUBLE_SAMPLE_AT)
+    return ((seed, left, bool(seeded), next_) == (view_seed, view_left, view_seeded, view_next)
+            and struct.unpack_from("<624Q", legacy, 24) == struct.unpack_from("<624I", raw, _TORCH_WORDS_AT)
+            and (bool(double_valid), double_valid and double_sample) == (view_double_valid, view_double_valid and view_double)
+            and (float_valid, float_valid and float_sample) == (view_float_valid, view_float_valid and view_float))

@@ -3,16 +3,18 @@
 At the start of every step under `unbroken run` the session captures every tracked object
 that may change inside a step and is not covered by the commit rule (everything but modules,
 torch optimizers and :class:`~unbroken.worker.api.RecoverableState` objects: schedulers,
-samplers, loaders, tensors, user objects) and the RNG streams, as a :func:`snapshot` (a deep
-copy: nothing is encoded for it). When the step is dropped, the survivor loads it back.
+samplers, loaders, tensors, user objects) and the RNG streams. When the step is dropped, the
+survivor loads it back.
 
 The per-rank part (the RNG streams and the per-rank objects) goes to the controller twice a
 step, so that a replacement for this rank receives *its own* state: with the ``compute``
-report (the start of the step) and with the commit report (after compute). It is encoded
-(:mod:`unbroken.worker.state_blob`; never pickle) only when it differs from the last state
-this rank sent: :class:`StepStates` otherwise reports it "same" and the controller reuses its
-copy. On most steps the start of step k equals the state after computing k - 1 (nothing per
-rank moves during an update), so a step encodes once, not twice.
+report (the start of the step) and with the commit report (after compute). It is encoded at
+each read (:mod:`unbroken.worker.state_blob`; never pickle), and those bytes are also the
+survivor's copy; they travel only when they differ from the last ones this rank sent:
+:class:`StepStates` otherwise reports "same" and the controller reuses its copy. On most steps
+the start of step k equals the state after computing k - 1 (nothing per rank moves during an
+update), so a step sends once, not twice. The replicated part (a scheduler, a tensor) is kept
+as a :func:`snapshot`, a deep copy on its own device.
 
 Pure functions and small classes; lives in the training thread of one rank.
 """
@@ -29,7 +31,7 @@ import torch
 
 from unbroken.errors import CheckpointError, ConfigError
 from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES
-from unbroken.worker.state_blob import encode_tree, raw_bytes
+from unbroken.worker.state_blob import TreeEncoder, decode_tree, encode_tree, raw_bytes
 
 # -- copies and comparisons of state trees ---------------------------------------------------
 _IMMUTABLE_LEAVES = frozenset({type(None), bool, int, float, str, bytes, torch.Size})
@@ -112,32 +114,24 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 # -- the capture and the reports -----------------------------------------------------------
 @dataclass(frozen=True)
 class StepCapture:
-    """One rank's state at the start of ``step`` (see the module docstring): snapshots, never
-    loaded as they are (a load that kept a reference would let the redo change them)."""
+    """One rank's state at the start of ``step`` (see the module docstring): a snapshot of the
+    replicated part and the encoding of the per-rank part, never loaded as they are (a load that
+    kept a reference would let the redo change them)."""
 
     step: int
     local_state: dict[str, Any]
-    per_rank_state: dict[str, Any]
+    per_rank_blob: bytes
 
     def local(self) -> dict[str, Any]:
         return snapshot(self.local_state)
 
     def per_rank_tree(self) -> dict[str, Any]:
-        return snapshot(self.per_rank_state)
+        return decode_tree(self.per_rank_blob, f"the per-rank state of step {self.step}'s start")
 
 
 def capture(step: int, local: dict[str, Any], per_rank: dict[str, Any]) -> StepCapture:
-    """Snapshot the trees of one step start (the step mutates the originals)."""
-    return StepCapture(step, snapshot(local), snapshot_per_rank(per_rank))
-
-
-def snapshot_per_rank(per_rank: dict[str, Any]) -> dict[str, Any]:
-    """:func:`snapshot` of a TrackedState.per_rank_tree, sharing its RNG streams: a capture of
-    them is fresh tensors or forms its StreamReader never changes, so it needs no copy."""
-    out = {"objects": snapshot(per_rank["objects"], ("objects",)), "rng": per_rank["rng"]}
-    if "buffers" in per_rank:  # norm layers' running statistics (TrackedState._with_buffers)
-        out["buffers"] = snapshot(per_rank["buffers"], ("buffers",))
-    return out
+    """Capture the trees of one step start (the step mutates the originals)."""
+    return StepCapture(step, snapshot(local), encode_tree(per_rank))
 
 
 class Report(NamedTuple):
@@ -153,8 +147,14 @@ SAME = Report(b"", True)
 
 class StepStates:
     """One rank's step-start capture and the per-rank state it last sent to the controller, so
-    that an unchanged one is reported as ``same`` instead of encoded again (the controller
-    keeps the bytes it has).
+    that an unchanged one is reported as ``same`` instead of sent again (the controller keeps
+    the bytes it has).
+
+    The per-rank state is encoded at each read: the encoding is at once the copy a dropped step
+    loads back (decoded only then), the bytes that travel, and the comparison with the last one
+    sent (equal bytes are equal states bit for bit: types, key order, a float's sign, a tensor's
+    dtype, shape and bytes). The RNG streams' captured forms never change (the reader makes a
+    new one when a stream moves), so their encodings are reused while they stay the same.
 
     Lives in the training thread of one rank, owned by its session (under `unbroken run`). The
     controller notes every report of a process in order (one connection), so "the last one
@@ -163,33 +163,50 @@ class StepStates:
 
     def __init__(self, rank: int) -> None:
         self._rank = rank
-        self._last: dict[str, Any] | None = None  # a snapshot of the last state sent
-        self._encoded: dict = {}  # its tensors' encodings (state_blob.encode_tree's memo)
+        self._encoder = TreeEncoder()
+        self._last_sent: bytes | None = None  # the encoding of the last state sent
+        self._checked = False  # the per-rank tree was checked once to hold only what checkpoints take
         self.capture: StepCapture | None = None  # the start of the step in flight
         self.start_report = NO_REPORT  # ... its per-rank part, for the 'compute' report
 
     def begin(self, step: int, local: dict[str, Any], per_rank: dict[str, Any]) -> None:
         """Capture the start of ``step`` (trees from TrackedState.step_start) and its report."""
-        if self._last is not None and same(per_rank, self._last):
-            per_rank_state, self.start_report = self._last, SAME  # snapshots are never changed: share it
-        else:
-            per_rank_state = snapshot_per_rank(per_rank)
-            self.start_report = self._send(per_rank_state)
-        self.capture = StepCapture(step, snapshot(local), per_rank_state)
+        blob = self._encode(per_rank)
+        self.start_report = self._report(blob)
+        self.capture = StepCapture(step, snapshot(local), blob)
 
     def after_compute(self, per_rank: dict[str, Any]) -> Report:
         """The report of the state after the step's compute (a tree from TrackedState.per_rank_tree)."""
-        if self._last is not None and same(per_rank, self._last):
-            return SAME
-        return self._send(snapshot_per_rank(per_rank))
+        return self._report(self._encode(per_rank))
 
-    def _send(self, per_rank_state: dict[str, Any]) -> Report:
-        """Encode a snapshot to send; ConfigError if it is over the limit of what may travel."""
-        blob = encode_tree(per_rank_state, self._encoded)
-        if len(blob) > PER_RANK_LIMIT_BYTES:
-            raise ConfigError(_too_big(per_rank_state, len(blob), self._rank))
-        self._last = per_rank_state
+    def _report(self, blob: bytes) -> Report:
+        if blob == self._last_sent:
+            return SAME
+        self._last_sent = blob
         return Report(blob, False)
+
+    def _encode(self, per_rank: dict[str, Any]) -> bytes:
+        """Encode a per-rank tree; CheckpointError naming the path of a value checkpoints cannot
+        hold (checked in full on the first read), ConfigError if it is over the travel limit."""
+        if not self._checked:
+            snapshot(per_rank)  # the first read: the error names the path (the encoder's cannot)
+            self._checked = True
+        try:
+            blob = self._encoder.encode(per_rank, _stream_tensors(per_rank["rng"]))
+        except CheckpointError:
+            snapshot(per_rank)  # a value of another kind appeared: name its path
+            raise
+        if len(blob) > PER_RANK_LIMIT_BYTES:
+            raise ConfigError(_too_big(per_rank, len(blob), self._rank))
+        return blob
+
+
+def _stream_tensors(streams: dict[str, Any]) -> tuple[Any, ...]:
+    """The tensors of the RNG streams' captured forms that rng.StreamReader reuses while a stream
+    does not move (its torch form, and the words of Python's and numpy's): never changed."""
+    numpy = streams.get("numpy")
+    return (streams["torch"], streams["python"][1]) if numpy is None else (streams["torch"], streams["python"][1],
+                                                                           numpy[1])
 
 
 def _too_big(per_rank: dict[str, Any], total_bytes: int, rank: int) -> str:

@@ -31,7 +31,7 @@ from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalErr
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import first_group, integrity, meshes, restore, rollback, wrappers
+from unbroken.worker import first_group, integrity, meshes, restore, rollback, script_imports, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
@@ -58,8 +58,7 @@ class Job:
         self.cfg = cfg
         self.rank, self.world_size, self.local_rank, self.attempt = cfg.rank, cfg.world_size, cfg.local_rank, cfg.attempt
         self.device = device or self._build_device()
-        self._tracked = TrackedState()
-        self._metrics: dict[str, Any] = {}
+        self._tracked, self._metrics = TrackedState(), {}  # the tracked objects; this step's progress metrics
         self._step, self._phase = 0, Phase.DONE  # the step in flight (== number of completed steps), its phase
         self._step_started, self._last_step_s = time.monotonic(), 0.0
         self._restored = self._in_step = False
@@ -68,6 +67,7 @@ class Job:
         self._step_completed = False  # the last step yielded by steps() completed (its block ended)
         self._mesh: meshes.JobMesh | None = None  # job.mesh()
         self._control = self._build_control()
+        script_imports.report(self._control, cfg)  # for the warm spares: what the script imported
         self._injector = self._build_injector()
         self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
                                   injector=self._injector, all_min=self._all_min, event=self._event,

@@ -22,6 +22,7 @@ import json
 import struct
 import sys
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
@@ -50,65 +51,87 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 
 
 # -- encoding --------------------------------------------------------------------------------
-def encode_tree(tree: Any, memo: dict[int, tuple[torch.Tensor, msgpack.ExtType]] | None = None) -> bytes:
-    """``tree`` (tensors and plain values) as one blob; CheckpointError for a value it cannot hold.
-
-    ``memo``, for a caller that encodes trees whose tensors are never changed (snapshots) one
-    after another: a tensor met again (the same object) reuses its encoding; after the call
-    ``memo`` holds this tree's tensors."""
-    encoder = _Encoder(memo)
-    try:
-        blob = _MAGIC + encoder.pack(tree)
-    except OverflowError:  # an int msgpack cannot hold: the JSON format keeps any int
-        blob = _encode_format_1(tree)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"cannot encode the per-rank state: {exc}") from exc
-    if memo is not None:
-        memo.clear()
-        memo.update(encoder.seen)
-    return blob
+def encode_tree(tree: Any) -> bytes:
+    """``tree`` (tensors and plain values) as one blob; CheckpointError for a value it cannot hold."""
+    return TreeEncoder().encode(tree)
 
 
-class _Encoder:
-    """One :func:`encode_tree` call: msgpack with our extension types (see the module docstring)."""
+class TreeEncoder:
+    """Encodes trees one after another (format 2, see the module docstring), as fast as the
+    per-step reports need: one msgpack packer kept for every call, each tensor header (dtype
+    and shape) made once, and the encodings of tensors the caller knows never change reused.
 
-    def __init__(self, memo: dict[int, tuple[torch.Tensor, msgpack.ExtType]] | None) -> None:
-        self._memo = memo or {}
-        self.seen: dict[int, tuple[torch.Tensor, msgpack.ExtType]] = {}
+    Owned by one rank's :class:`~unbroken.worker.rollback.StepStates`; one thread at a time.
+    """
 
-    def pack(self, value: Any) -> bytes:
+    def __init__(self) -> None:
+        self._packer = msgpack.Packer(use_bin_type=True, strict_types=True, default=self._extension)
+        self._headers: dict[tuple[torch.dtype, torch.Size], bytes] = {}
+        self._memo: dict[int, tuple[torch.Tensor, msgpack.ExtType]] = {}  # id -> (tensor, encoding)
+        self._seen: dict[int, tuple[torch.Tensor, msgpack.ExtType]] = {}
+
+    def encode(self, tree: Any, unchanging: Iterable[torch.Tensor] = ()) -> bytes:
+        """``tree`` as one blob (CheckpointError for a value it cannot hold). ``unchanging``: tensors
+        of ``tree`` the caller never changes; a later call meeting the same object reuses its encoding."""
+        self._seen = {}
+        try:
+            blob = _MAGIC + self._packer.pack(tree)
+        except OverflowError:  # an int msgpack cannot hold: the JSON format keeps any int
+            self._packer.reset()
+            blob = _encode_format_1(tree)
+        except (TypeError, ValueError) as exc:
+            self._packer.reset()
+            raise CheckpointError(f"cannot encode the per-rank state: {exc}") from exc
+        seen = self._seen
+        self._memo = {id(t): seen[id(t)] for t in unchanging if id(t) in seen}
+        return blob
+
+    def _pack_nested(self, value: Any) -> bytes:
+        """An extension's payload: packed by a packer of its own (the kept one is mid-document)."""
         return msgpack.packb(value, use_bin_type=True, strict_types=True, default=self._extension)
 
     def _extension(self, x: Any) -> msgpack.ExtType:
         kind = type(x)
         if isinstance(x, torch.Tensor):
             known = self._memo.get(id(x))
-            extension = known[1] if known is not None and known[0] is x else _tensor_extension(x)
-            self.seen[id(x)] = (x, extension)
+            extension = known[1] if known is not None and known[0] is x else self._tensor_extension(x)
+            self._seen[id(x)] = (x, extension)
             return extension
         if kind is int:
-            raise OverflowError(f"{x} does not fit 64 bits")  # encode_tree falls back to format 1
+            raise OverflowError(f"{x} does not fit 64 bits")  # encode falls back to format 1
         if kind is tuple:
-            return msgpack.ExtType(_TUPLE, self.pack(list(x)))
+            return msgpack.ExtType(_TUPLE, self._pack_nested(list(x)))
         if kind is OrderedDict:
-            return msgpack.ExtType(_ORDERED, self.pack([[[k, v] for k, v in x.items()], getattr(x, "_metadata", None)]))
+            return msgpack.ExtType(_ORDERED, self._pack_nested([[[k, v] for k, v in x.items()],
+                                                                getattr(x, "_metadata", None)]))
         if kind is torch.Size:
-            return msgpack.ExtType(_SIZE, self.pack(list(x)))
+            return msgpack.ExtType(_SIZE, self._pack_nested(list(x)))
         np = sys.modules.get("numpy")  # a numpy object implies numpy is already imported
         if np is not None and isinstance(x, np.ndarray) and not x.dtype.hasobject:
-            return msgpack.ExtType(_NDARRAY, self.pack([x.dtype.str, list(x.shape), np.ascontiguousarray(x).tobytes()]))
+            return msgpack.ExtType(_NDARRAY, self._pack_nested([x.dtype.str, list(x.shape),
+                                                                np.ascontiguousarray(x).tobytes()]))
         if np is not None and isinstance(x, np.generic) and not x.dtype.hasobject:
-            return msgpack.ExtType(_NP_SCALAR, self.pack([x.dtype.str, x.tobytes()]))
+            return msgpack.ExtType(_NP_SCALAR, self._pack_nested([x.dtype.str, x.tobytes()]))
         raise TypeError(f"type {kind.__module__}.{kind.__qualname__} is not supported")
 
+    def _tensor_extension(self, x: torch.Tensor) -> msgpack.ExtType:
+        """[name length, ndim] bytes, the dtype's name, ndim little-endian int64 sizes, the raw bytes."""
+        t = x if x.is_cpu else x.detach().cpu()
+        key = (t.dtype, t.shape)
+        header = self._headers.get(key)
+        if header is None:
+            header = self._headers[key] = _tensor_header(*key)
+        return _new_extension(msgpack.ExtType, (_TENSOR, header + raw_bytes(t)))
 
-def _tensor_extension(x: torch.Tensor) -> msgpack.ExtType:
-    """[name length, ndim] bytes, the dtype's name, ndim little-endian int64 sizes, the raw bytes."""
-    t = x if x.is_cpu else x.detach().cpu()
-    name = _DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch.").encode()
-    shape = t.shape
-    return msgpack.ExtType(_TENSOR, b"".join((bytes((len(name), len(shape))), name,
-                                             struct.pack(f"<{len(shape)}q", *shape), raw_bytes(t))))
+
+#: ``ExtType(code, data)`` without its argument checks (ours are right by construction): the
+#: constructor is a Python function, and the per-step reports make one for every new tensor.
+_new_extension = tuple.__new__
+
+
+def _tensor_header(dtype: torch.dtype, shape: torch.Size) -> bytes:
+    name = _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.").encode()
+    return bytes((len(name), len(shape))) + name + struct.pack(f"<{len(shape)}q", *shape)
 
 
 def _encode_format_1(tree: Any) -> bytes:

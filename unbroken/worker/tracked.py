@@ -27,7 +27,7 @@ DDP's ``broadcast_buffers``, rank 0's are the ones every rank's next forward sta
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
@@ -38,6 +38,15 @@ from unbroken.worker import rng
 from unbroken.worker.api import RecoverableState, SessionHooks
 
 
+class _Layout(NamedTuple):
+    """What a capture reads: the replicated objects that roll back, the per-rank objects (by name),
+    and (tracked name, prefix, layer) of the tracked modules' norm layers with running statistics."""
+
+    local: list[str]
+    per_rank: list[str]
+    norm_layers: list[tuple[str, str, _NormBase]]
+
+
 class TrackedState:
     """The named training state of one rank (see the module docstring)."""
 
@@ -46,6 +55,7 @@ class TrackedState:
         self.per_rank: set[str] = set()  # names of the per-rank objects (see the module docstring)
         self.frozen = False  # set once job.steps() began: tracking more is a usage error
         self._rng = rng.StreamReader()  # reads the RNG streams, reusing what did not move
+        self._kept_layout: _Layout | None = None  # kept once frozen (see _layout)
 
     def add(self, name: str, obj: Any, hooks: SessionHooks) -> None:
         """Track ``obj`` as ``name``; a recoverable object gets the session's hooks."""
@@ -90,24 +100,44 @@ class TrackedState:
 
     def per_rank_tree(self) -> dict[str, Any]:
         """This rank's own state: the per-rank objects and the RNG streams, as they are now."""
-        states, streams = self._states(sorted(self.per_rank))
-        return self._with_buffers({"objects": states, "rng": streams})
+        layout = self._layout()
+        states, streams = self._states(layout.per_rank)
+        return self._with_buffers({"objects": states, "rng": streams}, layout.norm_layers)
 
     def step_start(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(:meth:`rollback_tree`, :meth:`per_rank_tree`) of now, in one pass."""
-        local = [n for n, o in self.objects.items() if n not in self.per_rank and not _committed_state(o)]
-        states, streams = self._states(local + sorted(self.per_rank))
-        return ({n: states[n] for n in local},
-                self._with_buffers({"objects": {n: states[n] for n in sorted(self.per_rank)}, "rng": streams}))
+        layout = self._layout()
+        states, streams = self._states(layout.local + layout.per_rank)
+        return ({n: states[n] for n in layout.local},
+                self._with_buffers({"objects": {n: states[n] for n in layout.per_rank}, "rng": streams},
+                                   layout.norm_layers))
 
-    def _with_buffers(self, tree: dict[str, Any]) -> dict[str, Any]:
+    def _layout(self) -> _Layout:
+        """Which tracked objects a step's capture reads, and the norm layers of the tracked modules.
+        Kept once job.steps() has begun (the objects are frozen and the model is built): walking a
+        module tree costs more than the rest of a step's capture."""
+        if self._kept_layout is not None:
+            return self._kept_layout
+        per_rank = sorted(self.per_rank)
+        local = [n for n, o in self.objects.items() if n not in self.per_rank and not _committed_state(o)]
+        norm_layers = [(name, prefix, layer) for name, obj in self.objects.items() if isinstance(obj, torch.nn.Module)
+                       for prefix, layer in obj.named_modules()
+                       if isinstance(layer, _NormBase) and layer.track_running_stats]
+        layout = _Layout(local, per_rank, norm_layers)
+        if self.frozen:
+            self._kept_layout = layout
+        return layout
+
+    @staticmethod
+    def _with_buffers(tree: dict[str, Any], norm_layers: list[tuple[str, str, _NormBase]]) -> dict[str, Any]:
         """``tree`` with the running statistics of the tracked modules' norm layers (if any)."""
-        buffers = {}
-        for name, obj in self.objects.items():
-            if isinstance(obj, torch.nn.Module):
-                stats = dict(_norm_stats(obj))  # live tensors: a capture snapshots them
-                if stats:
-                    buffers[name] = stats
+        if not norm_layers:
+            return tree
+        buffers: dict[str, dict[str, torch.Tensor]] = {}
+        for name, prefix, layer in norm_layers:
+            for key, t in layer.named_buffers(prefix=prefix, recurse=False):
+                if t is not None:
+                    buffers.setdefault(name, {})[key] = t  # live tensors: a capture snapshots them
         return {**tree, "buffers": buffers} if buffers else tree
 
     def _states(self, names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -200,15 +230,6 @@ class TrackedState:
         for name, obj in self.objects.items():
             self.load_one(obj, tracked[name])
         self._rng.restore(state["rng"])
-
-
-def _norm_stats(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(buffer name, tensor) of the running statistics of ``module``'s norm layers."""
-    for prefix, layer in module.named_modules():
-        if isinstance(layer, _NormBase) and layer.track_running_stats:
-            for key, t in layer.named_buffers(prefix=prefix, recurse=False):
-                if t is not None:
-                    yield key, t
 
 
 def _committed_state(obj: Any) -> bool:

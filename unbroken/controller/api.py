@@ -421,6 +421,8 @@ class JobState:
     ready: frozenset[int] = frozenset()
     not_in_flight: tuple[tuple[int, str], ...] = ()  # (rank, why its state cannot be recovered in flight)
     num_replicas: int = 0
+    mesh: tuple[tuple[str, int], ...] = ()  # the job's mesh (job.mesh), () for a flat data-parallel job
+    mesh_replicate: str = ""  # the mesh dimension its replicas live along
     recovery: Recovery | None = None
     placement: tuple[int, ...] = ()  # the agent hosting each rank; () means rank // (world / nnodes)
     standbys: frozenset[int] = frozenset()

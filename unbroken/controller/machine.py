@@ -37,6 +37,7 @@ from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for
     DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobPolicy,
     JobState, Event, Action, FINAL_PHASES, TerminateRequested, GraceExpired, Terminating)
 from unbroken.errors import EXIT_FATAL
+from unbroken.recovery.mesh_map import MeshReplicaMap
 from unbroken.recovery.replica_map import ReplicaMap
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
 from unbroken.recovery.ladder import GIVE_UP, choose_rung
@@ -80,7 +81,8 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if isinstance(event, SessionReady):
         blockers = state.not_in_flight + (((event.rank, event.not_in_flight),) if event.not_in_flight else ())
         return _replace(state, ready=state.ready | {event.rank}, num_replicas=event.num_replicas,
-                        not_in_flight=blockers), []
+                        not_in_flight=blockers, mesh=tuple(zip(event.mesh_names, event.mesh_sizes)),
+                        mesh_replicate=event.mesh_replicate), []
     if isinstance(event, StepSynced):
         return _on_step_synced(state, event)
     if isinstance(event, WorkerDamaged):
@@ -191,13 +193,21 @@ def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str
     alive = state.ranks - dead
     if not alive:
         return False, "no rank survived"
-    replicas = ReplicaMap.full(state.world_size) if state.num_replicas == 0 else \
-        ReplicaMap(state.world_size, state.num_replicas)
+    replicas = _replica_map(state)
     for rank in sorted(dead):
         for piece in replicas.pieces_of(rank):
             if replicas.live_source(piece, alive) is None:
                 return False, f"no live replica of {piece} of rank {rank} (holders {replicas.holders(piece)} all lost)"
     return True, "every piece of the lost ranks' state has a live replica"
+
+
+def _replica_map(state: JobState) -> ReplicaMap | MeshReplicaMap:
+    """Who holds what: the job's mesh (replicas along its replicate dimension), else the flat
+    data-parallel layout of ``num_replicas`` (0: full replication)."""
+    if state.mesh:
+        return MeshReplicaMap(state.mesh, state.mesh_replicate)
+    return ReplicaMap.full(state.world_size) if state.num_replicas == 0 else \
+        ReplicaMap(state.world_size, state.num_replicas)
 
 
 def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()) -> tuple[JobState, list[Action]]:
@@ -300,14 +310,13 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
                      stopped_agents=frozenset(), finished_ranks=frozenset(), loop_finished=frozenset(),
                      exited_after_loop=frozenset(), hung_ranks=frozenset(),
                      gen=0, committed_step=-1, sync_step=-1, synced=frozenset(), ready=frozenset(),
-                     not_in_flight=(), recovery=None)
+                     not_in_flight=(), mesh=(), mesh_replicate="", recovery=None)
     return state, [StartAttempt(attempt)]
 
 
 def _writers(state: JobState, rec: Recovery) -> tuple[tuple[int, int], ...]:
     """For each lost rank, the survivor holding an identical copy of its state (the lowest)."""
-    replicas = ReplicaMap.full(state.world_size) if state.num_replicas == 0 else \
-        ReplicaMap(state.world_size, state.num_replicas)
+    replicas = _replica_map(state)
     alive = state.ranks - rec.replaced
     pairs = []
     for rank in sorted(rec.replaced):

@@ -174,12 +174,17 @@ class WorkerEvent(Message):
 @message("session_ready")
 class SessionReady(Message):
     """The worker runs an unbroken step loop and committed a step; ``num_replicas`` 0 means full
-    replication. ``not_in_flight``: why this rank's state cannot be recovered in flight ("": it can)."""
+    replication. ``not_in_flight``: why this rank's state cannot be recovered in flight ("": it can).
+    ``mesh_names``/``mesh_sizes``: the job's mesh (``job.mesh``), empty for a flat data-parallel
+    job; its replicas live along ``mesh_replicate`` (recovery/mesh_map.py)."""
 
     rank: int
     attempt: int
     num_replicas: int
     not_in_flight: str = ""
+    mesh_names: list[str] = dataclasses.field(default_factory=list)
+    mesh_sizes: list[int] = dataclasses.field(default_factory=list)
+    mesh_replicate: str = ""
 
 
 @message("step_synced")

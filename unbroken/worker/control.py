@@ -114,9 +114,11 @@ class ControlClient:
         """Ask the controller to record an event of this worker's in the job's event log."""
         self._send(m.WorkerEvent(rank=self.rank, attempt=self.attempt, name=name, fields=fields))
 
-    def session_ready(self, num_replicas: int, not_in_flight: str = "") -> None:
+    def session_ready(self, num_replicas: int, not_in_flight: str = "",
+                      mesh: tuple[tuple[str, int], ...] = (), mesh_replicate: str = "") -> None:
         self._send(m.SessionReady(rank=self.rank, attempt=self.attempt, num_replicas=num_replicas,
-                                  not_in_flight=not_in_flight))
+                                  not_in_flight=not_in_flight, mesh_names=[n for n, _ in mesh],
+                                  mesh_sizes=[s for _, s in mesh], mesh_replicate=mesh_replicate))
 
     def wait_commit(self, gen: int, step: int, poll_s: float = 0.05, state: bytes = b"",
                     state_same: bool = False) -> bool:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +50,7 @@ from unbroken.parallel import ddp as ddp_generations
 from unbroken.parallel import dtensor_state
 from unbroken.parallel.fabric import Fabric
 from unbroken.protocol.messages import Dump, Regroup
+from unbroken.recovery.mesh_map import MeshReplicaMap, object_moves
 from unbroken.recovery.transfer_plan import Move, plan_moves
 from unbroken.worker import wrappers
 from unbroken.worker.control import ControlClient
@@ -92,6 +94,8 @@ class InFlight:
         self._paused_step = 0
         self._order: Regroup | None = None
         self._joined_t: float | None = None  # a replacement: when it joined its generation (in init())
+        self.replica_map: MeshReplicaMap | None = None  # the job's mesh (job.mesh): who holds whose objects
+        self.after_transfer: list[Callable[[], None]] = []  # run by every rank last in each transfer
         if fabric is not None:
             self.graveyard = fabric.graveyard  # one graveyard (the groups hold it): close() checks it
             if control is not None:
@@ -153,12 +157,21 @@ class InFlight:
         """At the end of the job: True if nothing abandoned is still pending. With surviving groups
         the graveyard is then emptied (the old backends have no op left), so the groups can be torn
         down before the interpreter exits: a surviving group alive at exit can crash the process.
+
+        An abandoned op still pending here (a survivor's all-reduce with a peer that left the step
+        before it: in a dp group the lost rank is not in, nothing fails it) would abort this process
+        at exit (``terminate`` on gloo's IoException once the peer exits). So it is waited for: it
+        ends when its peers close their old backends (they exit) or at its timeout, at most
+        ``pg_timeout_s`` from now.
         Every rank waits for the others first (:meth:`barrier_before_teardown`)."""
         self.barrier_before_teardown()
         if self._fabric is None:
             return not self.graveyard
-        if self._fabric.prune_graveyard():
-            return False
+        deadline = time.monotonic() + self._cfg.worker.pg_timeout_s
+        while self._fabric.prune_graveyard():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
         self.graveyard.clear()
         return True
 
@@ -309,16 +322,20 @@ class InFlight:
         t = time.monotonic()
         self._recover_recoverable(replaced)
         laps["recoverable_s"] = time.monotonic() - t
-        plain, holders, needs = self._plain_pieces(replaced, alive)
-        moves = plan_moves(list(plain), holders, needs, alive)
+        if self.replica_map is None:  # every rank holds each object, or FSDP2's shard classes
+            plain, holders, needs = self._plain_pieces(replaced, alive)
+            moves, names = plan_moves(list(plain), holders, needs, alive), {key: key for key in plain}
+        else:  # a mesh (job.mesh): a replaced rank gets its own stage's / shard's copy
+            plain = dict(self._tracked.plain())
+            moves, names = object_moves(list(plain), self.replica_map, replaced, alive)
         # The controller kept no per-rank state for the ranks in `fallback`: the lowest survivor's copy.
         moves += [Move(_PER_RANK, alive[0], r) for r in sorted(set(order.fallback) & replaced)]
 
         def state_of(key: str) -> Any:
-            return self._tracked.per_rank_tree() if key == _PER_RANK else self._tracked.state_of(plain[key])
+            return self._tracked.per_rank_tree() if key == _PER_RANK else self._tracked.state_of(plain[names[key]])
 
         def local_of(key: str) -> Any:  # a replacement's own tensors (its model as built) take the data
-            return None if key == _PER_RANK else self._tracked.state_of(plain[key])
+            return None if key == _PER_RANK else self._tracked.state_of(plain[names[key]])
 
         exchange: dict[str, float] = {}
         t = time.monotonic()
@@ -328,9 +345,9 @@ class InFlight:
         laps["exchange_s"] = time.monotonic() - t
         laps.update({f"x_{k}": v for k, v in exchange.items()})
         t = time.monotonic()
-        for key, obj in plain.items():
+        for key, name in names.items():
             if key in got:
-                self._tracked.load_one(obj, got[key])
+                self._tracked.load_one(plain[name], got[key])
         if receiving and _PER_RANK in got:
             self._tracked.load_per_rank(got[_PER_RANK])
         elif receiving:
@@ -367,3 +384,5 @@ class InFlight:
         as at track (parameter order), so every rank's buckets match the fault-free run's."""
         for ddp in wrappers.surviving_ddps(self._tracked.objects.values()):
             ddp_generations.realign_buckets(ddp)
+        for hook in self.after_transfer:  # e.g. the mesh's pipeline schedules warm up again at the redo
+            hook()

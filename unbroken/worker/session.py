@@ -31,7 +31,7 @@ from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalErr
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import first_group, integrity, restore, rollback, script_imports, wrappers
+from unbroken.worker import first_group, integrity, meshes, restore, rollback, script_imports, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
@@ -56,22 +56,16 @@ class Job:
     def __init__(self, cfg: WorkerConfig, *, device: torch.device | None = None,
                  backend: str | None = None) -> None:
         self.cfg = cfg
-        self.rank = cfg.rank
-        self.world_size = cfg.world_size
-        self.local_rank = cfg.local_rank
-        self.attempt = cfg.attempt
+        self.rank, self.world_size, self.local_rank, self.attempt = cfg.rank, cfg.world_size, cfg.local_rank, cfg.attempt
         self.device = device or self._build_device()
-        self._tracked = TrackedState()
-        self._metrics: dict[str, Any] = {}
-        self._step = 0  # index of the step in flight (== number of completed steps)
-        self._phase: str = Phase.DONE
-        self._step_started = time.monotonic()
-        self._last_step_s = 0.0
+        self._tracked, self._metrics = TrackedState(), {}  # the tracked objects; this step's progress metrics
+        self._step, self._phase = 0, Phase.DONE  # the step in flight (== number of completed steps), its phase
+        self._step_started, self._last_step_s = time.monotonic(), 0.0
         self._restored = self._in_step = False
         self._step_states = rollback.StepStates(self.rank)  # the step start, under `unbroken run`
-        self._committed_this_step = False
+        self._committed_this_step = self._announced_ready = False
         self._step_completed = False  # the last step yielded by steps() completed (its block ended)
-        self._announced_ready = False
+        self._mesh: meshes.JobMesh | None = None  # job.mesh()
         self._control = self._build_control()
         script_imports.report(self._control, cfg)  # for the warm spares: what the script imported
         self._injector = self._build_injector()
@@ -130,6 +124,13 @@ class Job:
                     self._tracked.add(name, obj, hooks)
                     wrappers.prepare(obj, functools.partial(self._advance, Phase.UPDATE))
             self._tracked.classify(per_rank, replicated)
+
+    def mesh(self, *dims: tuple[str, int], replicate: str = "dp") -> meshes.JobMesh:
+        """The job's mesh, e.g. ``job.mesh(("pp", 2), ("dp", 2), ("tp", 1))``: see unbroken.worker.meshes."""
+        with self._fatal_exits():
+            self._mesh = meshes.attach(self._mesh, dims, replicate, self._tracked.frozen, self.cfg, self.device,
+                                       self._fabric, self._inflight)
+        return self._mesh
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from where the job resumes up to ``total`` (exclusive).
@@ -330,8 +331,7 @@ class Job:
         if self._control is None or self._announced_ready or not self._committed_this_step:
             return
         self._announced_ready = True
-        blocker = wrappers.in_flight_blocker(self._tracked, self.world_size)
-        self._control.session_ready(self._tracked.min_replicas(self.world_size), blocker)
+        self._control.session_ready(**meshes.ready_fields(self._mesh, self._tracked, self.world_size))
 
     def _report_progress(self) -> None:
         if self._control is not None:

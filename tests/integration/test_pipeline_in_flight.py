@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, run_cli
-from tests.integration.helpers import assert_same_weights, events, run_and_sigstop
+from tests.integration.helpers import assert_same_weights, check_in_flight, events, run_and_sigstop
 
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "pipeline_script.py"
 STEPS = 8
@@ -52,29 +52,9 @@ def reference(tmp_path_factory):
     return _reference(tmp_path_factory, "gpipe")
 
 
-def _check_in_flight(returncode: int, output: str, run_dir, replaced: set[int]) -> dict:
-    """Recovered in flight only: rung recover-in-place, one attempt, no checkpoint read, the
-    survivors' pids unchanged; returns the last `recovered_in_flight` event."""
-    assert returncode == 0, output[-6000:]
-    decisions = events(run_dir, "decision")
-    assert decisions and {d["rung"] for d in decisions} == {"recover-in-place"}, decisions
-    assert len(events(run_dir, "attempt_started")) == 1, "the job was restarted: not in flight"
-    assert not events(run_dir, "restored"), "a checkpoint was read during an in-flight recovery"
-    first, last = {}, {}
-    for e in events(run_dir, "worker_started"):
-        first.setdefault(e["rank"], e["pid"])
-        last[e["rank"]] = e["pid"]
-    assert {r: p for r, p in first.items() if r not in replaced} == \
-           {r: p for r, p in last.items() if r not in replaced}, "a survivor's process changed"
-    assert {r for r in first if first[r] != last[r]} == replaced, (first, last)
-    done = events(run_dir, "recovered_in_flight")[-1]
-    assert set(done["replaced"]) <= replaced and done["steps_redone"] == 0, done
-    return done
-
-
 def _case(tmp_path, reference, *, flags=(), script=(), replaced: set[int]) -> dict:
     result, out, run_dir = _train(tmp_path, "faulty", flags=list(flags), script=list(script))
-    done = _check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, replaced)
+    done = check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, replaced)
     assert_same_stages(reference, out)
     return done
 
@@ -116,7 +96,7 @@ def test_stopped_stage_rank_is_replaced_in_flight_bit_exact(tmp_path, reference)
     cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
            str(SCRIPT), "--steps", str(STEPS), "--out", str(out), *ARGS, "--step-sleep-s", "0.2"]
     returncode, output = run_and_sigstop(cmd, run_dir, rank=2, after_step=3, start_s=300, finish_s=300)
-    _check_in_flight(returncode, output, run_dir, {2})
+    check_in_flight(returncode, output, run_dir, {2})
     assert [d["rank"] for d in events(run_dir, "hang_detected")] == [2]
     assert_same_stages(reference, out)
 

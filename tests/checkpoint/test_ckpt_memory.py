@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections import namedtuple
 from pathlib import Path
 
@@ -25,16 +24,6 @@ from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError, NoC
 
 HERE = Path(__file__).resolve().parent
 SHM = Path("/dev/shm")
-
-
-@pytest.fixture
-def job():
-    """A unique job id in /dev/shm whose files are removed however the test ends."""
-    job_id = f"t{uuid.uuid4().hex[:12]}"
-    try:
-        yield job_id
-    finally:
-        remove_job(SHM, job_id)
 
 
 def _model_and_optimizer(seed=0):

@@ -27,15 +27,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def job():
-    job_id = f"t{uuid.uuid4().hex[:12]}"
-    try:
-        yield job_id
-    finally:
-        remove_job(SHM, job_id)
-
-
-@pytest.fixture
 def gate(monkeypatch):
     """An Event the commit thread waits on before its deferred copies (set it to let them run)."""
     event = threading.Event()

@@ -33,11 +33,30 @@ _TORCH_LAYOUT_CHECKED = frozenset({(2, 13)})
 
 
 def capture() -> dict[str, Any]:
-    return StreamReader().capture()
+    return portable(StreamReader().capture())
+
+
+def portable(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a :meth:`StreamReader.capture`) with torch's stream as ``get_rng_state()`` gives it,
+    the form checkpoint files keep (a reader's form may be the engine's memory, see ``torch_state``)."""
+    form = state["torch"]
+    return state if isinstance(form, torch.Tensor) else {**state, "torch": torch_state(form)}
+
+
+def torch_state(form: torch.Tensor | bytes) -> torch.Tensor:
+    """torch's CPU stream as ``torch.get_rng_state()`` gives it, from either captured form: that
+    tensor, or the bytes of the generator's memory read through its view (``_TORCH_ENGINE_BYTES``,
+    the layout of the torch versions in ``_TORCH_LAYOUT_CHECKED``; see ``_legacy_from_engine``)."""
+    if isinstance(form, torch.Tensor):
+        return form
+    if not isinstance(form, bytes) or len(form) != _TORCH_ENGINE_BYTES:
+        raise ValueError(f"torch's RNG state is {type(form).__name__} of {len(form) if isinstance(form, bytes) else '?'} "
+                         f"bytes: expected get_rng_state()'s tensor or the {_TORCH_ENGINE_BYTES} bytes of the engine")
+    return torch.frombuffer(bytearray(_legacy_from_engine(form)), dtype=torch.uint8)
 
 
 def restore(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(torch_state(state["torch"]))
     version, internal, gauss = state["python"]
     words = internal.tolist() if isinstance(internal, torch.Tensor) else internal  # older checkpoints: a list
     random.setstate((version, tuple(words), gauss))
@@ -101,7 +120,7 @@ class StreamReader:
         :meth:`capture`: what reading an object's state must not change."""
         view = self._torch_view
         if view is None or state["torch"] is not self._torch_form or view.read() != self._torch_mark:
-            torch.set_rng_state(state["torch"])
+            torch.set_rng_state(torch_state(state["torch"]))
         if self._python_state is not None and (self._python_view is None or self._python_now() != self._python_mark):
             random.setstate(self._python_state)
 
@@ -116,15 +135,20 @@ class StreamReader:
         self._numpy_mark = self._numpy_form = None
 
     # -- torch's CPU generator ---------------------------------------------------------------
-    def _torch(self) -> torch.Tensor:
+    def _torch(self) -> torch.Tensor | bytes:
+        """The stream's form: with a view, the view's bytes themselves (no torch call, and bytes the
+        encoder copies as they are; :func:`torch_state` makes get_rng_state()'s tensor of them when
+        it is set); without one, get_rng_state()."""
         if self._torch_view is None and self._torch_viewable:
             self._torch_view = _torch_words()
             self._torch_viewable = self._torch_view is not None
         view = self._torch_view
-        mark = view.read() if view is not None else None
-        if mark is not None and mark == self._torch_mark and self._torch_form is not None:
+        if view is None:
+            self._torch_form = torch.get_rng_state()
             return self._torch_form
-        self._torch_mark, self._torch_form = mark, torch.get_rng_state()
+        mark = view.read()
+        if mark != self._torch_mark or self._torch_form is None:
+            self._torch_mark = self._torch_form = mark
         return self._torch_form
 
     # -- Python's random -------------------------------------------------------------------
@@ -221,24 +245,24 @@ def _torch_words() -> _StateWords | None:
         return None
     view = _StateWords(generator, impl + engine_at, _TORCH_ENGINE_BYTES)
     before = view.read()
-    if not _torch_view_agrees(before, legacy):
+    if _legacy_from_engine(before) != legacy:
         return None
     torch.rand(1, device="cpu")
-    moved = view.read() != before and _torch_view_agrees(view.read(), torch.get_rng_state().numpy().tobytes())
+    moved = view.read() != before and _legacy_from_engine(view.read()) == torch.get_rng_state().numpy().tobytes()
     torch.set_rng_state(saved)  # (padding and a disengaged sample's bytes may differ now: no matter)
-    return view if moved and _torch_view_agrees(view.read(), legacy) else None
+    return view if moved and _legacy_from_engine(view.read()) == legacy else None
 
 
-def _torch_view_agrees(raw: bytes, legacy: bytes) -> bool:
-    """Whether a view's bytes hold the state of ``legacy`` (get_rng_state's bytes: uint64 seed, int
-    left, int seeded, uint64 next, 624 uint64 words, doubles x, y, rho, int y-valid; float, bool)."""
-    seed, left, seeded, next_ = struct.unpack_from("<QiiQ", legacy, 0)
-    _, double_sample, _, double_valid = struct.unpack_from("<dddi", legacy, 24 + 624 * 8)
-    float_sample, float_valid = struct.unpack_from("<f?", legacy, 24 + 624 * 8 + 32)
-    view_seed, view_left, view_seeded, view_next = struct.unpack_from("<Qi?3xI", raw, 0)
-    view_float, view_float_valid = struct.unpack_from("<f?", raw, _TORCH_FLOAT_SAMPLE_AT)
-    view_double, view_double_valid = struct.unpack_from("<d?", raw, _TORCH_DOUBLE_SAMPLE_AT)
-    return ((seed, left, bool(seeded), next_) == (view_seed, view_left, view_seeded, view_next)
-            and struct.unpack_from("<624Q", legacy, 24) == struct.unpack_from("<624I", raw, _TORCH_WORDS_AT)
-            and (bool(double_valid), double_valid and double_sample) == (view_double_valid, view_double_valid and view_double)
-            and (float_valid, float_valid and float_sample) == (view_float_valid, view_float_valid and view_float))
+def _legacy_from_engine(raw: bytes) -> bytes:
+    """get_rng_state()'s bytes (CPUGeneratorImplState: uint64 seed, int left, int seeded, uint64 next,
+    624 uint64 words, doubles x, y, rho, int y-valid, padding; float, bool, padding: 5056 bytes) of
+    the generator's memory ``raw`` (uint64 seed, int left, bool seeded, uint32 next, 624 uint32 words,
+    optional<float>, optional<double>). A disengaged sample and the padding are zeros, as torch writes
+    them; their bytes in ``raw`` (stale values) do not count."""
+    seed, left, seeded, next_ = struct.unpack_from("<Qi?3xI", raw, 0)
+    float_sample, float_valid = struct.unpack_from("<f?", raw, _TORCH_FLOAT_SAMPLE_AT)
+    double_sample, double_valid = struct.unpack_from("<d?", raw, _TORCH_DOUBLE_SAMPLE_AT)
+    return (struct.pack("<QiiQ", seed, left, seeded, next_)
+            + struct.pack("<624Q", *struct.unpack_from("<624I", raw, _TORCH_WORDS_AT))
+            + struct.pack("<dddi4x", 0.0, double_sample if double_valid else 0.0, 0.0, double_valid)
+            + struct.pack("<f?3x", float_sample if float_valid else 0.0, float_valid))

@@ -190,6 +190,8 @@ def test_a_snapshot_does_not_follow_the_original():
 
 def test_the_stream_reader_reuses_an_unmoved_stream_and_sees_every_move():
     import numpy as np
+
+    from unbroken.worker import rng
     from unbroken.worker.rng import StreamReader
     reader = StreamReader()
     first = reader.capture()
@@ -202,6 +204,8 @@ def test_the_stream_reader_reuses_an_unmoved_stream_and_sees_every_move():
         fresh = StreamReader().capture()  # what a full read says
         for name in ("python", "numpy"):
             assert rollback.same(now[name], fresh[name]), (move, name)
+        assert rng._python_state(now["python"]) == random.getstate(), move  # the view's form is exact
+        assert rollback.same(rng.portable(now)["python"], rng.portable(fresh)["python"]), move
         assert not (rollback.same(now["python"], before["python"]) and rollback.same(now["numpy"], before["numpy"]))
 
 

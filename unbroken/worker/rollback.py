@@ -206,7 +206,8 @@ def _stream_tensors(streams: dict[str, Any]) -> tuple[Any, ...]:
     does not move (its torch form when that is a tensor, and the words of Python's and numpy's):
     never changed."""
     numpy = streams.get("numpy")
-    return (streams["torch"], streams["python"][1]) + ((numpy[1],) if numpy is not None else ())
+    forms = (streams["torch"], streams["python"][1]) + ((numpy[1],) if numpy is not None else ())
+    return tuple(form for form in forms if isinstance(form, torch.Tensor))
 
 
 def _too_big(per_rank: dict[str, Any], total_bytes: int, rank: int) -> str:

@@ -82,11 +82,7 @@ def parallelize_blocks(stage: "Stage", tp_mesh) -> None:
     ``src_data_rank=None``: every rank built the same weights from the seed and keeps its own
     slice, no scatter from a source rank (a replacement builds its stage while its groups are held)."""
     for block in stage.h:
-        plan = {}
-        for name, style in TP_PLAN.items():
-            plan[name] = style()
-            plan[name].src_data_rank = None
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, {name: style() for name, style in TP_PLAN.items()}, src_data_rank=None)
 
 
 class Stage(nn.Module):

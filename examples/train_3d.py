@@ -1,20 +1,24 @@
-"""Train the tiny GPT of train_gpt.py split into pipeline stages, data parallel across replicas.
+"""Train the tiny GPT of train_gpt.py split into pipeline stages, tensor parallel, data parallel.
 
 The seeds' layout in miniature: the model cut into ``--pp`` stages (torch.distributed.pipelining,
-GPipe or 1F1B over micro-batches), each stage replicated ``--dp`` times, gradients all-reduced
-across the replicas of a stage. What unbroken adds: ``unbroken.init()``, ``job.mesh(...)`` (the
+GPipe or 1F1B over micro-batches), each stage's blocks sharded over ``--tp`` ranks (DTensor
+``parallelize_module``: attention by whole heads, the MLP by hidden feature), each (stage, tp shard)
+replicated ``--dp`` times, gradients all-reduced across the replicas. What unbroken adds: ``unbroken.init()``, ``job.mesh(...)`` (the
 mesh whose groups survive a recovery), ``mesh.pipeline(schedule)``, ``job.track(...)``,
 ``job.steps(...)`` and ``with job.step():``.
 
     unbroken run --nproc-per-node 4 examples/train_3d.py --pp 2 --dp 2 --out w.safetensors
     unbroken run --nproc-per-node 4 --inject kill:rank=2:step=5 examples/train_3d.py --pp 2 --dp 2 --out w.safetensors
                                       # rank 2 (stage 1, replica 0) is replaced in flight, same bits
+    unbroken run --nproc-per-node 4 examples/train_3d.py --pp 1 --dp 2 --tp 2 --out w.safetensors
+    unbroken run --nproc-per-node 8 examples/train_3d.py --pp 2 --dp 2 --tp 2 --out w.safetensors
     torchrun --nproc-per-node 4 examples/train_3d.py --pp 2 --dp 2   # job-level restarts only
 
-Ranks sit on the mesh ("pp", pp) x ("dp", dp) x ("tp", 1), last dimension fastest: with
-pp = dp = 2, ranks 0 and 1 run stage 0, ranks 2 and 3 stage 1; ranks 0 and 2 are replica 0.
-A lost rank's stage (parameters, optimizer and scheduler state) comes from the other replica
-of the same stage. Each rank writes its stage's final weights to ``<out stem>.rank<R><suffix>``.
+Ranks sit on the mesh ("pp", pp) x ("dp", dp) x ("tp", tp), last dimension fastest: with
+pp = dp = 2, tp = 1, ranks 0 and 1 run stage 0, ranks 2 and 3 stage 1; ranks 0 and 2 are replica
+0. A lost rank's stage and tp shard (parameters, optimizer and scheduler state) comes from the
+rank with its pp and tp coordinates in another dp slice. Each rank writes its stage's final
+weights (its local tp shards) to ``<out stem>.rank<R><suffix>``.
 
 Determinism as in train_gpt.py: the same seed gives the same initial weights (the whole GPT is
 built on every rank, then cut), the batch of (step, replica) is a pure function of them, the

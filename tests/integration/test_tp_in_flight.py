@@ -43,9 +43,9 @@ def assert_same_shards(reference, out, nproc: int = 4) -> None:
         assert_same_weights(_rank_file(reference, rank), _rank_file(out, rank))
 
 
-def _reference(tmp, layout: list[str] = DP2_TP2, nproc: int = 4):
+def _reference(tmp, layout: list[str] = DP2_TP2, nproc: int = 4, timeout_s: float = 400):
     tmp.mkdir(parents=True, exist_ok=True)
-    result, out, _ = _train(tmp, "reference", layout=layout, nproc=nproc)
+    result, out, _ = _train(tmp, "reference", layout=layout, nproc=nproc, timeout_s=timeout_s)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -97,14 +97,14 @@ def test_stopped_tp_rank_is_replaced_in_flight_bit_exact(tmp_path, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1200)  # two 8-rank runs on 2 cores
 def test_pp2_dp2_tp2_on_8_ranks_recovers_in_flight_bit_exact(tmp_path):
     """8 ranks: rank 5 (pp=1, dp=0, tp=1) dies mid-schedule (its tp peer rank 4 waits on it in a tp
     all-reduce, stage 0 on its gradients); its stage's tp shard comes from rank 7 (dp=1)."""
     layout = ["--pp", "2", "--dp", "2", "--tp", "2", "--microbatches", "2", "--log-every", "1"]
-    reference = _reference(tmp_path / "reference", layout=layout, nproc=8)
+    reference = _reference(tmp_path / "reference", layout=layout, nproc=8, timeout_s=500)
     result, out, run_dir = _train(tmp_path, "faulty", layout=layout, nproc=8, script=["--kill-in-schedule", "5:3:0"],
-                                  timeout_s=900)
+                                  timeout_s=600)
     done = check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, {5})
     assert done["resume_step"] == 3
     assert_same_shards(reference, out, nproc=8)

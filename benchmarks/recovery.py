@@ -82,8 +82,11 @@ TARGET_RATIOS = {"gpt": 15.0, "ddp": 4.0, "fsdp": 4.0, "pp": 4.0}  # recover-in-
 # (issue 17 for the example's own loop; issue 13 for the stock DDP / FSDP2 wrappers; issue 14 for PP2 x DP2)
 TARGET_RESTORE_S = 0.15  # recover-in-place restore_s at most this (issue 17)
 
-# A completed step: "step N: loss ..." (train_3d.py's first stage, which has no loss: "step N: 12.3 ms")
-STEP_RE = re.compile(r"^(?:\[rank (\d+)\] )?step (\d+): (?:loss |[\d.]+ ms)")
+# A completed step of rank 0: "step N: loss ..." (under torchrun only rank 0 prints). train_3d.py's
+# rank 0 is stage 0, which has no loss: "step N: 12.3 ms" (its last stage prints loss lines too,
+# unprefixed under torchrun: they are not rank 0's)
+STEP_RE = re.compile(r"^(?:\[rank (\d+)\] )?step (\d+): loss ")
+STEP_RES = {"pp": re.compile(r"^(?:\[rank (\d+)\] )?step (\d+): [\d.]+ ms")}
 FAULT_RE = re.compile(r"injecting fault (\S+)")
 
 
@@ -116,7 +119,7 @@ class Run:
 
 
 def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int,
-            fault_t: float | None = None) -> None:
+            fault_t: float | None = None, step_re: re.Pattern = STEP_RE) -> None:
     """recover_s and lost_steps from the stamped output (see the module docstring); ``fault_t``:
     when the benchmark itself made the fault (the hang row's SIGSTOP), else the fault's line."""
     recovered_t: float | None = None
@@ -126,7 +129,7 @@ def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int
         if fault_t is None and FAULT_RE.search(line):
             fault_t = t
             continue
-        m = STEP_RE.match(line)
+        m = step_re.match(line)
         if not m or m[1] not in (None, "0"):
             continue
         index = int(m[2])  # printed inside `with job.step():`: a completed step only
@@ -210,13 +213,13 @@ class Stopper:
     ``kill_step - 1`` (so the rank freezes in step kill_step or just before it). Runs in the
     launcher's reader thread; the worker's pid comes from the run's events.jsonl."""
 
-    def __init__(self, run_dir: Path, kill_step: int) -> None:
-        self.run_dir, self.kill_step = run_dir, kill_step
+    def __init__(self, run_dir: Path, kill_step: int, step_re: re.Pattern = STEP_RE) -> None:
+        self.run_dir, self.kill_step, self.step_re = run_dir, kill_step, step_re
         self.stop_t: float | None = None
         self.error = ""
 
     def on_line(self, t: float, line: str) -> None:
-        m = STEP_RE.match(line)
+        m = self.step_re.match(line)
         if self.stop_t is not None or self.error or not m or m[1] not in (None, "0") \
                 or int(m[2]) != self.kill_step - 1:
             return
@@ -304,7 +307,8 @@ class Bench:
         d = self.fresh_dir(name)
         out = d / "weights.safetensors"
         cmd, env = self.command(name, d, out)
-        stopper = Stopper(d / "run", self.args.kill_step) if name == HANG else None
+        step_re = STEP_RES.get(self.args.script, STEP_RE)
+        stopper = Stopper(d / "run", self.args.kill_step, step_re) if name == HANG else None
         res = launch(cmd, env, self.args.run_timeout_s, self.args.verbose,
                      on_line=stopper.on_line if stopper else None)
         if self.args.keep_logs:
@@ -315,7 +319,7 @@ class Bench:
         stop_t = stopper.stop_t if stopper else None
         if stopper and stopper.error:
             run.problems.append(stopper.error)
-        analyze(run, res.lines, self.args.kill_step, self.args.steps, fault_t=stop_t)
+        analyze(run, res.lines, self.args.kill_step, self.args.steps, fault_t=stop_t, step_re=step_re)
         if name.startswith("unbroken_"):
             add_event_figures(run, read_events(d / "run"), stop_t)
             leftover = clean_shm(d / "run")

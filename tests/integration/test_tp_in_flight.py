@@ -24,12 +24,15 @@ from tests.integration.helpers import assert_same_weights, check_in_flight, even
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "pipeline_script.py"
 STEPS = 6
 DP2_TP2 = ["--pp", "1", "--dp", "2", "--tp", "2", "--microbatches", "2", "--log-every", "1"]
+# A DTensor job's first step is slow (DTensor's first dispatches: ~1-7 s quiet), and on 2 loaded cores
+# it passed the default 60 s floor of the hang detector before a first step: a "hang", a job restart.
+FIRST_STEP = ["--first-step-timeout-s", "300"]
 
 
 def _train(tmp, name: str, *, layout: list[str] = DP2_TP2, nproc: int = 4, flags: list[str] = (),
            script: list[str] = (), timeout_s: float = 400):
     out, run_dir = tmp / f"{name}.safetensors", tmp / f"run-{name}"
-    args = ["run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir), *flags, str(SCRIPT),
+    args = ["run", "--nproc-per-node", str(nproc), "--run-dir", str(run_dir), *FIRST_STEP, *flags, str(SCRIPT),
             "--steps", str(STEPS), "--out", str(out), *layout, *script]
     return run_cli(args, timeout_s=timeout_s), out, run_dir
 
@@ -89,7 +92,7 @@ def test_stopped_tp_rank_is_replaced_in_flight_bit_exact(tmp_path, reference):
     """SIGSTOP: gloo raises nothing; the tp peer and the dp replicas block until the abort order."""
     out, run_dir = tmp_path / "stopped.safetensors", tmp_path / "run-stopped"
     cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
-           str(SCRIPT), "--steps", str(STEPS), "--out", str(out), *DP2_TP2, "--step-sleep-s", "0.2"]
+           *FIRST_STEP, str(SCRIPT), "--steps", str(STEPS), "--out", str(out), *DP2_TP2, "--step-sleep-s", "0.2"]
     returncode, output = run_and_sigstop(cmd, run_dir, rank=3, after_step=2, start_s=300, finish_s=300)
     check_in_flight(returncode, output, run_dir, {3})
     assert [d["rank"] for d in events(run_dir, "hang_detected")] == [3]

@@ -3,9 +3,9 @@
 The seeds' layout in miniature: the model cut into ``--pp`` stages (torch.distributed.pipelining,
 GPipe or 1F1B over micro-batches), each stage's blocks sharded over ``--tp`` ranks (DTensor
 ``parallelize_module``: attention by whole heads, the MLP by hidden feature), each (stage, tp shard)
-replicated ``--dp`` times, gradients all-reduced across the replicas. What unbroken adds: ``unbroken.init()``, ``job.mesh(...)`` (the
-mesh whose groups survive a recovery), ``mesh.pipeline(schedule)``, ``job.track(...)``,
-``job.steps(...)`` and ``with job.step():``.
+replicated ``--dp`` times, gradients all-reduced across the replicas. What unbroken adds:
+``unbroken.init()``, ``job.mesh(...)`` (the mesh whose groups survive a recovery),
+``mesh.pipeline(schedule)``, ``job.track(...)``, ``job.steps(...)`` and ``with job.step():``.
 
     unbroken run --nproc-per-node 4 examples/train_3d.py --pp 2 --dp 2 --out w.safetensors
     unbroken run --nproc-per-node 4 --inject kill:rank=2:step=5 examples/train_3d.py --pp 2 --dp 2 --out w.safetensors

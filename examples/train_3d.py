@@ -12,6 +12,8 @@ replicated ``--dp`` times, gradients all-reduced across the replicas. What unbro
                                       # rank 2 (stage 1, replica 0) is replaced in flight, same bits
     unbroken run --nproc-per-node 4 examples/train_3d.py --pp 1 --dp 2 --tp 2 --out w.safetensors
     unbroken run --nproc-per-node 8 examples/train_3d.py --pp 2 --dp 2 --tp 2 --out w.safetensors
+    unbroken run --nproc-per-node 4 examples/train_3d.py --pp 2 --dp 2 --sharded-optimizer 2 --out w.safetensors
+                                      # the distributed optimizer inside dp, 2 copies of each shard
     torchrun --nproc-per-node 4 examples/train_3d.py --pp 2 --dp 2   # job-level restarts only
 
 Ranks sit on the mesh ("pp", pp) x ("dp", dp) x ("tp", tp), last dimension fastest: with
@@ -19,6 +21,13 @@ pp = dp = 2, tp = 1, ranks 0 and 1 run stage 0, ranks 2 and 3 stage 1; ranks 0 a
 0. A lost rank's stage and tp shard (parameters, optimizer and scheduler state) comes from the
 rank with its pp and tp coordinates in another dp slice. Each rank writes its stage's final
 weights (its local tp shards) to ``<out stem>.rank<R><suffix>``.
+
+``--sharded-optimizer N``: the seeds' distributed optimizer inside the dp dimension
+(:class:`unbroken.optim.ShardedOptimizer` on the mesh's dp group, N copies of each optimizer shard:
+N = dp is full replication, N = 1 the seeds' ``--distributed-optimizer-no-replica``). It averages
+the gradients over dp itself. A lost rank's optimizer shard then comes from the rank with its pp
+coordinate and its shard index in another block of its dp group; with N = 1 there is none and a
+kill falls to the checkpoint tiers. tp must be 1 (the optimizer flattens plain tensors).
 
 Determinism as in train_gpt.py: the same seed gives the same initial weights (the whole GPT is
 built on every rank, then cut), the batch of (step, replica) is a pure function of them, the
@@ -159,6 +168,17 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, d
         offset += g.numel()
 
 
+def build_optimizer(stage_mod: Stage, params: list[nn.Parameter], mesh: "unbroken.parallel.mesh.JobMesh",
+                    args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW on every rank, or (``--sharded-optimizer N``) the distributed optimizer on the dp group:
+    rank c of the dp group updates shard c % (dp / N) of the stage's flat parameters."""
+    kwargs = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
+    if not args.sharded_optimizer:
+        return torch.optim.AdamW(params, **kwargs)
+    return unbroken.optim.ShardedOptimizer(stage_mod, torch.optim.AdamW, num_replicas=args.sharded_optimizer,
+                                           process_group=mesh.group("dp"), **kwargs)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """train_gpt.py's flags (its --optimizer is ignored: AdamW per stage), plus the layout."""
     p = argparse.ArgumentParser(add_help=False)
@@ -168,6 +188,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "--n-head)")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step; divides --batch-size")
+    p.add_argument("--sharded-optimizer", type=int, default=0, metavar="N",
+                   help="ShardedOptimizer on the dp group with N copies of each shard (N divides --dp; "
+                   "0: torch AdamW on every rank)")
     own, rest = p.parse_known_args(argv)
     args = parse_args(rest)
     if own.pp < 1 or own.dp < 1 or own.tp < 1:
@@ -176,6 +199,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tp {own.tp} must divide --n-head {args.n_head} (each rank holds whole heads)")
     if own.microbatches < 1 or args.batch_size % own.microbatches:
         p.error(f"--microbatches {own.microbatches} must be >= 1 and divide --batch-size {args.batch_size}")
+    if own.sharded_optimizer and (own.sharded_optimizer < 0 or own.dp % own.sharded_optimizer or own.tp != 1):
+        p.error(f"--sharded-optimizer {own.sharded_optimizer} must divide --dp {own.dp} and needs --tp 1 "
+                f"(got --tp {own.tp}); 0 turns it off")
     if args.n_layer < own.pp:
         p.error(f"--n-layer {args.n_layer} must be >= --pp {own.pp} (every stage runs a block)")
     vars(args).update(vars(own))
@@ -210,7 +236,7 @@ def main(argv: list[str] | None = None, on_stage: Callable[[Stage, "unbroken.Job
         parallelize_blocks(stage_mod, mesh.device_mesh["tp"])
     schedule = build_schedule(stage_mod, mesh, cfg, args, job.device)
     params = [p for p in stage_mod.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    opt = build_optimizer(stage_mod, params, mesh, args)
     warmup_steps = min(args.warmup_steps, args.steps)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda step: lr_multiplier(step, warmup_steps=warmup_steps, total_steps=args.steps))
@@ -230,7 +256,7 @@ def main(argv: list[str] | None = None, on_stage: Callable[[Stage, "unbroken.Job
                 schedule.step(x.to(job.device))
             else:
                 schedule.step(target=y.to(job.device) if stage_mod.last else None, losses=losses)
-            if args.dp > 1:
+            if args.dp > 1 and not args.sharded_optimizer:  # the ShardedOptimizer averages them itself
                 all_reduce_gradients(params, mesh.group("dp"), args.dp)
             opt.step()  # a tracked optimizer's step enters 'update': the step commits first
             opt.zero_grad(set_to_none=True)

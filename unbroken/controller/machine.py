@@ -204,8 +204,8 @@ def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str
 def _replica_map(state: JobState) -> ReplicaMap | MeshReplicaMap:
     """Who holds what: the job's mesh (replicas along its replicate dimension), else the flat
     data-parallel layout of ``num_replicas`` (0: full replication)."""
-    if state.mesh:
-        return MeshReplicaMap(state.mesh, state.mesh_replicate)
+    if state.mesh:  # num_replicas: copies of a distributed optimizer's shards inside dp (0: none)
+        return MeshReplicaMap(state.mesh, state.mesh_replicate, shard_replicas=state.num_replicas)
     return ReplicaMap.full(state.world_size) if state.num_replicas == 0 else \
         ReplicaMap(state.world_size, state.num_replicas)
 

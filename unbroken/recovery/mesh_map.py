@@ -13,6 +13,12 @@ coordinates (here ranks 0 and 1 hold stage pp=0, ranks 2 and 3 stage pp=1). With
 dimension of size 1 every piece has one holder: a lost rank's state has no live replica and the
 ladder falls to the checkpoint tiers.
 
+A distributed optimizer inside the replicate dimension (``shard_replicas`` = N, a
+:class:`~unbroken.optim.ShardedOptimizer` on the dp group: dp / N shards, N copies each, see
+:mod:`unbroken.recovery.replica_map`) adds a second piece per rank: its optimizer shard, held by
+the ranks with its other coordinates whose dp index has the same shard index ``dp % (dp / N)``.
+With N = 1 that piece has one holder: a kill falls to the checkpoint tiers even with dp > 1.
+
 :class:`MeshReplicaMap` answers the questions :class:`~unbroken.recovery.replica_map.ReplicaMap`
 answers for a flat data-parallel job (``pieces_of``, ``holders``, ``live_source``,
 ``sources_for``), so the controller asks either the same way. :func:`object_moves` plans the
@@ -33,12 +39,16 @@ Dims = tuple[tuple[str, int], ...]
 
 @dataclass(frozen=True, order=True)
 class MeshPiece:
-    """The state every rank with these coordinates holds (all dimensions but the replicate one)."""
+    """The state every rank with these coordinates holds (all dimensions but the replicate one);
+    with ``shard`` >= 0, optimizer shard ``shard`` inside the replicate dimension of those ranks."""
 
     coords: tuple[tuple[str, int], ...]
+    shard: int = -1
 
     def __str__(self) -> str:
         where = ", ".join(f"{name}={index}" for name, index in self.coords)
+        if self.shard >= 0:
+            return f"optimizer shard {self.shard} of {where}" if where else f"optimizer shard {self.shard}"
         return f"the state of {where}" if where else "the state (every rank holds it)"
 
 
@@ -63,12 +73,13 @@ def check_dims(dims: Iterable[tuple[str, int]], replicate: str) -> Dims:
 class MeshReplicaMap:
     """The layout of a mesh and who holds each rank's state. Immutable; pure."""
 
-    def __init__(self, dims: Iterable[tuple[str, int]], replicate: str = "dp") -> None:
+    def __init__(self, dims: Iterable[tuple[str, int]], replicate: str = "dp", shard_replicas: int = 0) -> None:
         self.dims = check_dims(dims, replicate)
         self.replicate = replicate
         self.names = tuple(name for name, _ in self.dims)
         self.sizes = tuple(size for _, size in self.dims)
         self.world_size = math.prod(self.sizes)
+        self.shard_replicas = _check_shard_replicas(shard_replicas, dict(self.dims)[replicate], replicate)
         strides, step = [], 1
         for size in reversed(self.sizes):
             strides.append(step)
@@ -76,13 +87,17 @@ class MeshReplicaMap:
         self._strides = tuple(reversed(strides))
 
     def __repr__(self) -> str:
-        return f"MeshReplicaMap({list(self.dims)}, replicate={self.replicate!r})"
+        extra = f", shard_replicas={self.shard_replicas}" if self.shard_replicas else ""
+        return f"MeshReplicaMap({list(self.dims)}, replicate={self.replicate!r}{extra})"
+
+    def _key(self) -> tuple:
+        return self.dims, self.replicate, self.shard_replicas
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, MeshReplicaMap) and (other.dims, other.replicate) == (self.dims, self.replicate)
+        return isinstance(other, MeshReplicaMap) and other._key() == self._key()
 
     def __hash__(self) -> int:
-        return hash((self.dims, self.replicate))
+        return hash(self._key())
 
     @property
     def num_replicas(self) -> int:
@@ -116,20 +131,37 @@ class MeshReplicaMap:
         coords = self.coords_of(rank)
         return MeshPiece(tuple((name, coords[name]) for name in self.names if name != self.replicate))
 
+    @property
+    def num_shards(self) -> int:
+        """Optimizer shards inside the replicate dimension (1 without a distributed optimizer)."""
+        return self.num_replicas // self.shard_replicas if self.shard_replicas else 1
+
+    def shard_piece_of(self, rank: int) -> MeshPiece | None:
+        """``rank``'s optimizer shard inside the replicate dimension; None without a distributed optimizer."""
+        if not self.shard_replicas:
+            return None
+        return MeshPiece(self.piece_of(rank).coords, self.coords_of(rank)[self.replicate] % self.num_shards)
+
     def pieces(self) -> list[MeshPiece]:
         """Every piece of the job, in rank order of their first holder."""
-        return sorted({self.piece_of(r) for r in range(self.world_size)}, key=lambda p: self.holders(p)[0])
+        return sorted({p for r in range(self.world_size) for p in self.pieces_of(r)},
+                      key=lambda p: (self.holders(p)[0], p.shard))
 
     def pieces_of(self, rank: int) -> list[MeshPiece]:
-        return [self.piece_of(rank)]
+        """``rank``'s stage and shard of the parameters, then its optimizer shard (if sharded)."""
+        shard = self.shard_piece_of(rank)
+        return [self.piece_of(rank)] + ([shard] if shard is not None else [])
 
     def holders(self, piece: MeshPiece) -> list[int]:
         """Every rank holding ``piece``, ascending."""
         names = tuple(name for name in self.names if name != self.replicate)
         if tuple(name for name, _ in piece.coords) != names:
             raise ConfigError(f"{piece} does not name this mesh's dimensions {list(names)}")
+        if piece.shard >= self.num_shards:
+            raise ConfigError(f"{piece} does not exist: {self!r} has optimizer shards 0..{self.num_shards - 1}")
         coords = dict(piece.coords)
-        return [self.rank_of({**coords, self.replicate: i}) for i in range(self.num_replicas)]
+        return [self.rank_of({**coords, self.replicate: i}) for i in range(self.num_replicas)
+                if piece.shard < 0 or i % self.num_shards == piece.shard]
 
     def replicas_of(self, rank: int) -> list[int]:
         """The ranks holding what ``rank`` holds (``rank`` among them)."""
@@ -141,23 +173,34 @@ class MeshReplicaMap:
         return next((r for r in self.holders(piece) if r in alive_set and r not in excluded), None)
 
     def sources_for(self, rank: int, alive: Iterable[int]) -> dict[MeshPiece, int]:
-        """A live source other than ``rank`` for its piece; NoLiveReplica when there is none."""
-        piece, alive_set = self.piece_of(rank), set(alive)
-        source = self.live_source(piece, alive_set, exclude={rank})
-        if source is None:
-            holders = tuple(self.holders(piece))
-            dead = tuple(r for r in holders if r not in alive_set or r == rank)
-            raise NoLiveReplica(
-                f"no live replica of {piece} for rank {rank}: its holders {list(holders)} (along {self.replicate!r}, "
-                f"size {self.num_replicas}) are all gone or being replaced; restore from a checkpoint, or run "
-                f"with a larger {self.replicate!r} dimension to survive this failure in flight",
-                piece=str(piece), holders=holders, dead=dead)
-        return {piece: source}
+        """A live source other than ``rank`` for each of its pieces; NoLiveReplica when one has none."""
+        alive_set, sources = set(alive), {}
+        for piece in self.pieces_of(rank):
+            source = self.live_source(piece, alive_set, exclude={rank})
+            if source is None:
+                holders = tuple(self.holders(piece))
+                dead = tuple(r for r in holders if r not in alive_set or r == rank)
+                more = "more optimizer shard copies (num_replicas)" if piece.shard >= 0 else \
+                    f"a larger {self.replicate!r} dimension"
+                raise NoLiveReplica(
+                    f"no live replica of {piece} for rank {rank}: its holders {list(holders)} (along "
+                    f"{self.replicate!r}, size {self.num_replicas}) are all gone or being replaced; restore from a "
+                    f"checkpoint, or run with {more} to survive this failure in flight",
+                    piece=str(piece), holders=holders, dead=dead)
+            sources[piece] = source
+        return sources
 
     def _check_rank(self, rank: int) -> None:
         if type(rank) is not int or not 0 <= rank < self.world_size:
             raise ConfigError(f"rank {rank!r} out of range for the mesh {list(self.dims)} "
                               f"({self.world_size} ranks)")
+
+
+def _check_shard_replicas(shard_replicas: int, size: int, replicate: str) -> int:
+    if type(shard_replicas) is not int or shard_replicas < 0 or (shard_replicas and size % shard_replicas):
+        raise ConfigError(f"shard_replicas={shard_replicas!r} must be 0 (no distributed optimizer) or a divisor of "
+                          f"the {replicate!r} dimension's size {size}")
+    return shard_replicas
 
 
 def object_moves(names: Sequence[str], replicas: MeshReplicaMap | None, replaced: Iterable[int],

@@ -49,6 +49,7 @@ from unbroken.names import Phase
 from unbroken.parallel import ddp as ddp_generations
 from unbroken.parallel import dtensor_state
 from unbroken.parallel.fabric import Fabric
+from unbroken.parallel.group import SurvivingGroup
 from unbroken.protocol.messages import Dump, Regroup
 from unbroken.recovery.mesh_map import MeshReplicaMap, object_moves
 from unbroken.recovery.transfer_plan import Move, plan_moves
@@ -307,7 +308,15 @@ class InFlight:
         self._control.event("restore_phases", fields)
 
     def _recover_recoverable(self, replaced: set[int] | tuple[()]) -> None:
-        for obj in self._tracked.recoverable():  # e.g. a sharded optimizer: shards from their holders
+        """Each recoverable object (e.g. a sharded optimizer) rebuilds itself from live holders, a
+        collective on its own group. On the world group it moves to the new generation's; on a
+        sub-group of the fabric (a mesh's dp group: the same SurvivingGroup object, already moved
+        by the switch) it stays, and learns the replaced ranks as ranks of that group."""
+        for obj in self._tracked.recoverable():
+            group = getattr(obj, "process_group", None)
+            if self._fabric is not None and isinstance(group, SurvivingGroup) and group is not self._fabric.world:
+                obj.recover({group.global_ranks.index(r) for r in replaced if r in group.global_ranks})
+                continue
             obj.set_process_group(self.group)
             obj.recover(replaced)
 

@@ -48,5 +48,21 @@ def ready_fields(mesh: JobMesh | None, tracked: TrackedState, world_size: int) -
              "not_in_flight": wrappers.in_flight_blocker(tracked, world_size)}
     if mesh is None:
         return ready
-    return {**ready, "not_in_flight": ready["not_in_flight"] or job_mesh.in_flight_blocker(mesh),
+    shard_replicas, blocker = _dp_optimizers(mesh, tracked)
+    return {"num_replicas": shard_replicas,
+            "not_in_flight": ready["not_in_flight"] or job_mesh.in_flight_blocker(mesh) or blocker,
             "mesh": mesh.dims, "mesh_replicate": mesh.replica_map.replicate}
+
+
+def _dp_optimizers(mesh: JobMesh, tracked: TrackedState) -> tuple[int, str]:
+    """On a mesh: (the fewest copies of any distributed optimizer's shards inside the replicate
+    dimension, 0 when there is none; why one cannot be recovered in flight, "" when it can). Such an
+    optimizer must run on the mesh's replicate group (its shards' holders are then that group's)."""
+    replicate = mesh.replica_map.replicate
+    counts = []
+    for obj in tracked.recoverable():
+        if getattr(obj, "process_group", None) is not mesh.group(replicate):
+            return 0, (f"a tracked {type(obj).__name__} runs on a group other than the mesh's {replicate!r} group; "
+                       f"on a mesh give it process_group=mesh.group({replicate!r})")
+        counts.append(obj.num_replicas)
+    return min(counts, default=0), ""

@@ -99,3 +99,34 @@ def test_out_of_range_ranks_and_coordinates_are_refused():
         rmap.rank_of({"pp": 2, "dp": 0, "tp": 0})
     with pytest.raises(ConfigError, match="'ep' is not a mesh dimension"):
         rmap.group_ranks("ep", 0)
+
+
+# -- a distributed optimizer inside dp (ShardedOptimizer on the dp group) ---------------------
+def test_a_sharded_optimizer_inside_dp_adds_each_ranks_shard_held_by_its_blocks_peers():
+    """PP2 x DP4, N = 2: dp ranks 0,1 | 2,3 are the blocks; shard s is held at dp indices s, s + 2."""
+    rmap = MeshReplicaMap((("pp", 2), ("dp", 4)), shard_replicas=2)
+    assert rmap.num_shards == 2
+    stage1 = MeshPiece((("pp", 1),))
+    assert rmap.pieces_of(5) == [stage1, MeshPiece((("pp", 1),), 1)]
+    assert rmap.holders(stage1) == [4, 5, 6, 7]
+    assert rmap.holders(MeshPiece((("pp", 1),), 1)) == [5, 7]
+    assert rmap.holders(MeshPiece((("pp", 0),), 0)) == [0, 2]
+    assert str(MeshPiece((("pp", 1),), 1)) == "optimizer shard 1 of pp=1"
+    assert rmap.sources_for(5, alive=[0, 1, 2, 3, 4, 6, 7]) == {stage1: 4, MeshPiece((("pp", 1),), 1): 7}
+    assert len(rmap.pieces()) == 2 + 4 and rmap != MeshReplicaMap((("pp", 2), ("dp", 4)))
+
+
+def test_full_replication_of_the_shards_needs_only_a_dp_replica_and_none_needs_the_lost_ranks_own():
+    full = MeshReplicaMap(PP_DP_TP, shard_replicas=2)  # dp = N = 2: each rank its own block
+    assert full.holders(full.pieces_of(3)[1]) == [2, 3]
+    assert set(full.sources_for(3, alive=[0, 1, 2]).values()) == {2}
+    alone = MeshReplicaMap(PP_DP_TP, shard_replicas=1)  # the seeds' --distributed-optimizer-no-replica
+    assert alone.holders(alone.pieces_of(3)[1]) == [3]
+    with pytest.raises(NoLiveReplica, match=r"optimizer shard 1 of pp=1, tp=0 for rank 3.*num_replicas"):
+        alone.sources_for(3, alive=[0, 1, 2])
+
+
+@pytest.mark.parametrize("shard_replicas", [3, -1, 1.0])
+def test_shard_replicas_must_divide_the_dp_size(shard_replicas):
+    with pytest.raises(ConfigError, match="shard_replicas=.* must be 0 .* or a divisor of the 'dp' dimension's size 2"):
+        MeshReplicaMap(PP_DP_TP, shard_replicas=shard_replicas)

@@ -7,7 +7,7 @@ rank holding the same shard (same pp coordinate, same shard index inside dp), ov
 that survives the regroup. With N = 1 (no replica of a shard) the controller finds no live holder
 of the lost rank's optimizer shard and the job restarts from the memory tier. Both end bit-equal to
 the fault-free N = 2 run (the optimizer's buckets and shard boundaries do not depend on N). Slow:
-each job takes 1-2 minutes on the loaded 2-core machine; the layout questions are answered in the
+each job takes 1-2 minutes (PP2 x DP4 on 8 ranks: 1.5-3) on the loaded 2-core machine; the layout questions are answered in the
 default run by tests/parallel/test_mesh_map.py and tests/controller/test_machine_mesh.py.
 """
 
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.helpers import check_in_flight, events
-from tests.integration.test_pipeline_in_flight import CKPT, _check_restarted_from_memory, _train, assert_same_stages
+from tests.conftest import REPO, run_cli
+from tests.integration.helpers import assert_same_weights, check_in_flight, events
+from tests.integration.test_pipeline_in_flight import CKPT, _check_restarted_from_memory, _rank_file, _train,
+                                                   assert_same_stages
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +54,24 @@ def test_no_replica_of_the_optimizer_shard_falls_to_the_memory_tier_bit_exact(tm
                                                               "of rank 2 (holders [2] all lost)")
     assert (recovered["step"], recovered["restored_step"]) == (5, 4)
     assert_same_stages(reference, out)
+
+
+def _train8(tmp, name: str, flags: list[str] = ()):
+    out, run_dir = tmp / f"{name}.safetensors", tmp / f"run-{name}"
+    args = ["run", "--nproc-per-node", "8", "--run-dir", str(run_dir), *flags,
+            str(REPO / "tests" / "integration" / "scripts" / "pipeline_script.py"), "--steps", "8", "--out", str(out),
+            "--pp", "2", "--dp", "4", "--microbatches", "4", "--log-every", "1", *_sharded(2)]
+    return run_cli(args, timeout_s=600), out, run_dir
+
+
+@pytest.mark.timeout(1200)
+def test_pp2_dp4_two_blocks_rank_killed_at_update_recovered_in_flight_bit_exact(tmp_path):
+    """8 ranks, N = 2: dp blocks {0, 1} and {2, 3} of each stage, gathers inside a block. Rank 5 (pp=1,
+    dp=1: shard 1) gets its stage from rank 4 and its optimizer shard from rank 7 (dp=3, shard 1)."""
+    result, reference, _ = _train8(tmp_path, "reference")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result, out, run_dir = _train8(tmp_path, "faulty", ["--inject", "kill:rank=5:step=5:at=update"])
+    done = check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, {5})
+    assert done["resume_step"] == 6
+    for rank in range(8):
+        assert_same_weights(_rank_file(reference, rank), _rank_file(out, rank))

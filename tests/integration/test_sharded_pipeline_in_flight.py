@@ -17,8 +17,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.integration.helpers import assert_same_weights, check_in_flight, events
-from tests.integration.test_pipeline_in_flight import CKPT, _check_restarted_from_memory, _rank_file, _train,
-                                                   assert_same_stages
+from tests.integration.test_pipeline_in_flight import (CKPT, _check_restarted_from_memory, _rank_file, _train,
+                                                    assert_same_stages)
 
 pytestmark = pytest.mark.slow
 

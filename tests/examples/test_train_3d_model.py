@@ -61,6 +61,9 @@ def test_split_attention_on_a_tp_shard_attends_over_its_own_heads(train_3d):
 @pytest.mark.parametrize("argv,message", [
     (["--tp", "0"], "--tp 0"),
     (["--tp", "3"], "--tp 3 must divide --n-head 2"),
+    (["--dp", "2", "--sharded-optimizer", "3"], "--sharded-optimizer 3 must divide --dp 2"),
+    (["--dp", "2", "--tp", "2", "--sharded-optimizer", "2"], "needs --tp 1 (got --tp 2)"),
+    (["--sharded-optimizer", "-1"], "--sharded-optimizer -1 must divide"),
 ])
 def test_bad_tp_flags_are_usage_errors(train_3d, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:

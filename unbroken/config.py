@@ -102,6 +102,8 @@ class WorkerSettings:
     spare_preimport: bool = setting(True, "warm spares do not import what the script imported (default: they do)")
     overlap_snapshots: bool = setting(True, "copy all state into the memory tier at the step boundary (default: "
                                             "parameters and optimizer state during the next forward/backward)")
+    lazy_connect: bool = setting(False, "build each generation's gloo groups with lazy connections: a pair of ranks "
+                                        "connects on its first message, not all pairs at the build (default: off)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -16,8 +16,9 @@ and prints, per N, the median over ranks of each rank's median `opt.step()` time
 step time. commit_s = unbroken's opt_step_s - torchrun's. Messages per step at the
 controller: counted by the controller (its job-end event ``control_messages``: every worker
 message in and out, heartbeats left out), divided by the steps; the steps' own share is
-2 per rank in (a compute report, StepSynced) and one commit out. This machine has 2 cores: at 16 and 32 ranks every process waits
-for a core, so absolute figures are mostly scheduling; compare the rows of one run.
+2 per rank in (a compute report, StepSynced) and one commit out. This machine has 2 cores:
+at 16 and 32 ranks every process waits for a core, so absolute figures are mostly
+scheduling; compare the rows of one run.
 A benchmark never asserts a time.
 """
 

@@ -14,9 +14,9 @@ on N ranks and the last rank is SIGKILLed entering step --kill-step. Rows, inter
                total_s (fault seen -> resumed); redo_s =
                recover_s - total_s (the time from resuming until back at the fault's step, plus
                the kill -> detection gap)
-  in_flight_lazy  (not in the default rows) the same with `--lazy-connect`: each generation's
-               gloo groups connect a pair of ranks on its first message, not the full mesh at
-               the build (comm/groups.py)
+  in_flight_full_mesh  (not in the default rows) the same with `--no-lazy-connect`: each
+               generation's gloo groups connect every pair at the build, not a pair at its
+               first message (comm/groups.py)
   job_restart  `unbroken run --recover-strategy exit` with the shared-memory tier (a snapshot
                every step): every rank restarts and loads the newest snapshot; total_s is the
                controller's recover_s (fault seen -> every rank back at the fault's step)
@@ -46,15 +46,15 @@ from runlib import REPO, clean_shm, in_flight, kill_tree, launch, median, read_e
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4"]
 COMPONENTS = ("detect_s", "replace_s", "regroup_s", "restore_s", "other_s", "redo_s", "total_s")
-ROWS = ("in_flight", "job_restart", "in_flight_lazy")
+ROWS = ("in_flight", "job_restart", "in_flight_full_mesh")
 DEFAULT_ROWS = ("in_flight", "job_restart")
 
 
 def command(row: str, nproc: int, d: Path, args: argparse.Namespace) -> list[str]:
     base = [*unbroken_cmd(), "run", "--nproc-per-node", str(nproc), "--run-dir", str(d / "run"),
             "--inject", f"kill:rank={nproc - 1}:step={args.kill_step}", "--first-step-timeout-s", "600"]
-    if row == "in_flight_lazy":  # the same with lazy gloo connections (--lazy-connect)
-        base += ["--lazy-connect"]
+    if row == "in_flight_full_mesh":  # the same with every gloo pair connected at the build
+        base += ["--no-lazy-connect"]
     if row == "job_restart":
         base += ["--recover-strategy", "exit", "--save", str(d / "ckpt"), "--ckpt-every-steps", "1",
                  "--persist-every-steps", "1000"]
@@ -108,13 +108,13 @@ def table(results: dict[int, dict[str, dict[str, float]]], args: argparse.Namesp
         cells = [str(nproc)] + [fmt(f, k) for k in (*COMPONENTS, "recover_s")] + [fmt(j, "total_s"), fmt(j, "recover_s")]
         failed = f.get("failed_runs", 0) + j.get("failed_runs", 0)
         lines.append("| " + " | ".join(cells) + " |" + (f" {failed:.0f} failed run(s)" if failed else ""))
-    if any("in_flight_lazy" in rows for rows in results.values()):
-        head = " | ".join(["N ranks", *(f"lazy {k}" for k in (*COMPONENTS, "recover_s"))])
-        lines += ["", "The same in flight with `--lazy-connect` (interleaved with the rows above):", "",
+    if any("in_flight_full_mesh" in rows for rows in results.values()):
+        head = " | ".join(["N ranks", *(f"full mesh {k}" for k in (*COMPONENTS, "recover_s"))])
+        lines += ["", "The same in flight with `--no-lazy-connect` (interleaved with the rows above):", "",
                   f"| {head} |", "|" + "---|" * (head.count("|") + 1)]
         for nproc, rows in sorted(results.items()):
-            lazy = rows.get("in_flight_lazy", {})
-            lines.append("| " + " | ".join([str(nproc)] + [fmt(lazy, k) for k in (*COMPONENTS, "recover_s")]) + " |")
+            mesh = rows.get("in_flight_full_mesh", {})
+            lines.append("| " + " | ".join([str(nproc)] + [fmt(mesh, k) for k in (*COMPONENTS, "recover_s")]) + " |")
     return "\n".join(lines)
 
 

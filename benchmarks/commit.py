@@ -88,7 +88,9 @@ def run_one(kind: str, nproc: int, steps: int, timeout_s: float) -> dict:
         script = [str(Path(__file__).resolve()), "--worker", "--steps", str(steps), "--out-dir", tmp]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if kind == "unbroken":
-            cmd = [*unbroken_cmd(), "run", "--nproc-per-node", str(nproc), "--run-dir", f"{tmp}/run", *script]
+            # start-up is not what is measured: N interpreters on 2 loaded cores can take minutes
+            cmd = [*unbroken_cmd(), "run", "--nproc-per-node", str(nproc), "--run-dir", f"{tmp}/run",
+                   "--first-step-timeout-s", "600", *script]
         else:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -21,7 +21,7 @@ from unbroken.worker.progress import StepReports
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
-MARK_POLL_S = 0.05  # the heartbeat thread's tick: it also sends in-step marks that stood long enough
+MARK_POLL_S = 0.1  # the heartbeat thread's tick: it also sends in-step marks that stood long enough
 LOST_CONTROLLER_GEN = 1 << 30
 
 

@@ -14,9 +14,9 @@ on N ranks and the last rank is SIGKILLed entering step --kill-step. Rows, inter
                total_s (fault seen -> resumed); redo_s =
                recover_s - total_s (the time from resuming until back at the fault's step, plus
                the kill -> detection gap)
-  in_flight_full_mesh  (not in the default rows) the same with `--no-lazy-connect`: each
-               generation's gloo groups connect every pair at the build, not a pair at its
-               first message (comm/groups.py)
+  in_flight_full_mesh  (not in the default rows) the same without `--lazy-connect` (the
+               default): each generation's gloo groups connect every pair at the build, not a
+               pair at its first message (comm/groups.py); in_flight passes `--lazy-connect`
   job_restart  `unbroken run --recover-strategy exit` with the shared-memory tier (a snapshot
                every step): every rank restarts and loads the newest snapshot; total_s is the
                controller's recover_s (fault seen -> every rank back at the fault's step)
@@ -53,8 +53,8 @@ DEFAULT_ROWS = ("in_flight", "job_restart")
 def command(row: str, nproc: int, d: Path, args: argparse.Namespace) -> list[str]:
     base = [*unbroken_cmd(), "run", "--nproc-per-node", str(nproc), "--run-dir", str(d / "run"),
             "--inject", f"kill:rank={nproc - 1}:step={args.kill_step}", "--first-step-timeout-s", "600"]
-    if row == "in_flight_full_mesh":  # the same with every gloo pair connected at the build
-        base += ["--no-lazy-connect"]
+    if row == "in_flight":  # a gloo pair connects on its first message (the full mesh: the default)
+        base += ["--lazy-connect"]
     if row == "job_restart":
         base += ["--recover-strategy", "exit", "--save", str(d / "ckpt"), "--ckpt-every-steps", "1",
                  "--persist-every-steps", "1000"]
@@ -110,7 +110,7 @@ def table(results: dict[int, dict[str, dict[str, float]]], args: argparse.Namesp
         lines.append("| " + " | ".join(cells) + " |" + (f" {failed:.0f} failed run(s)" if failed else ""))
     if any("in_flight_full_mesh" in rows for rows in results.values()):
         head = " | ".join(["N ranks", *(f"full mesh {k}" for k in (*COMPONENTS, "recover_s"))])
-        lines += ["", "The same in flight with `--no-lazy-connect` (interleaved with the rows above):", "",
+        lines += ["", "The same in flight with the full mesh (the default, no `--lazy-connect`; interleaved with the rows above):", "",
                   f"| {head} |", "|" + "---|" * (head.count("|") + 1)]
         for nproc, rows in sorted(results.items()):
             mesh = rows.get("in_flight_full_mesh", {})

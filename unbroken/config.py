@@ -101,7 +101,7 @@ class WorkerSettings:
     spare_preimport: bool = setting(True, "warm spares do not import what the script imported (default: they do)")
     overlap_snapshots: bool = setting(True, "copy all state into the memory tier at the step boundary (default: "
                                             "parameters and optimizer state during the next forward/backward)")
-    lazy_connect: bool = setting(True, "connect every pair of ranks of unbroken's gloo groups at their build")
+    lazy_connect: bool = setting(False, "connect a pair of ranks of unbroken's gloo groups on its first message")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -114,8 +114,10 @@ def test_hsdp_both_holders_of_a_shard_killed_restart_from_the_memory_tier_bit_ex
         "--inject", "kill:rank=0:step=7,kill:rank=2:step=7"])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert_same_weights(hsdp_reference, out)
-    (decision,) = events(run_dir, "decision")
-    assert decision["rung"] == "exit" and "no live replica" in decision["reason"], decision
+    # The controller may see one death first (its shards still have a holder: in place), then the
+    # other: the last decision is the job restart, naming the shard with no holder left.
+    decision = events(run_dir, "decision")[-1]
+    assert decision["rung"] == "exit" and "holders [0, 2] all lost" in decision["reason"], decision
     restored = events(run_dir, "restored")
     assert {(e["step"], e["tier"]) for e in restored} == {(5, "memory")} and len(restored) == 4
     (recovered,) = events(run_dir, "recovered")

@@ -11,6 +11,10 @@ so only the whole step compares fairly. All four run in the same processes, inte
 (the order rotates every repeat); each repeat times ``--steps`` steps after a barrier and
 the table shows the median (min-max) over repeats of rank 0's time per step.
 
+Then the optimizer memory per parameter on TP x PP x DP layouts of the same model, measured from
+live optimizers next to the formula 8 + 8*N/d (benchmarks/optimizer_memory.py; ``--no-layouts``
+skips it).
+
 Then (``--commit-nprocs``, default 16; 0 skips) the per-step commit overhead of a managed job
 at that many ranks, from benchmarks/commit.py: ``opt.step()`` of a tiny model under
 ``unbroken run`` (where it includes the step's commit) minus the same under torchrun.
@@ -83,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb and our bucket size")
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures here (BENCHMARKS.md layout)")
+    p.add_argument("--no-layouts", action="store_true", help="skip the TP/PP/DP optimizer-memory table")
     p.add_argument("--commit-nprocs", type=int, default=16, help="ranks of the commit-overhead run (0: skip it)")
     p.add_argument("--commit-steps", type=int, default=40, help="steps of the commit-overhead run")
     p.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)  # RANK PORT OUT
@@ -157,6 +162,13 @@ def worker(args: argparse.Namespace) -> None:
     numel = sum(p.numel() for p in variants["unbroken_n1"][0].parameters())
     result = {"numel": numel, "times": times, "phases": {name: phase_times(marks[name]) for name in ROWS[1:]},
               "bytes": {name: state_bytes(opt) for name, (_, opt) in variants.items()}}
+    if not args.no_layouts:
+        import optimizer_memory  # a sibling script (this file's directory is on the path)
+
+        def model() -> nn.Module:
+            torch.manual_seed(0)
+            return TinyGPT(args.vocab, args.block_size, args.n_layer, args.n_embd, args.n_head)
+        result["layouts"] = optimizer_memory.measure(model, world)
     if rank == 0:
         (out / "result.json").write_text(json.dumps(result))
     dist.barrier()
@@ -197,7 +209,8 @@ def summarize(args: argparse.Namespace, raw: dict) -> dict:
     params = {k: v for k, v in vars(args).items() if k not in ("json", "worker")}
     params["num_params"] = raw["numel"]
     return {"benchmark": "optimizer", "params": params,
-            "machine": {"cpus": os.cpu_count(), "torch": torch.__version__}, "rows": rows}
+            "machine": {"cpus": os.cpu_count(), "torch": torch.__version__}, "rows": rows,
+            "layouts": raw.get("layouts", [])}
 
 
 def print_table(report: dict) -> None:
@@ -214,6 +227,11 @@ def print_table(report: dict) -> None:
     d = p["world_size"]
     print(f"formula (fp32 AdamW state): 8*N/d bytes/param -> N=1: {8 / d:.2f}, N=2: {16 / d:.2f}, N=d: 8.00 "
           "(+ 4 params + 4 grads on every rank; seeds' bf16 table: 4 + 16*N/d)")
+    if report["layouts"]:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import optimizer_memory  # a sibling script
+
+        optimizer_memory.print_rows(report["layouts"], p["num_params"])
 
 
 def commit_overhead(nproc: int, steps: int) -> dict:

@@ -4,9 +4,12 @@
     python benchmarks/recovery.py --repeats 1 --json recovery.json
     python benchmarks/recovery.py --script ddp --rows unbroken_recover_in_place,torchrun_restart   # stock DDP
     python benchmarks/recovery.py --script fsdp --rows unbroken_recover_in_place,torchrun_restart  # FSDP2 HSDP 2x2
+    python benchmarks/recovery.py --script pp --rows unbroken_recover_in_place,torchrun_restart    # PP2 x DP2
 
 Every run trains the example GPT on 4 ranks (--script: examples/train_gpt.py, train_ddp.py with
-stock DDP, or train_fsdp.py with FSDP2 HSDP on a 2x2 mesh) and SIGKILLs rank 2 when
+stock DDP, train_fsdp.py with FSDP2 HSDP on a 2x2 mesh, or train_3d.py as PP2 x DP2: rank 2 is
+stage 1 of replica 0, its stage comes from rank 3; the weights compared are every rank's stage
+file) and SIGKILLs rank 2 when
 it enters step --kill-step (the hang row SIGSTOPs it instead). Rows (BENCHMARKS.md names), interleaved A B C D A B C D:
 
   unbroken_recover_in_place  `unbroken run --inject kill:...` (default strategy
@@ -64,21 +67,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runlib import (REPO, clean_shm, free_port, in_flight, kill_tree, launch, median, read_events,
-                    unbroken_cmd, weights_equal, worker_pid)
+                    unbroken_cmd, worker_pid)
 
 EXAMPLES = {"gpt": REPO / "examples" / "train_gpt.py", "ddp": REPO / "examples" / "train_ddp.py",
-            "fsdp": REPO / "examples" / "train_fsdp.py"}
+            "fsdp": REPO / "examples" / "train_fsdp.py", "pp": REPO / "examples" / "train_3d.py"}
+LAYOUT_ARGS = {"pp": ["--pp", "2", "--dp", "2"]}  # train_3d.py: PP2 x DP2 on the 4 ranks
 NPROC = 4
 KILL_RANK = 2
 IN_PLACE = "unbroken_recover_in_place"
 HANG = "unbroken_hang_in_place"
 ROWS = ("unbroken_recover_in_place", HANG, "unbroken_restart_memory", "unbroken_restart_storage",
         "torchrun_restart", "torchft")
-TARGET_RATIOS = {"gpt": 15.0, "ddp": 4.0, "fsdp": 4.0}  # recover-in-place vs torchrun_restart, 0 steps lost
-# (issue 17 for the example's own loop; issue 13 for the stock DDP / FSDP2 wrappers)
+TARGET_RATIOS = {"gpt": 15.0, "ddp": 4.0, "fsdp": 4.0, "pp": 4.0}  # recover-in-place vs torchrun_restart, 0 lost
+# (issue 17 for the example's own loop; issue 13 for the stock DDP / FSDP2 wrappers; issue 14 for PP2 x DP2)
 TARGET_RESTORE_S = 0.15  # recover-in-place restore_s at most this (issue 17)
 
+# A completed step of rank 0: "step N: loss ..." (under torchrun only rank 0 prints). train_3d.py's
+# rank 0 is stage 0, which has no loss: "step N: 12.3 ms" (its last stage prints loss lines too,
+# unprefixed under torchrun: they are not rank 0's)
 STEP_RE = re.compile(r"^(?:\[rank (\d+)\] )?step (\d+): loss ")
+STEP_RES = {"pp": re.compile(r"^(?:\[rank (\d+)\] )?step (\d+): [\d.]+ ms")}
 FAULT_RE = re.compile(r"injecting fault (\S+)")
 
 
@@ -111,7 +119,7 @@ class Run:
 
 
 def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int,
-            fault_t: float | None = None) -> None:
+            fault_t: float | None = None, step_re: re.Pattern = STEP_RE) -> None:
     """recover_s and lost_steps from the stamped output (see the module docstring); ``fault_t``:
     when the benchmark itself made the fault (the hang row's SIGSTOP), else the fault's line."""
     recovered_t: float | None = None
@@ -121,7 +129,7 @@ def analyze(run: Run, lines: list[tuple[float, str]], kill_step: int, steps: int
         if fault_t is None and FAULT_RE.search(line):
             fault_t = t
             continue
-        m = STEP_RE.match(line)
+        m = step_re.match(line)
         if not m or m[1] not in (None, "0"):
             continue
         index = int(m[2])  # printed inside `with job.step():`: a completed step only
@@ -178,6 +186,25 @@ def add_restore_phases(run: Run, phases: list[dict]) -> None:
         run.extra["rp_survivor_max_s"] = max(survivors)
 
 
+def load_weights(out: Path, script: str) -> dict | None:
+    """A run's final weights ({name: tensor}); train_3d.py writes one file per rank (its stage):
+    all of them, keys prefixed by the rank. None when a file is missing."""
+    from safetensors.torch import load_file
+
+    if script != "pp":
+        return load_file(str(out)) if out.exists() else None
+    files = [out.with_name(f"{out.stem}.rank{r}{out.suffix}") for r in range(NPROC)]
+    if not all(f.exists() for f in files):
+        return None
+    return {f"rank{r}/{k}": v for r, f in enumerate(files) for k, v in load_file(str(f)).items()}
+
+
+def same_weights(got: dict, reference: dict) -> bool:
+    import torch
+
+    return got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
+
+
 # -----------------------------------------------------------------------------------------
 # The rows.
 
@@ -186,13 +213,13 @@ class Stopper:
     ``kill_step - 1`` (so the rank freezes in step kill_step or just before it). Runs in the
     launcher's reader thread; the worker's pid comes from the run's events.jsonl."""
 
-    def __init__(self, run_dir: Path, kill_step: int) -> None:
-        self.run_dir, self.kill_step = run_dir, kill_step
+    def __init__(self, run_dir: Path, kill_step: int, step_re: re.Pattern = STEP_RE) -> None:
+        self.run_dir, self.kill_step, self.step_re = run_dir, kill_step, step_re
         self.stop_t: float | None = None
         self.error = ""
 
     def on_line(self, t: float, line: str) -> None:
-        m = STEP_RE.match(line)
+        m = self.step_re.match(line)
         if self.stop_t is not None or self.error or not m or m[1] not in (None, "0") \
                 or int(m[2]) != self.kill_step - 1:
             return
@@ -220,7 +247,8 @@ class Bench:
 
     def script_args(self, out: Path) -> list[str]:
         a = self.args
-        return [str(EXAMPLES[a.script]), "--steps", str(a.steps), "--optimizer", a.optimizer,
+        return [str(EXAMPLES[a.script]), *LAYOUT_ARGS.get(a.script, []), "--steps", str(a.steps),
+                "--optimizer", a.optimizer,
                 "--step-sleep-s", str(a.step_sleep_s), "--log-every", "1", "--out", str(out)]
 
     def fresh_dir(self, name: str) -> Path:
@@ -241,13 +269,10 @@ class Bench:
         res = launch(cmd, self.env, self.args.run_timeout_s, self.args.verbose)
         run = Run("reference", job_s=res.job_s)
         clean_shm(d / "run")
-        if res.rc != 0 or not out.exists():
+        self.reference = load_weights(out, self.args.script) if res.rc == 0 else None
+        if self.reference is None:
             run.problems.append(f"fault-free reference run failed (exit {res.rc}, timed out {res.timed_out})")
             run.tail = [line for _, line in res.lines[-15:]]
-            return run
-        from safetensors.torch import load_file
-
-        self.reference = load_file(str(out))
         return run
 
     def command(self, name: str, d: Path, out: Path) -> tuple[list[str], dict[str, str]]:
@@ -282,7 +307,8 @@ class Bench:
         d = self.fresh_dir(name)
         out = d / "weights.safetensors"
         cmd, env = self.command(name, d, out)
-        stopper = Stopper(d / "run", self.args.kill_step) if name == HANG else None
+        step_re = STEP_RES.get(self.args.script, STEP_RE)
+        stopper = Stopper(d / "run", self.args.kill_step, step_re) if name == HANG else None
         res = launch(cmd, env, self.args.run_timeout_s, self.args.verbose,
                      on_line=stopper.on_line if stopper else None)
         if self.args.keep_logs:
@@ -293,7 +319,7 @@ class Bench:
         stop_t = stopper.stop_t if stopper else None
         if stopper and stopper.error:
             run.problems.append(stopper.error)
-        analyze(run, res.lines, self.args.kill_step, self.args.steps, fault_t=stop_t)
+        analyze(run, res.lines, self.args.kill_step, self.args.steps, fault_t=stop_t, step_re=step_re)
         if name.startswith("unbroken_"):
             add_event_figures(run, read_events(d / "run"), stop_t)
             leftover = clean_shm(d / "run")
@@ -304,8 +330,9 @@ class Bench:
             run.problems.append(f"timed out after {self.args.run_timeout_s:.0f} s")
         elif res.rc != 0:
             run.problems.append(f"exit code {res.rc}")
-        if out.exists() and self.reference is not None:
-            run.weights_equal = weights_equal(out, self.reference)
+        got = load_weights(out, self.args.script)
+        if got is not None and self.reference is not None:
+            run.weights_equal = same_weights(got, self.reference)
         else:
             run.problems.append("no final weights written")
         if not run.ok:
@@ -455,7 +482,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep-s", type=float, default=0.05, help="sleep per step (--step-sleep-s of the example)")
     p.add_argument("--script", choices=sorted(EXAMPLES), default="gpt",
                    help="gpt: train_gpt.py (its own loop); ddp: train_ddp.py (stock DDP); "
-                        "fsdp: train_fsdp.py (FSDP2 HSDP 2x2)")
+                        "fsdp: train_fsdp.py (FSDP2 HSDP 2x2); pp: train_3d.py (PP2 x DP2)")
     p.add_argument("--optimizer", choices=("plain", "sharded"), default="plain",
                    help="train_gpt.py's --optimizer (the ddp and fsdp examples use AdamW)")
     p.add_argument("--run-timeout-s", type=float, default=240.0, help="a run still going after this is killed")

@@ -1,20 +1,24 @@
-"""Train the tiny GPT of train_gpt.py split into pipeline stages, data parallel across replicas.
+"""Train the tiny GPT of train_gpt.py split into pipeline stages, tensor parallel, data parallel.
 
 The seeds' layout in miniature: the model cut into ``--pp`` stages (torch.distributed.pipelining,
-GPipe or 1F1B over micro-batches), each stage replicated ``--dp`` times, gradients all-reduced
-across the replicas of a stage. What unbroken adds: ``unbroken.init()``, ``job.mesh(...)`` (the
-mesh whose groups survive a recovery), ``mesh.pipeline(schedule)``, ``job.track(...)``,
-``job.steps(...)`` and ``with job.step():``.
+GPipe or 1F1B over micro-batches), each stage's blocks sharded over ``--tp`` ranks (DTensor
+``parallelize_module``: attention by whole heads, the MLP by hidden feature), each (stage, tp shard)
+replicated ``--dp`` times, gradients all-reduced across the replicas. What unbroken adds:
+``unbroken.init()``, ``job.mesh(...)`` (the mesh whose groups survive a recovery),
+``mesh.pipeline(schedule)``, ``job.track(...)``, ``job.steps(...)`` and ``with job.step():``.
 
     unbroken run --nproc-per-node 4 examples/train_3d.py --pp 2 --dp 2 --out w.safetensors
     unbroken run --nproc-per-node 4 --inject kill:rank=2:step=5 examples/train_3d.py --pp 2 --dp 2 --out w.safetensors
                                       # rank 2 (stage 1, replica 0) is replaced in flight, same bits
+    unbroken run --nproc-per-node 4 examples/train_3d.py --pp 1 --dp 2 --tp 2 --out w.safetensors
+    unbroken run --nproc-per-node 8 examples/train_3d.py --pp 2 --dp 2 --tp 2 --out w.safetensors
     torchrun --nproc-per-node 4 examples/train_3d.py --pp 2 --dp 2   # job-level restarts only
 
-Ranks sit on the mesh ("pp", pp) x ("dp", dp) x ("tp", 1), last dimension fastest: with
-pp = dp = 2, ranks 0 and 1 run stage 0, ranks 2 and 3 stage 1; ranks 0 and 2 are replica 0.
-A lost rank's stage (parameters, optimizer and scheduler state) comes from the other replica
-of the same stage. Each rank writes its stage's final weights to ``<out stem>.rank<R><suffix>``.
+Ranks sit on the mesh ("pp", pp) x ("dp", dp) x ("tp", tp), last dimension fastest: with
+pp = dp = 2, tp = 1, ranks 0 and 1 run stage 0, ranks 2 and 3 stage 1; ranks 0 and 2 are replica
+0. A lost rank's stage and tp shard (parameters, optimizer and scheduler state) comes from the
+rank with its pp and tp coordinates in another dp slice. Each rank writes its stage's final
+weights (its local tp shards) to ``<out stem>.rank<R><suffix>``.
 
 Determinism as in train_gpt.py: the same seed gives the same initial weights (the whole GPT is
 built on every rank, then cut), the batch of (step, replica) is a pure function of them, the
@@ -34,11 +38,55 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import unbroken
-from train_gpt import GPT, GPTConfig, get_batch, load_data, lr_multiplier, parse_args
+from train_gpt import GPT, CausalSelfAttention, GPTConfig, get_batch, load_data, lr_multiplier, parse_args
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class SplitAttention(nn.Module):
+    """train_gpt.py's causal self-attention with its fused q/k/v projection cut into three Linears
+    (the same weights), so that tensor parallelism can shard each by output feature: a rank then
+    holds whole heads of q, k and v (n_head / tp of them) and attends over them alone; the output
+    projection, sharded by input feature, sums the heads' contributions across the tp group."""
+
+    def __init__(self, attn: CausalSelfAttention) -> None:
+        super().__init__()
+        n_embd = attn.c_proj.weight.size(0)
+        self.head_size = n_embd // attn.n_head
+        self.dropout = attn.dropout
+        self.q, self.k, self.v = (nn.Linear(n_embd, n_embd, bias=False) for _ in range(3))
+        with torch.no_grad():
+            for linear, w in zip((self.q, self.k, self.v), attn.c_attn.weight.split(n_embd, dim=0)):
+                linear.weight.copy_(w)
+        self.c_proj, self.resid_dropout = attn.c_proj, attn.resid_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.size()
+        q, k, v = self.q(x), self.k(x), self.v(x)  # (B, T, local heads * head_size) under TP
+        heads = q.size(-1) // self.head_size  # this rank's heads: n_head / tp
+        q, k, v = (t.view(B, T, heads, self.head_size).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, heads * self.head_size)
+        return self.resid_dropout(self.c_proj(y))  # Rowwise under TP: all-reduced over tp
+
+
+# Megatron's split of a block: q/k/v and the MLP's first Linear by output feature (Colwise), the two
+# output projections by input feature (Rowwise, their outputs all-reduced over the tp group).
+TP_PLAN = {"attn.q": ColwiseParallel, "attn.k": ColwiseParallel, "attn.v": ColwiseParallel,
+           "attn.c_proj": RowwiseParallel, "mlp.c_fc": ColwiseParallel, "mlp.c_proj": RowwiseParallel}
+
+
+def parallelize_blocks(stage: "Stage", tp_mesh) -> None:
+    """Shard the stage's blocks over the mesh's tp sub-mesh (DTensor parameters, local shards).
+    ``src_data_rank=None``: every rank built the same weights from the seed and keeps its own
+    slice, no scatter from a source rank (a replacement builds its stage while its groups are held)."""
+    for block in stage.h:
+        parallelize_module(block, tp_mesh, {name: style() for name, style in TP_PLAN.items()}, src_data_rank=None)
 
 
 class Stage(nn.Module):
@@ -52,6 +100,8 @@ class Stage(nn.Module):
         start = index * per + min(index, extra)
         self.first, self.last = index == 0, index == num_stages - 1
         self.h = nn.ModuleList(blocks[start:start + per + (index < extra)])
+        for block in self.h:  # q, k and v apart: tensor parallelism splits them by whole heads
+            block.attn = SplitAttention(block.attn)
         if self.first:
             self.wte, self.wpe, self.drop = gpt.transformer.wte, gpt.transformer.wpe, gpt.transformer.drop
         if self.last:
@@ -89,16 +139,24 @@ def build_schedule(stage_mod: Stage, mesh: "unbroken.parallel.mesh.JobMesh", cfg
     return mesh.pipeline(schedule)  # warmed up again at the redo after an in-flight recovery
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel (DTensor) tensor; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
 def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup, dp: int) -> None:
-    """Average the stage's gradients over its replicas: one flat buffer, one all-reduce on the
-    mesh's dp group (a group unbroken can abandon on a fault), the same order every step."""
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    """Average the stage's gradients over its replicas: one flat buffer of this rank's (tp) shards,
+    one all-reduce on the mesh's dp group (a group unbroken can abandon on a fault), the same order
+    every step. The replicas of a shard have the same tp coordinate: the shapes match."""
+    grads = [local(p.grad) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     flat.div_(dp)
     offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,12 +164,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (>= 1)")
     p.add_argument("--dp", type=int, default=2, help="replicas of each stage (>= 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel shards of each block (>= 1; divides "
+                   "--n-head)")
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step; divides --batch-size")
     own, rest = p.parse_known_args(argv)
     args = parse_args(rest)
-    if own.pp < 1 or own.dp < 1:
-        p.error(f"--pp and --dp must be >= 1, got --pp {own.pp} --dp {own.dp}")
+    if own.pp < 1 or own.dp < 1 or own.tp < 1:
+        p.error(f"--pp, --dp and --tp must be >= 1, got --pp {own.pp} --dp {own.dp} --tp {own.tp}")
+    if args.n_head % own.tp:
+        p.error(f"--tp {own.tp} must divide --n-head {args.n_head} (each rank holds whole heads)")
     if own.microbatches < 1 or args.batch_size % own.microbatches:
         p.error(f"--microbatches {own.microbatches} must be >= 1 and divide --batch-size {args.batch_size}")
     if args.n_layer < own.pp:
@@ -124,7 +186,7 @@ def save_stage(stage_mod: nn.Module, out: str, rank: int) -> str:
     """This rank's stage weights, to ``<out stem>.rank<R><suffix>``, written then renamed into place."""
     stem, suffix = os.path.splitext(out)
     path = f"{stem}.rank{rank}{suffix}"
-    save_file({k: v.detach().contiguous().clone() for k, v in stage_mod.state_dict().items()}, f"{path}.tmp")
+    save_file({k: local(v).detach().contiguous().clone() for k, v in stage_mod.state_dict().items()}, f"{path}.tmp")
     os.replace(f"{path}.tmp", path)
     return path
 
@@ -134,16 +196,18 @@ def main(argv: list[str] | None = None, on_stage: Callable[[Stage, "unbroken.Job
     args = parse(argv)
     torch.set_num_threads(args.num_threads)  # part of the run's identity: it changes float results
     job = unbroken.init()
-    if job.world_size != args.pp * args.dp:
+    if job.world_size != args.pp * args.dp * args.tp:
         job.close()
-        raise SystemExit(f"train_3d.py: --pp {args.pp} x --dp {args.dp} needs {args.pp * args.dp} ranks, "
-                         f"the job has {job.world_size}")
-    mesh = job.mesh(("pp", args.pp), ("dp", args.dp), ("tp", 1))
+        raise SystemExit(f"train_3d.py: --pp {args.pp} x --dp {args.dp} x --tp {args.tp} needs "
+                         f"{args.pp * args.dp * args.tp} ranks, the job has {job.world_size}")
+    mesh = job.mesh(("pp", args.pp), ("dp", args.dp), ("tp", args.tp))
     data, vocab = load_data()
     cfg = GPTConfig(vocab_size=len(vocab), block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
     torch.manual_seed(args.seed)  # same seed everywhere: the whole GPT, then this rank's stage of it
     stage_mod = Stage(GPT(cfg), mesh.coord("pp"), args.pp).to(job.device)
+    if args.tp > 1:
+        parallelize_blocks(stage_mod, mesh.device_mesh["tp"])
     schedule = build_schedule(stage_mod, mesh, cfg, args, job.device)
     params = [p for p in stage_mod.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)

@@ -190,6 +190,8 @@ def test_a_snapshot_does_not_follow_the_original():
 
 def test_the_stream_reader_reuses_an_unmoved_stream_and_sees_every_move():
     import numpy as np
+
+    from unbroken.worker import rng
     from unbroken.worker.rng import StreamReader
     reader = StreamReader()
     first = reader.capture()
@@ -202,6 +204,8 @@ def test_the_stream_reader_reuses_an_unmoved_stream_and_sees_every_move():
         fresh = StreamReader().capture()  # what a full read says
         for name in ("python", "numpy"):
             assert rollback.same(now[name], fresh[name]), (move, name)
+        assert rng._python_state(now["python"]) == random.getstate(), move  # the view's form is exact
+        assert rollback.same(rng.portable(now)["python"], rng.portable(fresh)["python"]), move
         assert not (rollback.same(now["python"], before["python"]) and rollback.same(now["numpy"], before["numpy"]))
 
 
@@ -304,14 +308,15 @@ def test_the_torch_stream_is_reused_unmoved_and_every_move_is_seen():
         before = reader.capture()
         move()
         now = reader.capture()
-        assert torch.equal(now["torch"], torch.get_rng_state()), move
-        assert not torch.equal(now["torch"], before["torch"]), move
+        assert torch.equal(rng.torch_state(now["torch"]), torch.get_rng_state()), move
+        assert not torch.equal(rng.torch_state(now["torch"]), rng.torch_state(before["torch"])), move
     state = reader.capture()
     torch.rand(2)
     reader.put_back(state)  # moved: set back
-    assert torch.equal(torch.get_rng_state(), state["torch"])
+    assert torch.equal(torch.get_rng_state(), rng.torch_state(state["torch"]))
     reader.put_back(reader.capture())  # not moved: nothing to set
-    assert torch.equal(torch.get_rng_state(), state["torch"])
+    assert torch.equal(torch.get_rng_state(), rng.torch_state(state["torch"]))
+    assert torch.equal(rng.capture()["torch"], torch.get_rng_state())  # checkpoints keep get_rng_state()'s form
 
 
 def test_the_norm_layers_are_found_once_the_objects_are_frozen(monkeypatch):

@@ -33,14 +33,47 @@ _TORCH_LAYOUT_CHECKED = frozenset({(2, 13)})
 
 
 def capture() -> dict[str, Any]:
-    return StreamReader().capture()
+    return portable(StreamReader().capture())
+
+
+def portable(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a :meth:`StreamReader.capture`) with torch's stream as ``get_rng_state()`` gives it,
+    the form checkpoint files keep (a reader's form may be the engine's memory, see ``torch_state``)."""
+    torch_form, python_form = state["torch"], state["python"]
+    if isinstance(torch_form, torch.Tensor) and not isinstance(python_form[1], bytes):
+        return state
+    version, internal, gauss = _python_state(python_form)
+    words = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
+    return {**state, "torch": torch_state(torch_form), "python": [version, words, gauss]}
+
+
+def torch_state(form: torch.Tensor | bytes) -> torch.Tensor:
+    """torch's CPU stream as ``torch.get_rng_state()`` gives it, from either captured form: that
+    tensor, or the bytes of the generator's memory read through its view (``_TORCH_ENGINE_BYTES``,
+    the layout of the torch versions in ``_TORCH_LAYOUT_CHECKED``; see ``_legacy_from_engine``)."""
+    if isinstance(form, torch.Tensor):
+        return form
+    if not isinstance(form, bytes) or len(form) != _TORCH_ENGINE_BYTES:
+        raise ValueError(f"torch's RNG state is {type(form).__name__} of {len(form) if isinstance(form, bytes) else '?'} "
+                         f"bytes: expected get_rng_state()'s tensor or the {_TORCH_ENGINE_BYTES} bytes of the engine")
+    return torch.frombuffer(bytearray(_legacy_from_engine(form)), dtype=torch.uint8)
+
+
+def _python_state(form: list) -> tuple:
+    """``random.getstate()`` of a captured form: [version, words, gauss_next] with the words as a
+    tensor of the 625 ints (checkpoints; a list in older ones) or as the generator's memory read
+    through its view (bytes: the int position, then 624 uint32 words; see ``_python_words``)."""
+    version, internal, gauss = form
+    if isinstance(internal, bytes):
+        words = struct.unpack_from("<624I", internal, 4) + struct.unpack_from("<i", internal, 0)
+    else:
+        words = tuple(internal.tolist() if isinstance(internal, torch.Tensor) else internal)
+    return version, words, gauss
 
 
 def restore(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    words = internal.tolist() if isinstance(internal, torch.Tensor) else internal  # older checkpoints: a list
-    random.setstate((version, tuple(words), gauss))
+    torch.set_rng_state(torch_state(state["torch"]))
+    random.setstate(_python_state(state["python"]))
     np = sys.modules.get("numpy")
     if np is not None and "numpy" in state:
         name, keys, pos, has_gauss, gauss_value = state["numpy"]
@@ -58,11 +91,14 @@ class StreamReader:
     nothing. Whether a stream moved is told by its raw state in memory, read through a
     :class:`_StateWords` view (a 2.5 KB copy) instead of ``torch.get_rng_state()`` (a tensor made
     through the dispatcher), ``random.getstate()`` (625 ints) or ``np.random.get_state()`` (a
-    Python loop over 624 words: ~50 us, several times that on a loaded machine). Python's and
-    numpy's views are checked against the real state on every full read; torch's when it is made
-    (its words, seed, position and cached normal samples, and that it moves with a draw), for the
-    torch versions whose layout was checked (``_TORCH_LAYOUT_CHECKED``; others: full reads). A
-    view that does not match is dropped for good and that stream is read in full from then on.
+    Python loop over 624 words: ~50 us, several times that on a loaded machine). For torch and
+    Python the view's bytes are also the captured form (converted to what ``set_rng_state`` /
+    ``random.setstate`` take only when a stream is set, and by :func:`portable` for checkpoint
+    files), so a moved stream costs one copy of its memory, not a full read. Their views are
+    checked when made (the state they hold equals the real one, and they move with a draw); torch's
+    only for the versions whose layout was checked (``_TORCH_LAYOUT_CHECKED``; others: full reads).
+    numpy's view is checked against the real state on every full read. A view that does not match
+    is dropped for good and that stream is read in full from then on.
     ``put_back`` sets torch's stream only when its view says it moved.
 
     Python's fingerprint is complete (its words, position and ``gauss_next``). numpy's lacks
@@ -79,8 +115,7 @@ class StreamReader:
         self._torch_mark: bytes | None = None  # the view's bytes at the last full read
         self._torch_form: torch.Tensor | None = None  # ... its get_rng_state()
         self._python_view: _StateWords | None = _python_words()
-        self._python_mark: tuple | None = None  # (words, gauss_next) of the last full read
-        self._python_state: tuple | None = None  # random.getstate() of the last full read
+        self._python_mark: tuple | None = None  # (the view's bytes, gauss_next) of the last read
         self._python_form: list | None = None  # ... as captured
         self._numpy_view: _StateWords | None = None
         self._numpy_viewable = True  # False once a numpy view did not match get_state()
@@ -101,9 +136,9 @@ class StreamReader:
         :meth:`capture`: what reading an object's state must not change."""
         view = self._torch_view
         if view is None or state["torch"] is not self._torch_form or view.read() != self._torch_mark:
-            torch.set_rng_state(state["torch"])
-        if self._python_state is not None and (self._python_view is None or self._python_now() != self._python_mark):
-            random.setstate(self._python_state)
+            torch.set_rng_state(torch_state(state["torch"]))
+        if self._python_view is None or self._python_now() != self._python_mark:
+            random.setstate(_python_state(state["python"]))
 
     def restore(self, state: dict[str, Any]) -> None:
         restore(state)
@@ -112,19 +147,24 @@ class StreamReader:
     def forget(self) -> None:
         """Drop the reused forms: the next read reads every stream in full."""
         self._torch_mark = self._torch_form = None
-        self._python_mark = self._python_state = self._python_form = None
+        self._python_mark = self._python_form = None
         self._numpy_mark = self._numpy_form = None
 
     # -- torch's CPU generator ---------------------------------------------------------------
-    def _torch(self) -> torch.Tensor:
+    def _torch(self) -> torch.Tensor | bytes:
+        """The stream's form: with a view, the view's bytes themselves (no torch call, and bytes the
+        encoder copies as they are; :func:`torch_state` makes get_rng_state()'s tensor of them when
+        it is set); without one, get_rng_state()."""
         if self._torch_view is None and self._torch_viewable:
             self._torch_view = _torch_words()
             self._torch_viewable = self._torch_view is not None
         view = self._torch_view
-        mark = view.read() if view is not None else None
-        if mark is not None and mark == self._torch_mark and self._torch_form is not None:
+        if view is None:
+            self._torch_form = torch.get_rng_state()
             return self._torch_form
-        self._torch_mark, self._torch_form = mark, torch.get_rng_state()
+        mark = view.read()
+        if mark != self._torch_mark or self._torch_form is None:
+            self._torch_mark = self._torch_form = mark
         return self._torch_form
 
     # -- Python's random -------------------------------------------------------------------
@@ -133,17 +173,15 @@ class StreamReader:
         return self._python_view.read(), random.getstate.__self__.gauss_next
 
     def _python(self) -> list:
-        mark = self._python_now() if self._python_view is not None else None
-        if mark is not None and mark == self._python_mark and self._python_form is not None:
-            return self._python_form
-        now = random.getstate()
-        version, internal, gauss = now
-        if mark is not None and mark != (array.array("i", internal[-1:]).tobytes()
-                                         + array.array("I", internal[:-1]).tobytes(), gauss):
-            self._python_view = mark = None  # not the layout we know
-        # The 625 words as one tensor: the codec stores it as bytes, not 625 JSON numbers.
-        words = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
-        self._python_mark, self._python_state, self._python_form = mark, now, [version, words, gauss]
+        """The stream's form: with a view, [version, the view's bytes, gauss_next] (no 625-int tuple
+        made; :func:`_python_state` makes one when it is set); without one, random.getstate()."""
+        if self._python_view is None:
+            version, internal, gauss = random.getstate()
+            # The 625 words as one tensor: the codec stores it as bytes, not 625 JSON numbers.
+            return [version, torch.frombuffer(array.array("q", internal), dtype=torch.int64), gauss]
+        mark = self._python_now()
+        if mark != self._python_mark or self._python_form is None:
+            self._python_mark, self._python_form = mark, [random.Random.VERSION, mark[0], mark[1]]
         return self._python_form
 
     # -- numpy's global RandomState -----------------------------------------------------------
@@ -191,12 +229,21 @@ class _StateWords:
 def _python_words() -> _StateWords | None:
     """A view of the MT state of the generator behind ``random.getstate`` (CPython's
     ``RandomObject``: after the object header, the int position, then 624 uint32 words), or
-    None where that generator is not a C ``_random.Random`` big enough to hold them."""
+    None where that generator is not a C ``_random.Random`` big enough to hold them, or where the
+    memory does not hold what getstate() says or does not move with a draw (the draw is undone)."""
     owner = getattr(random.getstate, "__self__", None)
     header_bytes = object.__basicsize__
     if not isinstance(owner, _random.Random) or _random.Random.__basicsize__ < header_bytes + _MT_STATE_BYTES:
         return None
-    return _StateWords(owner, id(owner) + header_bytes)
+    view = _StateWords(owner, id(owner) + header_bytes)
+    saved = random.getstate()
+    form = [saved[0], view.read(), saved[2]]
+    if _python_state(form) != saved:
+        return None
+    random.getrandbits(32)
+    moved = _python_state([saved[0], view.read(), saved[2]]) == random.getstate() != saved
+    random.setstate(saved)
+    return view if moved and view.read() == form[1] else None
 
 
 def _torch_words() -> _StateWords | None:
@@ -221,24 +268,24 @@ def _torch_words() -> _StateWords | None:
         return None
     view = _StateWords(generator, impl + engine_at, _TORCH_ENGINE_BYTES)
     before = view.read()
-    if not _torch_view_agrees(before, legacy):
+    if _legacy_from_engine(before) != legacy:
         return None
     torch.rand(1, device="cpu")
-    moved = view.read() != before and _torch_view_agrees(view.read(), torch.get_rng_state().numpy().tobytes())
+    moved = view.read() != before and _legacy_from_engine(view.read()) == torch.get_rng_state().numpy().tobytes()
     torch.set_rng_state(saved)  # (padding and a disengaged sample's bytes may differ now: no matter)
-    return view if moved and _torch_view_agrees(view.read(), legacy) else None
+    return view if moved and _legacy_from_engine(view.read()) == legacy else None
 
 
-def _torch_view_agrees(raw: bytes, legacy: bytes) -> bool:
-    """Whether a view's bytes hold the state of ``legacy`` (get_rng_state's bytes: uint64 seed, int
-    left, int seeded, uint64 next, 624 uint64 words, doubles x, y, rho, int y-valid; float, bool)."""
-    seed, left, seeded, next_ = struct.unpack_from("<QiiQ", legacy, 0)
-    _, double_sample, _, double_valid = struct.unpack_from("<dddi", legacy, 24 + 624 * 8)
-    float_sample, float_valid = struct.unpack_from("<f?", legacy, 24 + 624 * 8 + 32)
-    view_seed, view_left, view_seeded, view_next = struct.unpack_from("<Qi?3xI", raw, 0)
-    view_float, view_float_valid = struct.unpack_from("<f?", raw, _TORCH_FLOAT_SAMPLE_AT)
-    view_double, view_double_valid = struct.unpack_from("<d?", raw, _TORCH_DOUBLE_SAMPLE_AT)
-    return ((seed, left, bool(seeded), next_) == (view_seed, view_left, view_seeded, view_next)
-            and struct.unpack_from("<624Q", legacy, 24) == struct.unpack_from("<624I", raw, _TORCH_WORDS_AT)
-            and (bool(double_valid), double_valid and double_sample) == (view_double_valid, view_double_valid and view_double)
-            and (float_valid, float_valid and float_sample) == (view_float_valid, view_float_valid and view_float))
+def _legacy_from_engine(raw: bytes) -> bytes:
+    """get_rng_state()'s bytes (CPUGeneratorImplState: uint64 seed, int left, int seeded, uint64 next,
+    624 uint64 words, doubles x, y, rho, int y-valid, padding; float, bool, padding: 5056 bytes) of
+    the generator's memory ``raw`` (uint64 seed, int left, bool seeded, uint32 next, 624 uint32 words,
+    optional<float>, optional<double>). A disengaged sample and the padding are zeros, as torch writes
+    them; their bytes in ``raw`` (stale values) do not count."""
+    seed, left, seeded, next_ = struct.unpack_from("<Qi?3xI", raw, 0)
+    float_sample, float_valid = struct.unpack_from("<f?", raw, _TORCH_FLOAT_SAMPLE_AT)
+    double_sample, double_valid = struct.unpack_from("<d?", raw, _TORCH_DOUBLE_SAMPLE_AT)
+    return (struct.pack("<QiiQ", seed, left, seeded, next_)
+            + struct.pack("<624Q", *struct.unpack_from("<624I", raw, _TORCH_WORDS_AT))
+            + struct.pack("<dddi4x", 0.0, double_sample if double_valid else 0.0, 0.0, double_valid)
+            + struct.pack("<f?3x", float_sample if float_valid else 0.0, float_valid))

@@ -203,10 +203,11 @@ class StepStates:
 
 def _stream_tensors(streams: dict[str, Any]) -> tuple[Any, ...]:
     """The tensors of the RNG streams' captured forms that rng.StreamReader reuses while a stream
-    does not move (its torch form, and the words of Python's and numpy's): never changed."""
+    does not move (its torch form when that is a tensor, and the words of Python's and numpy's):
+    never changed."""
     numpy = streams.get("numpy")
-    return (streams["torch"], streams["python"][1]) if numpy is None else (streams["torch"], streams["python"][1],
-                                                                           numpy[1])
+    forms = (streams["torch"], streams["python"][1]) + ((numpy[1],) if numpy is not None else ())
+    return tuple(form for form in forms if isinstance(form, torch.Tensor))
 
 
 def _too_big(per_rank: dict[str, Any], total_bytes: int, rank: int) -> str:

@@ -18,6 +18,7 @@ as a number. The tree must hold what the checkpoint codec takes (the caller chec
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 import sys
@@ -43,6 +44,9 @@ _DTYPE_NAMES = {d: str(d).removeprefix("torch.").encode() for d in vars(torch).v
 
 def raw_bytes(t: torch.Tensor) -> bytes:
     """The bytes of a CPU tensor's elements in row-major order."""
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():  # most tensors: one copy of their memory
+        size = t.nbytes
+        return ctypes.string_at(t.data_ptr(), size) if size else b""
     try:
         return t.numpy().tobytes()  # most tensors: one call
     except (RuntimeError, TypeError):  # needs grad, a conj/neg view, a dtype numpy lacks (bf16, ...)

@@ -46,6 +46,7 @@ class _Layout(NamedTuple):
     local: list[str]
     per_rank: list[str]
     norm_layers: list[tuple[str, str, _NormBase]]
+    sharded: frozenset[str]  # the names of objects holding DTensors (their state: local shards only)
 
 
 class TrackedState:
@@ -102,13 +103,13 @@ class TrackedState:
     def per_rank_tree(self) -> dict[str, Any]:
         """This rank's own state: the per-rank objects and the RNG streams, as they are now."""
         layout = self._layout()
-        states, streams = self._states(layout.per_rank)
+        states, streams = self._states(layout.per_rank, layout.sharded)
         return self._with_buffers({"objects": states, "rng": streams}, layout.norm_layers)
 
     def step_start(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(:meth:`rollback_tree`, :meth:`per_rank_tree`) of now, in one pass."""
         layout = self._layout()
-        states, streams = self._states(layout.local + layout.per_rank)
+        states, streams = self._states(layout.local + layout.per_rank, layout.sharded)
         return ({n: states[n] for n in layout.local},
                 self._with_buffers({"objects": {n: states[n] for n in layout.per_rank}, "rng": streams},
                                    layout.norm_layers))
@@ -124,7 +125,8 @@ class TrackedState:
         norm_layers = [(name, prefix, layer) for name, obj in self.objects.items() if isinstance(obj, torch.nn.Module)
                        for prefix, layer in obj.named_modules()
                        if isinstance(layer, _NormBase) and layer.track_running_stats]
-        layout = _Layout(local, per_rank, norm_layers)
+        sharded = frozenset(n for n in local + per_rank if dtensor_state.has_dtensors(self.objects[n]))
+        layout = _Layout(local, per_rank, norm_layers, sharded)
         if self.frozen:
             self._kept_layout = layout
         return layout
@@ -141,14 +143,19 @@ class TrackedState:
                     buffers.setdefault(name, {})[key] = t  # live tensors: a capture snapshots them
         return {**tree, "buffers": buffers} if buffers else tree
 
-    def _states(self, names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The states of ``names`` and the RNG streams as they were before reading them. Reading
+    def _states(self, names: list[str], sharded: frozenset[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The states of ``names`` and the RNG streams as they were before reading them (``sharded``:
+        the names among them that hold DTensors, when the caller knows; else each is asked). Reading
         must not move the streams: some objects draw from the global RNG in ``state_dict()``
         (a StatefulDataLoader without a live iterator creates one there), which would make a run
         that reads state at other moments (a rollback, a restart) draw differently from one that
         does not. torch's and Python's streams are put back after the reads."""
         streams = self._rng.capture()
-        states = {n: self.state_of(self.objects[n]) for n in names}
+        if sharded is None:
+            states = {n: self.state_of(self.objects[n]) for n in names}
+        else:  # the step's reads: the layout knows which objects are sharded
+            objects = self.objects
+            states = {n: (self.state_of(objects[n]) if n in sharded else _plain_state(objects[n])) for n in names}
         if names:
             self._rng.put_back(streams)
         return states, streams
@@ -167,7 +174,7 @@ class TrackedState:
 
     def with_per_rank(self, tree: dict[str, Any], per_rank: dict[str, Any]) -> dict[str, Any]:
         """A :meth:`tree` with another rank's per-rank part (from :meth:`per_rank_tree`) in it."""
-        return {"tracked": {**tree["tracked"], **per_rank["objects"]}, "rng": per_rank["rng"]}
+        return {"tracked": {**tree["tracked"], **per_rank["objects"]}, "rng": rng.portable(per_rank["rng"])}
 
     def rollback_tree(self) -> dict[str, Any]:
         """The replicated objects that may change inside a step (not modules, optimizers or
@@ -221,7 +228,7 @@ class TrackedState:
     def tree(self) -> dict[str, Any]:
         """The state tree of a checkpoint: every tracked object's state, and the RNG streams."""
         states, streams = self._states(list(self.objects))
-        return {"tracked": states, "rng": streams}
+        return {"tracked": states, "rng": rng.portable(streams)}
 
     def unchanged_until_update(self, tree: dict[str, Any]) -> set[int]:
         """``data_ptr()`` of the tensors of ``tree`` (from :meth:`tree`) that stay as they are until
@@ -278,6 +285,11 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
     elif isinstance(x, (list, tuple)):
         for value in x:
             yield from _tensors(value)
+
+
+def _plain_state(obj: Any) -> Any:
+    """The state of an object that holds no DTensors (see TrackedState.state_of)."""
+    return obj if isinstance(obj, torch.Tensor) else obj.state_dict()
 
 
 def _committed_state(obj: Any) -> bool:

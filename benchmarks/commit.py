@@ -14,9 +14,11 @@ model (one all-reduce of a 64-float gradient per step, SGD) on N ranks twice, in
 
 and prints, per N, the median over ranks of each rank's median `opt.step()` time and whole
 step time. commit_s = unbroken's opt_step_s - torchrun's. Messages per step at the
-controller: N StepSynced in, N commits out, plus N progress reports per phase (counted from
-the protocol, printed). This machine has 2 cores: at 16 and 32 ranks every process waits
-for a core, so absolute figures are mostly scheduling; compare the rows of one run.
+controller: counted by the controller (its job-end event ``control_messages``: every worker
+message in and out, heartbeats left out), divided by the steps; the steps' own share is
+2 per rank in (a compute report, StepSynced) and one commit out. This machine has 2 cores:
+at 16 and 32 ranks every process waits for a core, so absolute figures are mostly
+scheduling; compare the rows of one run.
 A benchmark never asserts a time.
 """
 
@@ -66,6 +68,19 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def messages_per_step(run_dir: Path, steps: int) -> float | None:
+    """Control messages per step at the controller (workers' in + out, heartbeats left out: they
+    go by time, not by step), from the job-end event ``control_messages``."""
+    from runlib import read_events
+
+    counts = [ev for ev in read_events(run_dir) if ev.get("event") == "control_messages"]
+    if not counts:
+        return None
+    received, sent = counts[-1]["received"], counts[-1]["sent"]
+    total = sum(received.values()) - received.get("Heartbeat", 0) + sum(sent.values())
+    return total / steps
+
+
 def run_one(kind: str, nproc: int, steps: int, timeout_s: float) -> dict:
     from runlib import free_port, launch, unbroken_cmd
 
@@ -73,7 +88,9 @@ def run_one(kind: str, nproc: int, steps: int, timeout_s: float) -> dict:
         script = [str(Path(__file__).resolve()), "--worker", "--steps", str(steps), "--out-dir", tmp]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if kind == "unbroken":
-            cmd = [*unbroken_cmd(), "run", "--nproc-per-node", str(nproc), "--run-dir", f"{tmp}/run", *script]
+            # start-up is not what is measured: N interpreters on 2 loaded cores can take minutes
+            cmd = [*unbroken_cmd(), "run", "--nproc-per-node", str(nproc), "--run-dir", f"{tmp}/run",
+                   "--first-step-timeout-s", "600", *script]
         else:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -83,7 +100,10 @@ def run_one(kind: str, nproc: int, steps: int, timeout_s: float) -> dict:
         if res.rc != 0 or len(ranks) != nproc:
             tail = "\n".join(line for _, line in res.lines[-10:])
             return {"error": f"exit {res.rc}, {len(ranks)} of {nproc} ranks reported, timed out {res.timed_out}\n{tail}"}
-        return {k: statistics.median(r[k] for r in ranks) for k in ("opt_step_s", "step_s")} | {"job_s": res.job_s}
+        out = {k: statistics.median(r[k] for r in ranks) for k in ("opt_step_s", "step_s")} | {"job_s": res.job_s}
+        if kind == "unbroken":
+            out["msgs_per_step"] = messages_per_step(Path(tmp, "run"), steps)
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             good = [r for r in runs if "error" not in r]
             for key in ("opt_step_s", "step_s"):
                 row[f"{kind}_{key}"] = statistics.median(r[key] for r in good) if good else None
+        counted = [r["msgs_per_step"] for r in got["unbroken"] if r.get("msgs_per_step") is not None]
+        row["msgs_per_step"] = statistics.median(counted) if counted else None
         if row["unbroken_opt_step_s"] is not None and row["torchrun_opt_step_s"] is not None:
             row["commit_s"] = row["unbroken_opt_step_s"] - row["torchrun_opt_step_s"]
         rows.append(row)
@@ -123,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'step unbroken':>14} {'step torchrun':>14} {'ctl msgs/step':>14}")
     fmt = lambda v: "-" if v is None else f"{v * 1e3:.2f} ms"  # noqa: E731
     for row in rows:
-        # per rank per step: Progress compute, sync, update, done + StepSynced in; the commit out
+        msgs = "-" if row["msgs_per_step"] is None else f"{row['msgs_per_step']:.1f}"
         print(f"{row['nproc']:>4} {fmt(row['unbroken_opt_step_s']):>18} {fmt(row['torchrun_opt_step_s']):>18} "
               f"{fmt(row.get('commit_s')):>10} {fmt(row['unbroken_step_s']):>14} {fmt(row['torchrun_step_s']):>14} "
-              f"{6 * row['nproc']:>14}")
+              f"{msgs:>14}")
     if args.json:
         Path(args.json).write_text(json.dumps({"benchmark": "commit", "params": vars(args), "rows": rows}, indent=2))
     return 0

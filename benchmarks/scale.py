@@ -14,6 +14,9 @@ on N ranks and the last rank is SIGKILLed entering step --kill-step. Rows, inter
                total_s (fault seen -> resumed); redo_s =
                recover_s - total_s (the time from resuming until back at the fault's step, plus
                the kill -> detection gap)
+  in_flight_full_mesh  (not in the default rows) the same without `--lazy-connect` (the
+               default): each generation's gloo groups connect every pair at the build, not a
+               pair at its first message (comm/groups.py); in_flight passes `--lazy-connect`
   job_restart  `unbroken run --recover-strategy exit` with the shared-memory tier (a snapshot
                every step): every rank restarts and loads the newest snapshot; total_s is the
                controller's recover_s (fault seen -> every rank back at the fault's step)
@@ -43,12 +46,15 @@ from runlib import REPO, clean_shm, in_flight, kill_tree, launch, median, read_e
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4"]
 COMPONENTS = ("detect_s", "replace_s", "regroup_s", "restore_s", "other_s", "redo_s", "total_s")
-ROWS = ("in_flight", "job_restart")
+ROWS = ("in_flight", "job_restart", "in_flight_full_mesh")
+DEFAULT_ROWS = ("in_flight", "job_restart")
 
 
 def command(row: str, nproc: int, d: Path, args: argparse.Namespace) -> list[str]:
     base = [*unbroken_cmd(), "run", "--nproc-per-node", str(nproc), "--run-dir", str(d / "run"),
             "--inject", f"kill:rank={nproc - 1}:step={args.kill_step}", "--first-step-timeout-s", "600"]
+    if row == "in_flight":  # a gloo pair connects on its first message (the full mesh: the default)
+        base += ["--lazy-connect"]
     if row == "job_restart":
         base += ["--recover-strategy", "exit", "--save", str(d / "ckpt"), "--ckpt-every-steps", "1",
                  "--persist-every-steps", "1000"]
@@ -63,7 +69,7 @@ def run_once(row: str, nproc: int, workdir: Path, args: argparse.Namespace, env:
     analyze(run, res.lines, args.kill_step, args.steps)
     events = read_events(d / "run")
     add_event_figures(run, events)
-    if row == "in_flight" and run.recover_s is not None and "total_s" in run.extra:
+    if row.startswith("in_flight") and run.recover_s is not None and "total_s" in run.extra:
         run.extra["redo_s"] = max(0.0, run.recover_s - run.extra["total_s"])
         parts = [run.extra.get(k, 0.0) for k in ("detect_s", "replace_s", "regroup_s", "restore_s")]
         run.extra["other_s"] = max(0.0, run.extra["total_s"] - sum(parts))
@@ -102,6 +108,13 @@ def table(results: dict[int, dict[str, dict[str, float]]], args: argparse.Namesp
         cells = [str(nproc)] + [fmt(f, k) for k in (*COMPONENTS, "recover_s")] + [fmt(j, "total_s"), fmt(j, "recover_s")]
         failed = f.get("failed_runs", 0) + j.get("failed_runs", 0)
         lines.append("| " + " | ".join(cells) + " |" + (f" {failed:.0f} failed run(s)" if failed else ""))
+    if any("in_flight_full_mesh" in rows for rows in results.values()):
+        head = " | ".join(["N ranks", *(f"full mesh {k}" for k in (*COMPONENTS, "recover_s"))])
+        lines += ["", "The same in flight with the full mesh (the default, no `--lazy-connect`; interleaved with the rows above):", "",
+                  f"| {head} |", "|" + "---|" * (head.count("|") + 1)]
+        for nproc, rows in sorted(results.items()):
+            mesh = rows.get("in_flight_full_mesh", {})
+            lines.append("| " + " | ".join([str(nproc)] + [fmt(mesh, k) for k in (*COMPONENTS, "recover_s")]) + " |")
     return "\n".join(lines)
 
 
@@ -138,7 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--kill-step", type=int, default=6)
     p.add_argument("--step-sleep-s", type=float, default=0.0)
-    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated: in_flight, job_restart")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated: {', '.join(ROWS)}")
     p.add_argument("--run-timeout-s", type=float, default=900.0)
     p.add_argument("--plot", default=None, metavar="PNG", help="write the plot here (needs matplotlib: the plot extra)")
     p.add_argument("--markdown", default=None, metavar="MD", help="write the table here")

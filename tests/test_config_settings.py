@@ -65,4 +65,5 @@ def test_the_derived_names_are_the_documented_ones():
     assert names["pg_timeout_s"] == ("pg-timeout-s", "UNBROKEN_PG_TIMEOUT_S")
     assert names["spare_preimport"] == ("no-spare-preimport", "UNBROKEN_SPARE_PREIMPORT")
     assert names["overlap_snapshots"] == ("no-overlap-snapshots", "UNBROKEN_OVERLAP_SNAPSHOTS")
+    assert names["lazy_connect"] == ("lazy-connect", "UNBROKEN_LAZY_CONNECT")
     assert LaunchConfig(script="x").worker == WorkerSettings()

@@ -4,8 +4,7 @@ Precedence is defaults < environment < command line. Only this module reads ``os
 the launcher resolves a :class:`LaunchConfig` from its flags, and passes each worker a :class:`WorkerConfig`
 through environment variables that :func:`worker_config_from_env` reads back. Everything else takes config objects.
 
-A setting of the workers is one field of :class:`WorkerSettings`: its environment variable (``UNBROKEN_<NAME>``),
-its `unbroken run` flag (``--<name>``, ``--no-<name>`` for a switch on by default), help and range check.
+A worker setting is one field of :class:`WorkerSettings` (env variable, `unbroken run` flag, help, check derived).
 """
 
 from __future__ import annotations
@@ -102,6 +101,7 @@ class WorkerSettings:
     spare_preimport: bool = setting(True, "warm spares do not import what the script imported (default: they do)")
     overlap_snapshots: bool = setting(True, "copy all state into the memory tier at the step boundary (default: "
                                             "parameters and optimizer state during the next forward/backward)")
+    lazy_connect: bool = setting(False, "connect a pair of ranks of unbroken's gloo groups on its first message")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -115,13 +115,41 @@ def test_progress_done_moves_the_view_and_times_the_step():
     hub = FakeHub()
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=0, phase="compute", metrics={}))
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=0, phase="sync", metrics={}))
-    assert len(hub.workers[0].compute_s) == 1
-    worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="done", metrics={"loss": 2.0}))
+    assert len(hub.workers[0].compute_s) == 0  # the rank measures its compute time and sends it with 'done'
+    done = {"loss": 2.0, "compute_s": 0.25}
+    worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="done", metrics=done))
     w = hub.workers[0]
-    assert (w.step, w.steps_in_attempt, w.metrics, w.phase) == (1, 1, {"loss": 2.0}, Phase.DONE)
-    assert hub.live.steps == [(0, 1, {"loss": 2.0})]
+    assert (w.step, w.steps_in_attempt, w.metrics, w.phase) == (1, 1, done, Phase.DONE)
+    assert hub.live.steps == [(0, 1, done)] and list(w.compute_s) == [0.25]
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="finished", metrics={}))
     assert w.state == WorkerState.FINISHING and hub.applied == [sm.LoopFinished(0, 0)]  # the machine learns it
+
+
+def test_a_compute_report_with_the_previous_steps_done_folded_in_counts_both():
+    hub = FakeHub()
+    worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=0, phase="compute", metrics={}))
+    worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="compute", metrics={"loss": 1.5},
+                                  state=b"s1", done=True))
+    w = hub.workers[0]
+    assert (w.step, w.steps_in_attempt, w.metrics, w.phase, w.in_step_loop) == (1, 1, {"loss": 1.5}, Phase.COMPUTE,
+                                                                               True)
+    assert hub.live.steps == [(0, 1, {"loss": 1.5})]
+    assert hub.rank_states.for_resume(0, 0, 1).state == b"s1"  # the step-start state of step 1 is kept
+
+
+def test_step_synced_puts_the_rank_in_sync_and_the_commit_moves_every_rank_to_update():
+    hub = FakeHub(run_machine=True)
+    hub.state = dataclasses.replace(hub.state, phase=sm.JobPhase.RUNNING)
+    conns = {r: FakeConn() for r in hub.workers}
+    for r, w in hub.workers.items():
+        w.conn, w.state, w.phase = conns[r], WorkerState.RUNNING, Phase.COMPUTE  # no 'sync' report came
+    worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=3))
+    assert (hub.workers[0].phase, hub.workers[1].phase) == (Phase.SYNC, Phase.COMPUTE)  # rank 1: still computing
+    worker_msg(hub, 1, m.StepSynced(rank=1, attempt=0, gen=0, step=3))
+    assert {w.phase for w in hub.workers.values()} == {Phase.UPDATE}
+    assert all(c.sent == [m.CommitStep(gen=0, step=3)] for c in conns.values())
+    assert hub.connections.counts.received["StepSynced"] == 0  # counted by the serving loop, not the handlers
+    assert hub.connections.counts.sent["CommitStep"] == 2
 
 
 def test_a_death_after_the_loop_is_no_fault_to_time():

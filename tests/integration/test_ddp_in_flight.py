@@ -6,8 +6,8 @@ killed (at compute, sync, update; rank 0; two at once) or stopped (SIGSTOP): the
 their processes and leave the broken all-reduce, only the lost ranks start again and receive
 their state from a live replica, no checkpoint is read, and the final weights equal the
 fault-free run's bit for bit. The real-scripts script covers a BatchNorm layer (running
-statistics, ``broadcast_buffers``) with per-rank seeds and a sampler. One case in the default
-run, the rest in the slow set.
+statistics, ``broadcast_buffers``) with per-rank seeds and a sampler, and DDP's
+``find_unused_parameters`` and ``static_graph``. One case in the default run, the rest in the slow set.
 """
 
 from __future__ import annotations
@@ -99,3 +99,21 @@ def test_ddp_batchnorm_statistics_recovered_in_flight_bit_exact(tmp_path, bn_ref
                                     flags=["--inject", f"kill:rank={killed}:step=5:at=sync"])
     check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, {killed})
     assert_same_state(bn_reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("option", ["--find-unused", "--static-graph"])
+def test_ddp_options_recovered_in_flight_bit_exact(tmp_path, option):
+    """``find_unused_parameters=True`` (a layer unused on two steps of three: DDP walks the graph each
+    forward and reduces the used ones; step 5 skips the layer, its redo must too) and
+    ``static_graph=True`` (DDP's reducer remembers the first iteration's graph): a rank killed in
+    DDP's all-reduce is replaced in flight, the state equals the fault-free run's bit for bit."""
+    script = ["--wrapper", "ddp", "--data", "step", option]
+    reference, ref_out, _ = run_real(tmp_path, "reference", steps=STEPS, script_args=script, timeout_s=240)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    result, out, run_dir = run_real(tmp_path, "kill", steps=STEPS, script_args=script, timeout_s=240,
+                                    flags=["--inject", "kill:rank=2:step=5:at=sync"])
+    done = check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, {2})
+    assert done["resume_step"] == 5
+    assert_same_state(ref_out, out)

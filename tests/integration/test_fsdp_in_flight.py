@@ -5,8 +5,9 @@ are SurvivingGroups). HSDP 2x2 (``--replicas 2``): rank r's parameter and optimi
 also held by rank r +- 2; a rank killed (at compute, sync, update; rank 0) or stopped (SIGSTOP)
 is replaced in flight, the survivors keep their processes, the replacement receives its local
 shards from its peer in the other replica, no checkpoint is read, and the final weights equal
-the fault-free run's bit for bit. Pure FSDP (``--replicas 1``): a lost rank's shards have no
-other holder, so the job restarts from the memory tier, bit-exact from the restored step, and
+the fault-free run's bit for bit; so are two ranks killed at once in different replicas
+holding different shards. Both holders of one shard killed, or pure FSDP (``--replicas 1``):
+the lost shards have no other holder, so the job restarts from the memory tier, bit-exact from the restored step, and
 the steps lost are reported. One case in the default run, the rest in the slow set.
 """
 
@@ -66,6 +67,8 @@ def test_hsdp_rank_killed_mid_gradient_reduction_recovers_in_flight_bit_exact(tm
     pytest.param("kill:rank=1:step=4", {1}, 4, id="compute"),
     pytest.param("kill:rank=3:step=6:at=update", {3}, 7, id="update"),  # committed: rolls forward
     pytest.param("kill:rank=0:step=5:at=sync", {0}, 5, id="rank0"),
+    # ranks 1 and 2: different replicas holding different shards, so each shard keeps a live holder (3, 0)
+    pytest.param("kill:rank=1:step=5:at=sync,kill:rank=2:step=5:at=sync", {1, 2}, 5, id="two-at-once"),
 ])
 def test_hsdp_kills_recover_in_flight_bit_exact(tmp_path, hsdp_reference, inject, replaced, resume_step):
     done = _kill_case(tmp_path, hsdp_reference, inject, replaced)
@@ -95,6 +98,26 @@ def test_pure_fsdp_kill_restarts_from_the_memory_tier_bit_exact(tmp_path, fsdp_r
     assert_same_weights(fsdp_reference, out)
     (decision,) = events(run_dir, "decision")
     assert decision["rung"] == "exit" and "no live replica" in decision["reason"], decision
+    restored = events(run_dir, "restored")
+    assert {(e["step"], e["tier"]) for e in restored} == {(5, "memory")} and len(restored) == 4
+    (recovered,) = events(run_dir, "recovered")
+    assert recovered["step"] == 7 and recovered["restored_step"] == 5  # 2 steps lost, reported
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hsdp_both_holders_of_a_shard_killed_restart_from_the_memory_tier_bit_exact(tmp_path, hsdp_reference):
+    """Ranks 0 and 2 hold the same shards (one per replica): killed together, those shards have no
+    live holder left, so the job restarts from the memory tier, bit-exact, the steps lost reported."""
+    result, out, run_dir = _train(tmp_path, "kill", flags=[
+        "--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5",
+        "--inject", "kill:rank=0:step=7,kill:rank=2:step=7"])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert_same_weights(hsdp_reference, out)
+    # The controller may see one death first (its shards still have a holder: in place), then the
+    # other: the last decision is the job restart, naming the shard with no holder left.
+    decision = events(run_dir, "decision")[-1]
+    assert decision["rung"] == "exit" and "holders [0, 2] all lost" in decision["reason"], decision
     restored = events(run_dir, "restored")
     assert {(e["step"], e["tier"]) for e in restored} == {(5, "memory")} and len(restored) == 4
     (recovered,) = events(run_dir, "recovered")

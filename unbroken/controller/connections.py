@@ -9,6 +9,7 @@ machine (``Controller.apply``). Sending goes through here too (:meth:`send_to_ag
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 from unbroken.controller import machine as sm
 from unbroken.controller.hub import Hub
 from unbroken.controller.rank_state import Point
+from unbroken.controller.views import WorkerView
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.names import LIVE_WORKER_STATES, SCRIPT_IMPORTS_EVENT, STEP_PHASES, Phase, WorkerState
 from unbroken.protocol import messages as m
@@ -32,6 +34,14 @@ AgentHandler = Callable[["Connections", int, Any], None]
 WorkerHandler = Callable[["Connections", int, int, Connection, Any], None]
 
 
+@dataclasses.dataclass
+class MessageCounts:
+    """How many control messages of each type the workers sent and got (under the controller's lock)."""
+
+    received: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    sent: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
 class Connections:
     """Owns the agents' connections (by agent id) and serves every control connection."""
 
@@ -39,6 +49,7 @@ class Connections:
         self._ctl = ctl
         self.agents: dict[int, Connection] = {}
         self.spare_imports: list[str] | None = None  # what the script imported (the first report)
+        self.counts = MessageCounts()  # workers' messages, by type (the job-end event control_messages)
 
     # -- serving -------------------------------------------------------------------------
     def serve(self, conn: Connection) -> None:
@@ -116,6 +127,7 @@ class Connections:
         while True:
             msg = conn.recv()
             with ctl.lock:
+                self.counts.received[type(msg).__name__] += 1
                 if first.attempt != ctl.state.attempt or ctl.workers[first.rank].conn is not conn:
                     continue  # an older attempt's, or a process this rank no longer is
                 handler = WORKER_HANDLERS.get(type(msg))
@@ -157,6 +169,7 @@ class Connections:
             if w.conn is not None and w.state in LIVE_WORKER_STATES and (ranks is None or w.rank in ranks):
                 try:
                     w.conn.send(msg)
+                    self.counts.sent[type(msg).__name__] += 1
                 except (OSError, ProtocolError) as exc:
                     log.warning("controller: could not send %s to rank %d: %s", type(msg).__name__, w.rank, exc)
 
@@ -227,16 +240,24 @@ AGENT_HANDLERS: dict[type, AgentHandler] = {
 def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Progress) -> None:
     ctl = self._ctl
     w = ctl.workers[rank]
+    w.in_step_loop = w.in_step_loop or msg.phase in STEP_PHASES or msg.done
+    if msg.phase == Phase.DONE or msg.done:  # a completed step (folded into the next one's compute report)
+        w.phase = Phase.DONE
+        _step_completed(ctl, w, rank, attempt, msg)
+        if msg.phase == Phase.DONE:
+            return
     if msg.phase == Phase.COMPUTE:
         ctl.rank_states.note_report(rank, attempt, msg.step, Point.START, msg.state, same=msg.state_same)
     w.phase = msg.phase
-    w.in_step_loop = w.in_step_loop or msg.phase in STEP_PHASES
     if msg.phase == Phase.FINISHED:
         w.state = WorkerState.FINISHING
         ctl.apply(sm.LoopFinished(rank, attempt))
-    if not ctl.monitor.note_progress(w, msg.phase, time.monotonic()):
-        return
-    w.step = msg.step  # a completed step: the progress the hang monitor watches
+
+
+def _step_completed(ctl: Hub, w: WorkerView, rank: int, attempt: int, msg: m.Progress) -> None:
+    """``w`` completed ``msg.step`` steps: the progress the hang monitor watches."""
+    ctl.monitor.note_done(w, msg.metrics, time.monotonic())
+    w.step = msg.step
     w.metrics = dict(msg.metrics)
     ctl.live.on_step(rank, msg.step, w.metrics)
     ctl.check_recovered()
@@ -246,8 +267,10 @@ def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg:
 
 
 def _step_synced(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.StepSynced) -> None:
-    self._ctl.rank_states.note_report(rank, attempt, msg.step, Point.AFTER_COMPUTE, msg.state, same=msg.state_same)
-    self._ctl.apply(dataclasses.replace(msg, rank=rank, attempt=attempt, state=b"", state_same=False))
+    ctl = self._ctl
+    ctl.rank_states.note_report(rank, attempt, msg.step, Point.AFTER_COMPUTE, msg.state, same=msg.state_same)
+    ctl.workers[rank].phase = Phase.SYNC  # its reduction is done; it waits in sync for the commit
+    ctl.apply(dataclasses.replace(msg, rank=rank, attempt=attempt, state=b"", state_same=False))
 
 
 def _claim_fault(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.ClaimFault) -> None:

@@ -23,7 +23,7 @@ from unbroken.controller.rank_state import Found
 from unbroken.protocol.framing import MAX_FRAME_BYTES
 from unbroken.controller.views import Outcome
 from unbroken.errors import CheckpointError
-from unbroken.names import Rung, WorkerState
+from unbroken.names import Phase, Rung, WorkerState
 from unbroken.protocol import messages as m
 
 
@@ -112,6 +112,9 @@ class Executor:
         if ctl.outcome is not None:  # finished already (e.g. a second SIGTERM after the machine's Finish)
             return
         ctl.outcome = Outcome(action.exit_code, action.reason)
+        counts = ctl.connections.counts
+        ctl.events.emit("control_messages", received=dict(sorted(counts.received.items())),
+                        sent=dict(sorted(counts.sent.items())))  # for benchmarks/commit.py
         ctl.events.emit("job_finished", exit_code=action.exit_code, reason=action.reason)
         ctl.connections.broadcast_agents(m.Shutdown(exit_code=action.exit_code, reason=action.reason))
         ctl.done.set()
@@ -126,6 +129,9 @@ class Executor:
             ctl.recovery_deadline = None
 
     def _commit_step(self, action: sm.CommitStep) -> None:
+        for w in self._ctl.workers.values():  # every rank reported StepSynced: each moves on to its update
+            if w.phase == Phase.SYNC:  # (ranks send no 'update' report of their own: worker/progress.py)
+                w.phase = Phase.UPDATE
         self._ctl.connections.send_to_workers(action)  # the action is the wire message
 
     def _abort(self, action: sm.AbortGeneration) -> None:

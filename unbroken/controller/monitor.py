@@ -42,20 +42,16 @@ class Monitor:
             return hang.timeout_s
         return max(hang.floor_s, hang.factor * (self.median_step_s() or 0.0))
 
-    def note_progress(self, w: WorkerView, phase: str, now: float) -> bool:
-        """Record a progress report of ``w``; True if it completed a step (phase ``done``)."""
-        if phase == Phase.COMPUTE:
-            w.compute_t = now
-        elif phase == Phase.SYNC and w.compute_t:
-            w.compute_s.append(now - w.compute_t)
-            w.compute_t = 0.0
-        if phase != Phase.DONE:
-            return False
+    def note_done(self, w: WorkerView, metrics: dict, now: float) -> None:
+        """``w`` completed a step (phase ``done``) with ``metrics``; its ``compute_s`` (measured by
+        the rank: the step's start to its first collective) feeds the straggler rule."""
+        compute_s = metrics.get("compute_s")
+        if isinstance(compute_s, (int, float)) and not isinstance(compute_s, bool) and compute_s >= 0:
+            w.compute_s.append(float(compute_s))
         if w.steps_in_attempt:
             self._step_times.append(now - w.last_progress_t)
         w.last_progress_t = now
         w.steps_in_attempt += 1
-        return True
 
     def progress(self, workers: Iterable[WorkerView], attempt: int, now: float,
                  since_t: float | None = None) -> list[hangs.RankProgress]:

@@ -26,8 +26,7 @@ class WorkerView:
     steps_in_attempt: int = 0
     in_step_loop: bool = False  # it reported a phase of a step (entered job.steps()) in this attempt
     metrics: dict[str, Any] = field(default_factory=dict)
-    compute_t: float = 0.0  # when the step in flight began (its 'compute' report)
-    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))
+    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))  # as it measured them
     state: WorkerState = WorkerState.STARTING
     conn: Connection | None = None
     process: str = "running"  # as its agent sees the process: running | stopped | zombie (hangs.py)

@@ -23,7 +23,8 @@ transfer on every rank; nobody rebuilds later, and no layout needs to travel.
 
 Private torch APIs used (torch 2.13): ``Reducer._reset_state``, ``DDP._has_rebuilt_buckets``,
 ``DDP._get_ddp_logging_data()['rebuilt_per_bucket_param_indices']``, the ``dist.Reducer``
-constructor as DDP's ``_ddp_init_helper`` calls it, ``DDP._comm_hooks``.
+constructor as DDP's ``_ddp_init_helper`` calls it, ``DDP._comm_hooks``,
+``DDP._static_graph_delay_allreduce_enqueued``, ``dist._compute_bucket_assignment_by_size``.
 
 Runs in the training thread of one rank.
 """
@@ -48,12 +49,35 @@ def realign_buckets(ddp: DistributedDataParallel) -> bool:
     A collective on the DDP's group (the reducer broadcasts rank 0's bucket indices): every
     rank calls it at the same point. Returns True if the buckets were rebuilt (False where the
     reducer never rebuilds: ``find_unused_parameters`` without ``static_graph``, on every rank).
+    A ``static_graph`` DDP first gets a new reducer on every rank (:func:`restart_static_graph`).
     """
+    if ddp.static_graph:
+        restart_static_graph(ddp)
     ddp.reducer._reset_state()
     ddp.reducer._push_all_rebuilt_params()
     rebuilt = bool(ddp.reducer._rebuild_buckets())
     ddp._has_rebuilt_buckets = True  # DDP's forward would otherwise try to rebuild again
     return rebuilt
+
+
+def restart_static_graph(ddp: DistributedDataParallel) -> None:
+    """A ``static_graph`` DDP: a new reducer, as DDP's constructor builds it, so the next iteration
+    is its first again.
+
+    Why: a static-graph reducer's first iteration reduces differently from the later ones (one
+    extra all-reduce of the used-parameter map, then every bucket at the end of the backward,
+    queued by DDP's ``_DDPSink``), and the reducer keeps what it learnt there. A replacement's
+    fresh DDP would issue that extra all-reduce while its survivors reduce their first bucket
+    (gloo: "Received data size doesn't match expected size"). Every rank starting over keeps the
+    collectives matched; the sums are the same (same buckets, same order). No collective here.
+    """
+    parameters, expect_sparse = ddp._build_params_for_reducer()
+    limits, limits_for_rebuilding = ddp._bucket_config.compute_bucket_size_limits(
+        static_graph=True, find_unused_parameters=ddp.find_unused_parameters)
+    indices, per_bucket_limits = dist._compute_bucket_assignment_by_size(parameters, limits, expect_sparse)
+    _install_reducer(ddp, parameters, expect_sparse, list(reversed(indices)), list(reversed(per_bucket_limits)),
+                     limits_for_rebuilding)
+    ddp._static_graph_delay_allreduce_enqueued = False  # DDP's forward queues the first iteration's reduction
 
 
 def bucket_layout(ddp: DistributedDataParallel) -> Layout | None:
@@ -76,9 +100,17 @@ def adopt_layout(ddp: DistributedDataParallel, layout: Layout | None) -> None:
     parameters, expect_sparse = ddp._build_params_for_reducer()
     _, limits_for_rebuilding = ddp._bucket_config.compute_bucket_size_limits(
         static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters)
+    _install_reducer(ddp, parameters, expect_sparse, layout, [ddp.bucket_bytes_cap] * len(layout),
+                     limits_for_rebuilding)
+    ddp._has_rebuilt_buckets = False
+
+
+def _install_reducer(ddp: DistributedDataParallel, parameters: list, expect_sparse: list, layout: Layout,
+                     per_bucket_limits: list[int], limits_for_rebuilding: list[int]) -> None:
+    """Replace ``ddp``'s reducer by a new one over ``layout`` (as DDP's ``_ddp_init_helper`` builds it)."""
     ddp.reducer._remove_autograd_hooks()
     ddp.reducer = dist.Reducer(
-        parameters, layout, [ddp.bucket_bytes_cap] * len(layout), ddp.process_group, expect_sparse,
+        parameters, layout, per_bucket_limits, ddp.process_group, expect_sparse,
         ddp.bucket_bytes_cap, ddp.find_unused_parameters, ddp.gradient_as_bucket_view,
         ddp._build_debug_param_to_name_mapping(parameters), ddp._bucket_config.first_bucket_bytes_cap,
         ddp.skip_all_reduce_unused_params, ddp._use_python_reducer, limits_for_rebuilding,
@@ -89,4 +121,3 @@ def adopt_layout(ddp: DistributedDataParallel, layout: Layout | None) -> None:
         ddp.reducer._set_static_graph()
     for hook, state in ddp._comm_hooks:
         dist._register_comm_hook(ddp.reducer, state, hook)
-    ddp._has_rebuilt_buckets = False

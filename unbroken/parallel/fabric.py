@@ -35,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from unbroken.comm.groups import gloo_group
 from unbroken.errors import ConfigError
 from unbroken.parallel.group import AbortSignal, SurvivingGroup
 
@@ -54,13 +55,14 @@ class Fabric:
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float = 30.0,
-                 name: str | None = None, graveyard: list[Any] | None = None) -> None:
+                 name: str | None = None, graveyard: list[Any] | None = None, lazy_connect: bool = True) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside the world of {world_size} ranks (allowed: 0..{world_size - 1})")
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s={timeout_s} must be > 0 (it bounds how long an abandoned op holds memory)")
         self._store, self.rank, self.world_size = store, rank, world_size
         self.timeout = timedelta(seconds=timeout_s)
+        self.lazy_connect = lazy_connect  # each generation's backends connect a pair on first use (comm/groups.py)
         self.signal = AbortSignal()
         self.graveyard: list[Any] = [] if graveyard is None else graveyard  # the owner's list, if given
         self.groups: list[SurvivingGroup] = []
@@ -117,7 +119,7 @@ class Fabric:
 
     def _backend_for(self, group: SurvivingGroup, gen: int) -> Any:  # a ProcessGroupGloo (a Backend)
         store = dist.PrefixStore(f"gen{gen}/{group.key}/", self._store)
-        return dist.ProcessGroupGloo(store, group.rank(), group.size(), self.timeout)
+        return gloo_group(store, group.rank(), group.size(), self.timeout, lazy_connect=self.lazy_connect)
 
     def switch(self, gen: int) -> float:
         """Move every group to generation ``gen`` (a collective of every rank of the job).

@@ -8,11 +8,11 @@ overrides) whose collectives go to the gloo group of the current generation. The
 with the next generation's backend; the object DDP holds does not change.
 
 Every collective is abortable (FACTS.md: nothing cancels a gloo op): the backend's work is
-wrapped in an :class:`AbortableWork` whose ``wait()`` polls and asks the abort signal, and
-whose future is failed at once when the signal fires. The backend work it gave up on goes to
+wrapped in an :class:`AbortableWork` whose ``wait()`` blocks in the backend's timed wait and
+asks the abort signal between slices, and whose future is failed at once when the signal fires. The backend work it gave up on goes to
 the fabric's graveyard (kept referenced until it ends, never destroyed early). Point-to-point
 ops (a pipeline's sends and recvs) are abortable too: gloo's complete only inside ``wait()``,
-so a :class:`ThreadWaitedWork` waits for them in a daemon thread and the polling asks it.
+so a :class:`ThreadWaitedWork` waits for them in a daemon thread and the timed wait asks it.
 
 Before a rank's first generation the group is *detached*: collectives complete at once,
 locally, as if every peer held what this rank holds (broadcast keeps the tensors, all-gather

@@ -1,27 +1,30 @@
 """Abortable works: what a :class:`~unbroken.parallel.group.SurvivingGroup` hands its callers.
 
-An :class:`AbortableWork` wraps a backend's work: its ``wait()`` polls and asks the job's
-:class:`AbortSignal`, and its future is failed at once when the signal fires; the backend work
-it gave up on goes to the fabric's graveyard (kept referenced until it ends, never destroyed
-early). gloo's point-to-point works complete only inside ``wait()``, so a
-:class:`ThreadWaitedWork` waits for one in a daemon thread and the polling asks it.
+An :class:`AbortableWork` wraps a backend's work: its ``wait()`` blocks in the backend work's
+own timed ``wait`` (no polling sleep, no thread) and asks the job's :class:`AbortSignal` between
+slices; its future (built only when asked for) is failed at once when the signal fires; the
+backend work it gave up on goes to the fabric's graveyard (kept referenced until it ends, never
+destroyed early). gloo's point-to-point works complete only inside ``wait()``, so a
+:class:`ThreadWaitedWork` waits for one in a daemon thread and the timed wait asks it.
 
 Used in the training thread of one rank; a future may be completed from a gloo worker thread
 or the thread that fires the abort signal.
 """
-
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from unbroken.comm import wait_all
 from unbroken.errors import CollectiveAborted, UnbrokenError
+
+
+WAIT_SLICE = timedelta(milliseconds=5)  # how often a blocked wait asks the abort signal: the abort latency
 
 
 def _unwrap(trigger: Future) -> Any:
@@ -83,9 +86,12 @@ class AbortSignal:
 class AbortableWork(dist.Work):
     """One collective on the current generation's backend, left at once on an abort order.
 
-    ``wait()`` polls the backend work and the abort signal; ``get_future()`` returns a future
-    completed by the backend's own future or failed by :meth:`AbortSignal.fire`, whichever
-    comes first. A backend work given up on goes to ``graveyard``.
+    The fast path adds no thread and no polling sleep: ``wait()`` blocks in the backend work's
+    own ``wait`` (woken by gloo the moment the op ends) in slices of :data:`WAIT_SLICE`, asking
+    the abort signal between slices; ``get_future()`` (what DDP's reducer waits on) returns a
+    future completed by the backend's own future or failed by :meth:`AbortSignal.fire`,
+    whichever comes first. The future and its callback are built only when asked for (an
+    FSDP2 all-gather is only waited on). A backend work given up on goes to ``graveyard``.
     """
 
     def __init__(self, inner: dist.Work | None, signal: AbortSignal, graveyard: list[Any], what: str,
@@ -93,37 +99,29 @@ class AbortableWork(dist.Work):
         super().__init__()
         self._inner, self._signal, self._graveyard, self._what = inner, signal, graveyard, what
         self._finish = finish  # run once the backend work succeeded; its return value is the result
-        # A Future completed from Python with set_exception() is, to C++ callers (DDP's
-        # reducer), a *successful* future holding an exception object; only a callback that
-        # raises marks a future failed. So ours is a `then` of a trigger that carries
-        # (value, error), and the callback raises the error.
-        self._trigger: Future = Future()
-        self._future: Future = self._trigger.then(_unwrap)
-        self._done_lock = threading.Lock()
-        self._completed = False
+        self._lock = threading.Lock()  # completion may race: the training thread, a gloo thread, fire()
+        self._completed = self._finishing = False
+        self._value: Any = None
         self._error: BaseException | None = None
+        self._trigger: Future | None = None  # built by get_future()
+        self._future: Future | None = None
         if inner is None:  # completed locally (a detached group)
             self._complete(result, None)
-            return
-        if not signal._track(self):
+        elif signal.is_set():
             self._fail(CollectiveAborted(f"{what} issued after the abort order ({signal.reason})"))
-            return
-        try:
-            inner_future = inner.get_future()
-        except RuntimeError:  # gloo's _allgather_base/_reduce_scatter_base works have none:
-            return            # they complete through wait() / is_completed() polling
-        inner_future.add_done_callback(self._inner_done)
 
     def _complete(self, value: Any, error: BaseException | None) -> bool:
-        with self._done_lock:
+        with self._lock:
             if self._completed:
                 return False
-            self._completed, self._error = True, error
-        self._trigger.set_result((value, error))
+            self._completed, self._value, self._error = True, value, error
+            trigger = self._trigger
+        if trigger is not None:
+            self._signal._untrack(self)
+            trigger.set_result((value, error))
         return True
 
-    def _inner_done(self, fut: Future) -> None:  # a gloo thread
-        self._signal._untrack(self)
+    def _inner_done(self, fut: Future) -> None:  # a gloo thread (only once get_future() was asked)
         try:
             value = fut.value()
         except Exception as err:  # noqa: BLE001 - a peer died: the op's error is the result
@@ -132,8 +130,16 @@ class AbortableWork(dist.Work):
         self._succeed(value)
 
     def _succeed(self, value: Any) -> None:
+        with self._lock:
+            if self._completed or self._finishing:
+                return  # the other path (wait or the future's callback) got there first
+            self._finishing = True
         if self._finish is not None:
-            value = self._finish()
+            try:
+                value = self._finish()
+            except Exception as err:  # noqa: BLE001 - e.g. a copy into a wrong-sized output
+                self._fail(err)
+                return
         self._complete(value, None)
 
     def _fail(self, err: BaseException) -> None:
@@ -150,15 +156,25 @@ class AbortableWork(dist.Work):
         return self._completed
 
     def _settle(self) -> None:
-        """The backend work ended (seen by polling): take its result or error."""
-        self._signal._untrack(self)
+        """The backend work ended (seen by polling or by a wait slice): take its result or error."""
         try:
             self._inner.wait()
             value = self._inner_value()
         except Exception as err:  # noqa: BLE001 - the op's error is the result
-            self._fail(err)
+            self._failed_op(err)
             return
         self._succeed(value)
+
+    def _failed_op(self, err: BaseException) -> None:
+        """The backend op raised (a peer died): its error, unless the abort order is out too (then
+        the order is the root cause, as in :func:`~unbroken.comm.wait.wait_all`)."""
+        if self._signal.is_set():
+            aborted = CollectiveAborted(f"{self._what} aborted on the abort order; it had failed: {err}")
+            aborted.__cause__ = err
+            self._fail(aborted)
+            return
+        err.add_note(f"unbroken: during the {self._what}")
+        self._fail(err)
 
     def _inner_value(self) -> Any:
         try:  # the future's value: Work.result() is deprecated (it warns once per process)
@@ -173,23 +189,50 @@ class AbortableWork(dist.Work):
         return self._error
 
     def wait(self, timeout: Any = None) -> bool:
-        if self._inner is not None and not self._completed:
+        inner, signal = self._inner, self._signal
+        while not self._completed:
+            if signal.is_set():  # asked first: every rank that saw the order aborts the same step
+                self._fail(CollectiveAborted(
+                    f"{self._what} aborted on the abort order ({signal.reason}); the backend op stays "
+                    "referenced until it ends (at the latest at the process-group timeout)"))
+                break
             try:
-                wait_all([self._inner], self._signal.is_set, self._graveyard, self._what)
-            except Exception as err:  # noqa: BLE001 - aborted, or the backend's error
-                self._fail(err)
-            else:
-                self._settle()
+                inner.wait(WAIT_SLICE)  # returns the moment the op ends; raises when the slice runs out
+            except Exception:  # noqa: BLE001 - the slice ran out, or the op failed
+                if not inner.is_completed():
+                    continue
+            self._settle()  # it ended (the slice may have run out just as it did): its result or error
         if self._error is not None:
             raise self._error
         return True
 
     def get_future(self) -> Future:
-        return self._future
+        """The future torch's C++ callers (DDP's reducer) wait on: built on the first call."""
+        if self._future is not None:
+            return self._future
+        # A Future completed from Python with set_exception() is, to C++ callers (DDP's
+        # reducer), a *successful* future holding an exception object; only a callback that
+        # raises marks a future failed. So ours is a `then` of a trigger that carries
+        # (value, error), and the callback raises the error.
+        trigger = Future()
+        future = trigger.then(_unwrap)
+        with self._lock:
+            self._trigger, self._future, done = trigger, future, self._completed
+        if done:
+            trigger.set_result((self._value, self._error))
+        elif not self._signal._track(self):
+            self._fail(CollectiveAborted(f"{self._what} aborted on the abort order ({self._signal.reason})"))
+        else:
+            try:
+                inner_future = self._inner.get_future()
+            except RuntimeError:  # gloo's _allgather_base/_reduce_scatter_base works have none:
+                return future     # they complete through wait() / is_completed()
+            inner_future.add_done_callback(self._inner_done)
+        return future
 
     def result(self) -> Any:
         self.wait()
-        return self._future.value()
+        return self._value
 
 
 class ThreadWaitedWork(dist.Work):
@@ -222,8 +265,12 @@ class ThreadWaitedWork(dist.Work):
     def is_success(self) -> bool:
         return self._done.is_set() and self._error is None
 
-    def wait(self, timeout: Any = None) -> bool:
-        self._done.wait()
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Like a gloo work's: ``timeout`` (none or zero: no limit) raises ``RuntimeError`` when it
+        runs out before the op ended (the op goes on)."""
+        limit_s = timeout.total_seconds() if timeout else None
+        if not self._done.wait(limit_s):
+            raise RuntimeError("Operation timed out!")
         if self._error is not None:
             raise self._error
         return True

@@ -136,6 +136,9 @@ class Progress(Message):
     metrics: dict[str, Any]
     state: bytes = b""  # with phase 'compute': the rank's own state at the step's start (worker/rollback.py)
     state_same: bool = False  # instead of `state`: the rank's own state is the one it last sent
+    # With phase 'compute': this report is also the previous step's 'done' (the rank completed `step`
+    # steps; `metrics` are that step's), folded in to save a message per step (worker/progress.py).
+    done: bool = False
 
 
 @message("heartbeat")

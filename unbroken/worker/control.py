@@ -16,10 +16,12 @@ from collections.abc import Callable
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
 from unbroken.protocol.wire import Connection, connect
+from unbroken.worker.progress import StepReports
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+MARK_POLL_S = 0.1  # the heartbeat thread's tick: it also sends in-step marks that stood long enough
 LOST_CONTROLLER_GEN = 1 << 30
 
 
@@ -52,6 +54,7 @@ class ControlClient:
         self.committed_step = -1
         self._restore_at: dict[int, int] = {}  # restore round -> decided step, set by the reader thread
         self._restore_cv = threading.Condition()
+        self.reports = StepReports(self._send, rank=rank, attempt=attempt)  # progress, StepSynced, Paused
         self._conn.send(m.WorkerRegister(rank=rank, pid=pid, attempt=attempt, gen=gen, replacement=replacement))
         self._reader = threading.Thread(target=self._read_loop, name=f"unbroken-ctl-r{rank}", daemon=True)
         self._beater = threading.Thread(target=self._beat_loop, name=f"unbroken-hb-r{rank}", daemon=True)
@@ -93,8 +96,13 @@ class ControlClient:
             listener(self.abort_gen, self.abort_reason)
 
     def _beat_loop(self) -> None:
-        while not self._closed.wait(HEARTBEAT_INTERVAL_S):
-            self._send(m.Heartbeat(rank=self.rank))
+        next_beat_t = time.monotonic() + HEARTBEAT_INTERVAL_S
+        while not self._closed.wait(MARK_POLL_S):
+            now = time.monotonic()
+            self.reports.flush_due(now)
+            if now >= next_beat_t:
+                next_beat_t = now + HEARTBEAT_INTERVAL_S
+                self._send(m.Heartbeat(rank=self.rank))
 
     def _send(self, msg) -> bool:
         if self._closed.is_set():
@@ -106,9 +114,13 @@ class ControlClient:
             self._closed.set()
             return False
 
-    def progress(self, step: int, phase: str, metrics: dict, state: bytes = b"", state_same: bool = False) -> None:
-        self._send(m.Progress(rank=self.rank, attempt=self.attempt, step=step, phase=phase, metrics=metrics,
-                              state=state, state_same=state_same))
+    def progress(self, step: int, phase: str, state: bytes = b"", state_same: bool = False) -> None:
+        """The rank entered ``phase`` of ``step``: reported as :class:`StepReports` says (in-step marks late)."""
+        self.reports.phase(step, phase, state=state, state_same=state_same)
+
+    def step_done(self, step: int, metrics: dict) -> None:
+        """The rank completed ``step`` steps; the report rides on the next step's compute report."""
+        self.reports.done(step, metrics)
 
     def event(self, name: str, fields: dict) -> None:
         """Ask the controller to record an event of this worker's in the job's event log."""
@@ -124,8 +136,8 @@ class ControlClient:
                     state_same: bool = False) -> bool:
         """Report the reduction of ``step`` done (with this rank's own state after its compute, or
         ``state_same``: the one it last sent) and wait for its commit; False on an abort order."""
-        self._send(m.StepSynced(rank=self.rank, attempt=self.attempt, gen=gen, step=step, state=state,
-                                state_same=state_same))
+        self.reports.send_now(m.StepSynced(rank=self.rank, attempt=self.attempt, gen=gen, step=step, state=state,
+                                           state_same=state_same))
         with self._commit:
             while self.committed_step < step:
                 if self.abort_gen > gen:
@@ -143,7 +155,7 @@ class ControlClient:
         self._send(m.Damaged(rank=self.rank, attempt=self.attempt, what=what, kind=kind))
 
     def paused(self, gen: int, step: int, phase: str) -> None:
-        self._send(m.Paused(rank=self.rank, attempt=self.attempt, gen=gen, step=step, phase=phase))
+        self.reports.send_now(m.Paused(rank=self.rank, attempt=self.attempt, gen=gen, step=step, phase=phase))
 
     def joined(self, gen: int) -> None:
         self._send(m.WorkerRegister(rank=self.rank, pid=0, attempt=self.attempt, gen=gen, replacement=True))
@@ -182,6 +194,7 @@ class ControlClient:
                 return msg.granted
 
     def close(self) -> None:
+        self.reports.flush()
         self._closed.set()
         self._conn.close()
 

@@ -77,7 +77,7 @@ def _surviving_start(cfg: WorkerConfig, store: dist.Store, before_reduce: Callab
     """The default group is the fabric's world group; a first-generation rank joins generation 0
     now, a replacement stays detached until the regroup order."""
     fabric = Fabric(dist.PrefixStore(FABRIC_PREFIX, store), cfg.rank, cfg.world_size,
-                    timeout_s=cfg.worker.pg_timeout_s)
+                    timeout_s=cfg.worker.pg_timeout_s, lazy_connect=cfg.worker.lazy_connect)
     fabric.before_reduce = before_reduce
     fabric.init_world()
     if cfg.replacement:

@@ -222,7 +222,8 @@ class InFlight:
                 self._fabric.signal.fire(self._control.abort_reason or f"abort order for generation {gen}")
             return
         group = generation_group(self._store, gen, rank=self._cfg.rank, world_size=self._cfg.world_size,
-                                 timeout_s=self._cfg.worker.pg_timeout_s, device=self._device)
+                                 timeout_s=self._cfg.worker.pg_timeout_s, device=self._device,
+                                 lazy_connect=self._cfg.worker.lazy_connect)
         if self.group is not None:
             self.graveyard.append(self.group)  # never destroyed early: see FACTS.md
         self.gen, self.group = gen, group

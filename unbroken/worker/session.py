@@ -183,7 +183,7 @@ class Job:
     def _report_finished(self) -> None:  # past the loop: no step progress to expect any more
         self._ckpt.settle()  # the script may change its state from here on
         if self._control is not None:
-            self._control.progress(self._step, Phase.FINISHED, {})
+            self._control.progress(self._step, Phase.FINISHED)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[int]:
@@ -238,7 +238,7 @@ class Job:
         self._phase = name
         if self._control is not None:  # where each rank is (and, at 'compute', its own step-start state)
             own = self._step_states.start_report if name == Phase.COMPUTE else rollback.NO_REPORT
-            self._control.progress(self._step, name, {}, state=own.state, state_same=own.same)
+            self._control.progress(self._step, name, state=own.state, state_same=own.same)
         if name == Phase.SYNC and self._control is not None and self.cfg.worker.finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
         self._injector.at(self._step if step is None else step, name)
@@ -335,8 +335,7 @@ class Job:
 
     def _report_progress(self) -> None:
         if self._control is not None:
-            metrics = dict(self._metrics, step_s=self._last_step_s)
-            self._control.progress(self._step, self._phase, metrics)
+            self._control.step_done(self._step, dict(self._metrics, step_s=self._last_step_s))
 
     # -- reports, checkpoints, the end ---------------------------------------------------
     def report_degraded(self, reason: str) -> None:

@@ -15,7 +15,9 @@ differs by rank:
 * ``--wrapper ddp``: stock ``DistributedDataParallel(model)`` on the default group (recovered in
   flight); ``--wrapper ddp-own-group``: on a gloo group the script builds itself (``new_group``:
   not in-flight recoverable, a job restart); ``--batchnorm``: a BatchNorm layer in the model
-  (running statistics, broadcast from rank 0 by DDP each forward);
+  (running statistics, broadcast from rank 0 by DDP each forward); ``--find-unused``: DDP's
+  ``find_unused_parameters=True`` with a layer the forward uses on every third step only;
+  ``--static-graph``: DDP's ``static_graph=True``;
 * ``--data step``: the batch is a pure function of (step, rank), nothing advances inside a step;
 * ``--log PATH``: post-step code, appending ``<step>`` to ``PATH.rank<r>`` at the end of the
   ``with job.step():`` block and to ``PATH.after.rank<r>`` after it when ``job.step_completed``.
@@ -79,15 +81,23 @@ class ShardSampler:
 
 
 class Net(nn.Module):
-    def __init__(self, dropout: float, batchnorm: bool = False) -> None:
+    """``branch``: an extra layer the forward uses only when asked (``use_branch``): a parameter
+    unused on some steps, which DDP needs ``find_unused_parameters=True`` for."""
+
+    def __init__(self, dropout: float, batchnorm: bool = False, branch: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(DIM, 64)
         self.norm = nn.BatchNorm1d(64) if batchnorm else nn.Identity()
         self.drop = nn.Dropout(dropout)
         self.fc2 = nn.Linear(64, CLASSES)
+        if branch:
+            self.branch = nn.Linear(64, 64)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(F.relu(self.norm(self.fc1(x)))))
+    def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        h = F.relu(self.norm(self.fc1(x)))
+        if use_branch:
+            h = h + self.branch(h)
+        return self.fc2(self.drop(h))
 
 
 def make_dataset(seed: int) -> torch.utils.data.TensorDataset:
@@ -145,6 +155,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--phases", action="store_true", help="plain: mark job.phase('sync'/'update') by hand")
     p.add_argument("--wrapper", choices=("none", "ddp", "ddp-own-group"), default="none")
     p.add_argument("--batchnorm", action="store_true")
+    p.add_argument("--find-unused", action="store_true",
+                   help="ddp: find_unused_parameters=True and a branch the forward uses on every third step only")
+    p.add_argument("--static-graph", action="store_true", help="ddp: static_graph=True")
     p.add_argument("--step-sleep-s", type=float, default=0.0)
     p.add_argument("--log", default="")
     p.add_argument("--out", required=True)
@@ -166,12 +179,13 @@ def main() -> None:
     job = unbroken.init()
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     random.seed(args.seed)
-    model = Net(args.dropout, args.batchnorm).to(job.device)
+    model = Net(args.dropout, args.batchnorm, branch=args.find_unused).to(job.device)
     if args.per_rank_seed:
         torch.manual_seed(args.seed * 1000 + job.rank)  # dropout differs by rank from here on
         random.seed(args.seed * 1000 + job.rank)
     if args.wrapper == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=args.find_unused,
+                                                          static_graph=args.static_graph)
     elif args.wrapper == "ddp-own-group":
         model = torch.nn.parallel.DistributedDataParallel(model, process_group=dist.new_group(backend="gloo"))
     params = [p for p in model.parameters()]
@@ -200,7 +214,9 @@ def main() -> None:
             else:
                 x, y = source.next_batch()
             x = x + 0.01 * random.random()  # a draw from Python's RNG too, per rank when seeded so
-            loss = F.cross_entropy(model(x.to(job.device)), y.to(job.device))
+            logits = model(x.to(job.device), use_branch=True) if args.find_unused and step % 3 == 0 else \
+                model(x.to(job.device))
+            loss = F.cross_entropy(logits, y.to(job.device))
             loss.backward()
             if manual:
                 if args.phases:

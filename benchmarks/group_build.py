@@ -29,17 +29,6 @@ from pathlib import Path
 MODES = ("eager", "lazy")
 
 
-def build_group(store, rank: int, size: int, timeout: timedelta, lazy: bool):
-    import torch.distributed as dist
-
-    if not lazy:
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
-    return dist.ProcessGroupGloo(store, rank, size, opts)
-
-
 def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -49,6 +38,8 @@ def _timed(fn) -> float:
 def rank_main(rank: int, size: int, port: int, generations: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
+
+    from unbroken.comm.groups import gloo_group
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=300))
@@ -63,8 +54,8 @@ def rank_main(rank: int, size: int, port: int, generations: int, out_dir: str) -
             prefix = dist.PrefixStore(f"gen{gen}/{mode}/", store)
             holder = {}
             row = {"gen": gen, "mode": mode}
-            row["build_s"] = _timed(lambda: holder.setdefault("pg", build_group(prefix, rank, size, timeout,
-                                                                                mode == "lazy")))
+            row["build_s"] = _timed(lambda: holder.setdefault("pg", gloo_group(prefix, rank, size, timeout,
+                                                                               lazy_connect=mode == "lazy")))
             pg = holder["pg"]
             row["first_s"] = _timed(lambda: pg.allreduce([small]).wait())
             row["second_s"] = _timed(lambda: pg.allreduce([small]).wait())

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 
 def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta, *,
-               lazy_connect: bool = True) -> dist.ProcessGroupGloo:
-    """A gloo group on ``store``. With ``lazy_connect`` (the workers' default, WorkerSettings) a
+               lazy_connect: bool = False) -> dist.ProcessGroupGloo:
+    """A gloo group on ``store``. With ``lazy_connect`` (`--lazy-connect`, WorkerSettings; off by default) a
     pair of ranks connects on its first message (a ring all-reduce uses two peers); without it
     every pair connects before the constructor returns (N-1 connections and store lookups per
     rank: at 32 ranks on 2 cores 0.24 s vs 0.02 s lazily, benchmarks/group_build.py). The choice
@@ -30,7 +30,7 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta, *,
 
 
 def generation_group(store: dist.Store, gen: int, *, rank: int, world_size: int, timeout_s: float,
-                     device: torch.device, lazy_connect: bool = True) -> dist.ProcessGroup:
+                     device: torch.device, lazy_connect: bool = False) -> dist.ProcessGroup:
     """The process group of generation ``gen``: same ranks, prefix ``gen{gen}/`` on ``store``.
 
     NCCL for a CUDA ``device``, gloo otherwise (``lazy_connect``: see :func:`gloo_group`).

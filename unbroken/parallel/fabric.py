@@ -55,7 +55,7 @@ class Fabric:
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float = 30.0,
-                 name: str | None = None, graveyard: list[Any] | None = None, lazy_connect: bool = True) -> None:
+                 name: str | None = None, graveyard: list[Any] | None = None, lazy_connect: bool = False) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside the world of {world_size} ranks (allowed: 0..{world_size - 1})")
         if timeout_s <= 0:

@@ -98,3 +98,12 @@ def check_in_flight(returncode: int, output: str, run_dir, replaced: set[int]) -
     done = events(run_dir, "recovered_in_flight")[-1]
     assert set(done["replaced"]) <= replaced and done["steps_redone"] == 0, done
     return done
+
+
+def check_trained_in_flight(trained: tuple, reference: Path, replaced: set[int]) -> dict:
+    """:func:`check_in_flight` of a run made by a test module's ``_train`` ((result, out, run_dir)),
+    and its final weights equal to ``reference``'s bit for bit; returns the in-flight decision."""
+    result, out, run_dir = trained
+    done = check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, replaced)
+    assert_same_weights(reference, out)
+    return done

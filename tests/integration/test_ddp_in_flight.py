@@ -17,7 +17,8 @@ import sys
 import pytest
 
 from tests.conftest import REPO, run_cli
-from tests.integration.helpers import assert_same_weights, check_in_flight, events, run_and_sigstop
+from tests.integration.helpers import (assert_same_weights, check_in_flight, check_trained_in_flight, events,
+                                       run_and_sigstop)
 from tests.integration.real_scripts import assert_same_state, run_real
 
 DDP_EXAMPLE = REPO / "examples" / "train_ddp.py"
@@ -40,10 +41,7 @@ def reference(tmp_path_factory):
 
 
 def _kill_case(tmp_path, reference, inject: str, replaced: set[int]) -> dict:
-    result, out, run_dir = _train(tmp_path, "faulty", flags=["--inject", inject])
-    done = check_in_flight(result.returncode, result.stdout + result.stderr, run_dir, replaced)
-    assert_same_weights(reference, out)
-    return done
+    return check_trained_in_flight(_train(tmp_path, "faulty", flags=["--inject", inject]), reference, replaced)
 
 
 @pytest.mark.timeout(600)

@@ -23,8 +23,8 @@ tensors are raw bytes. Bundles from different holders run in parallel.
 parameter range of a flat buffer). Runs in the training thread of each rank. gloo's send and
 recv works complete only inside ``wait()`` (``is_completed()`` stays False until then:
 checked here), so one daemon thread per call runs the blocking part (the receive rounds, then
-the waits on the sends) while the training thread polls it with the abort check
-(:class:`_InThread`).
+the waits on the sends) while the training thread waits for it with the abort check
+(:class:`_InThread`: blocked until it ends or the abort wakes it, with an ``AbortWatch``).
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class _InThread:
     def __init__(self, body: Callable[[], Any]) -> None:
         self._body, self._error, self.result = body, None, None
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
         threading.Thread(target=self._run, daemon=True, name="unbroken-p2p-wait").start()
 
     def _run(self) -> None:
@@ -101,7 +103,19 @@ class _InThread:
         except Exception as exc:  # noqa: BLE001 - re-raised in the training thread by wait()
             self._error = exc
         finally:
-            self._done.set()
+            with self._lock:
+                self._done.set()
+                callbacks, self._callbacks = self._callbacks, []
+            for fn in callbacks:
+                fn()
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """``fn()`` once the body ended (at once if it has): lets ``wait_all`` block (comm/wait.py)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def is_completed(self) -> bool:
         return self._done.is_set()

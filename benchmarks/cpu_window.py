@@ -58,9 +58,9 @@ class CpuSampler:
                 try:
                     times = proc.cpu_times()
                     sample.cpu_s[child.pid] = times.user + times.system
-                    if child.pid not in self.roles:
+                    self.first_seen.setdefault(child.pid, sample.t)
+                    if self.roles.get(child.pid, "other").startswith("other"):  # e.g. forked, not yet exec'd
                         self.roles[child.pid] = _role(proc)
-                        self.first_seen[child.pid] = sample.t
                 except psutil.Error:
                     continue
             self.samples.append(sample)

@@ -40,6 +40,7 @@ ENV_SHM_DIR = "UNBROKEN_SHM_DIR"
 ENV_INJECT = "UNBROKEN_INJECT"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
 ENV_STORE_PREFIX = "UNBROKEN_STORE_PREFIX"  # the attempt's secret rendezvous key prefix
+ENV_PRERUN = "UNBROKEN_PRERUN"  # a pre-run spare (--prerun-spares): the fd it reports ready on
 
 #: What a rank reported degraded (sub-health) leads to: nothing, or a dump and a clean restart.
 SUB_HEALTH_POLICIES = ("ignore", "grace-exit")
@@ -217,6 +218,7 @@ class LaunchConfig:
     recover_strategy: tuple[str, ...] = (Rung.RETRY, Rung.RECOVER_IN_PLACE, Rung.RECOVER, Rung.EXIT)
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
     no_replica_restore: bool = False  # never restore from replicas: checkpoints only (seeds' no-replica)
+    prerun_spares: bool = False  # spares run the script up to its first rank-dependent read (agent/prerun.py)
     stop_grace_s: float = 3.0
     # SIGTERM with --save: how long the job may take to dump its newest committed step before it
     # stops without it (0: never dump). With the stop grace and the agent's exit it must fit in the
@@ -296,6 +298,12 @@ def managed_from_env(env: Mapping[str, str] | None = None) -> bool:
     its environment is invalid."""
     env = os.environ if env is None else env
     return bool(env.get(ENV_CONTROLLER, ""))
+
+
+def prerun_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """In a pre-run spare (agent/prerun.py): (the fd it reports ready on, the job's world size); else None."""
+    env = os.environ if env is None else env
+    return (_env_number(env, ENV_PRERUN, -1), _env_number(env, "WORLD_SIZE", 1)) if ENV_PRERUN in env else None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.comm import wait_all
-from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_env
+from unbroken.config import WorkerConfig, managed_from_env, prerun_from_env, worker_config_from_env
 from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
@@ -431,8 +431,10 @@ def init(**overrides: Any) -> Job:
     with :data:`unbroken.EXIT_FATAL`: the job fails at once instead of restarting. Elsewhere
     it propagates as raised.
     """
-    device = overrides.pop("device", None)
-    backend = overrides.pop("backend", None)
+    device, backend = overrides.pop("device", None), overrides.pop("backend", None)
+    if (prerun := prerun_from_env()) is not None:  # a pre-run spare: the rank comes later (worker/prerun.py)
+        from unbroken.worker.prerun import unassigned_job
+        return unassigned_job(prerun, overrides, device, backend)
     try:
         cfg: WorkerConfig = worker_config_from_env(**overrides)
         return Job(cfg, device=device, backend=backend)

@@ -49,7 +49,7 @@ def _prerun(orders: FakeOrders, built: list) -> PrerunJob:
     def build(order):
         built.append(FakeJob(order))
         return built[-1]
-    return PrerunJob({}, world_size=4, orders=orders, build=build)
+    return PrerunJob(world_size=4, device=None, orders=orders, build=build)
 
 
 @pytest.mark.timeout(20)

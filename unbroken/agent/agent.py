@@ -319,7 +319,7 @@ class Agent:
         return proc
 
     def _release_prerun(self) -> None:
-        """The pre-run spare is gone (taken: it is a worker now; else dropped); a failed one: warm spares from now on."""
+        """Let the pre-run spare go (taken: a worker now); one not taken is dropped, warm spares from now on."""
         spare, self._prerun_spare = self._prerun_spare, None
         if spare is not None and spare.state != "taken":
             self._prerun = False
@@ -331,9 +331,7 @@ class Agent:
             self._start_spare()
 
     def _drop_spare(self) -> None:
-        if self._prerun_spare is not None:
-            self._prerun_spare.drop()
-            self._prerun_spare = None
+        self._release_prerun()
         spare, self._spare = self._spare, None
         if spare is not None:
             _signal_group(spare, signal.SIGKILL)

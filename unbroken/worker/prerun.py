@@ -31,8 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from unbroken.config import ENV_PRERUN, managed_from_env, worker_config_from_env
-from unbroken.errors import FatalError
+from unbroken.config import ENV_PRERUN
 
 #: ``where`` of a block at ``job.steps()``: all of the script before its loop ran ahead.
 AT_STEPS = "job.steps()"
@@ -76,27 +75,18 @@ class StdioOrders:
         raise SystemExit(0)
 
 
-def build_job(order: dict[str, Any], overrides: dict[str, Any], device: torch.device | None,
-              backend: str | None) -> Any:
-    """The real session of an assigned pre-run spare: the order's environment, then what
-    ``unbroken.init()`` does in a replacement (a FatalError ends the process as there)."""
-    from unbroken.worker.session import Job, _exit_fatal
+def unassigned_job(prerun: tuple[int, int], device: torch.device | None, join: Callable[[], Any]) -> PrerunJob:
+    """``unbroken.init()`` in a pre-run spare; ``prerun``: (ready fd, world size) from the environment;
+    ``join``: what ``init()`` does elsewhere, called once the order's environment is applied."""
+    ready_fd, world_size = prerun
+    return PrerunJob(world_size=world_size, device=device, orders=StdioOrders(ready_fd),
+                     build=lambda order: _apply(order, join))
 
+
+def _apply(order: dict[str, Any], join: Callable[[], Any]) -> Any:
     os.environ.pop(ENV_PRERUN, None)  # processes the script starts from now on are not spares
     os.environ.update({str(k): str(v) for k, v in order["env"].items()})
-    try:
-        return Job(worker_config_from_env(**overrides), device=device, backend=backend)
-    except FatalError as exc:
-        if managed_from_env():
-            _exit_fatal(exc, "worker")
-        raise
-
-
-def unassigned_job(prerun: tuple[int, int], overrides: dict[str, Any], device: torch.device | None,
-                   backend: str | None) -> PrerunJob:
-    """``unbroken.init()`` in a pre-run spare; ``prerun``: (ready fd, world size) from the environment."""
-    ready_fd, world_size = prerun
-    return PrerunJob(overrides, world_size=world_size, device=device, backend=backend, orders=StdioOrders(ready_fd))
+    return join()
 
 
 class PrerunJob:
@@ -105,14 +95,12 @@ class PrerunJob:
     reported, blocked, assigned (a real Job built, the recorded ``track`` calls replayed on it) ->
     every attribute is the real Job's. Lives in the spare's training thread."""
 
-    def __init__(self, overrides: dict[str, Any], *, world_size: int, device: torch.device | None = None,
-                 backend: str | None = None, orders: Orders,
-                 build: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    def __init__(self, *, world_size: int, device: torch.device | None, orders: Orders,
+                 build: Callable[[dict[str, Any]], Any]) -> None:
         self.world_size = world_size
         if device is not None or not torch.cuda.is_available():  # a GPU's index is the rank's local rank
             self.device = device if device is not None else torch.device("cpu")
-        self._overrides, self._orders = dict(overrides), orders
-        self._build = build or (lambda order: build_job(order, self._overrides, device, backend))
+        self._orders, self._build = orders, build  # build(order): the real session
         self._tracks: list[tuple[dict[str, Any], tuple[str, ...], tuple[str, ...]]] = []
         self._job: Any = None
         self.blocked_at: str | None = None  # the read that waited for the order
@@ -134,7 +122,7 @@ class PrerunJob:
         return self._assigned(AT_STEPS).steps(total)
 
     def __getattr__(self, name: str) -> Any:  # only names not set on the proxy: rank-dependent ones
-        if name.startswith("__") or name in ("_job", "_orders", "_build", "_tracks", "_overrides"):
+        if name.startswith("__") or name in ("_job", "_orders", "_build", "_tracks"):
             raise AttributeError(name)
         return getattr(self._assigned(f"job.{name}"), name)
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recovery import Run, add_event_figures, analyze  # noqa: E402 - the same measurement as recovery.py
+from recovery import Run, add_event_figures, analyze, prerun_note  # noqa: E402 - the same measurement as recovery.py
 from runlib import REPO, clean_shm, in_flight, kill_tree, launch, median, read_events, unbroken_cmd  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_gpt.py"
@@ -55,6 +55,8 @@ def command(row: str, nproc: int, d: Path, args: argparse.Namespace) -> list[str
             "--inject", f"kill:rank={nproc - 1}:step={args.kill_step}", "--first-step-timeout-s", "600"]
     if row == "in_flight":  # a gloo pair connects on its first message (the full mesh: the default)
         base += ["--lazy-connect"]
+    if row.startswith("in_flight") and args.prerun_spares:  # the replacement ran the script ahead
+        base += ["--prerun-spares"]
     if row == "job_restart":
         base += ["--recover-strategy", "exit", "--save", str(d / "ckpt"), "--ckpt-every-steps", "1",
                  "--persist-every-steps", "1000"]
@@ -69,6 +71,8 @@ def run_once(row: str, nproc: int, workdir: Path, args: argparse.Namespace, env:
     analyze(run, res.lines, args.kill_step, args.steps)
     events = read_events(d / "run")
     add_event_figures(run, events)
+    if row.startswith("in_flight") and args.prerun_spares:
+        run.notes.append(prerun_note(events, rank=nproc - 1))
     if row.startswith("in_flight") and run.recover_s is not None and "total_s" in run.extra:
         run.extra["redo_s"] = max(0.0, run.recover_s - run.extra["total_s"])
         parts = [run.extra.get(k, 0.0) for k in ("detect_s", "replace_s", "regroup_s", "restore_s")]
@@ -156,6 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, metavar="PNG", help="write the plot here (needs matplotlib: the plot extra)")
     p.add_argument("--markdown", default=None, metavar="MD", help="write the table here")
     p.add_argument("--json", default=None)
+    p.add_argument("--prerun-spares", action="store_true", help="in-flight rows with `unbroken run --prerun-spares`")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.repeats < 1 or not 0 < args.kill_step < args.steps:
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     run = run_once(row, nproc, workdir, args, env)
                     runs[row].append(run)
                     print(f"  recover_s {run.recover_s}, {json.dumps({k: round(v, 3) for k, v in run.extra.items()})}"
+                          + "".join(f"  ({note})" for note in run.notes)
                           + (f"  PROBLEM: {'; '.join(run.problems)}" if run.problems else ""), flush=True)
                     for line in run.tail:
                         print(f"    {line}", flush=True)

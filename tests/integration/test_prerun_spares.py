@@ -103,7 +103,7 @@ def test_a_prerun_spare_replaces_a_killed_rank_bit_exact(tmp_path):
     assert_same_weights(reference, out)
     _check_prerun_took_over(run_dir, ready, 1)
     (phases,) = _replacement_phases(run_dir)
-    assert phases["script_s"] < 0.1, phases  # what a warm spare's replacement spends building the model is gone
+    assert phases["script_s"] < 0.2, phases  # init() -> job.steps() after the order: the track replay only
 
 
 @pytest.mark.slow  # default run: the 2-rank case above
@@ -117,7 +117,7 @@ def test_a_prerun_spare_replaces_a_killed_rank_of_four_bit_exact(tmp_path):
     check_in_flight(job.returncode, output, run_dir, {2})
     assert_same_weights(reference, out)
     _check_prerun_took_over(run_dir, ready, 2)
-    assert _replacement_phases(run_dir)[0]["script_s"] < 0.1
+    assert _replacement_phases(run_dir)[0]["script_s"] < 0.2
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@
 Usage: prerun_script.py OUT STEPS GATE_DIR [--read-rank-early]
 
 Builds its model and optimizer before ``job.steps()`` (so a pre-run spare blocks there), trains
-STEPS steps (gradients averaged with ``job.all_reduce``, batches from the step and the rank) and
-rank 0 writes the final weights to OUT (safetensors). Before step S every rank waits until the
+STEPS steps (gradients averaged with ``job.all_reduce``, batches from the step and the rank); rank 0
+writes the final weights to OUT (safetensors), every rank R to OUT.rankR. Before step S every rank waits until the
 file ``GATE_DIR/S`` exists, for each S named by a file ``GATE_DIR/S.hold`` present at start: the
 test kills a rank while the job is held there and then opens the gate, so the kill lands after
 the spare is ready and the step count stays fixed (each rank held at S writes ``GATE_DIR/atS-rankR``). ``--read-rank-early``: reads ``RANK`` from the
@@ -45,6 +45,8 @@ for step in job.steps(steps):
         opt.step()
         opt.zero_grad()
     job.report(loss=loss)
+weights = {k: v.contiguous() for k, v in model.state_dict().items()}
 if job.rank == 0:
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out)
+    save_file(weights, out)
+save_file(weights, f"{out}.rank{job.rank}")  # every rank's copy: replicas must end equal
 job.close()

@@ -40,6 +40,7 @@ ENV_SHM_DIR = "UNBROKEN_SHM_DIR"
 ENV_INJECT = "UNBROKEN_INJECT"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
 ENV_STORE_PREFIX = "UNBROKEN_STORE_PREFIX"  # the attempt's secret rendezvous key prefix
+ENV_PRERUN = "UNBROKEN_PRERUN"  # a pre-run spare (--prerun-spares): the fd it reports ready on
 
 #: What a rank reported degraded (sub-health) leads to: nothing, or a dump and a clean restart.
 SUB_HEALTH_POLICIES = ("ignore", "grace-exit")
@@ -51,8 +52,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def check_secret_strength(secret: str) -> None:
-    """A job secret given by the user must be hard to guess: at least SECRET_MIN_CHARS characters,
-    SECRET_MIN_DISTINCT of them distinct, not padded with whitespace."""
+    """A user-given job secret must be hard to guess: SECRET_MIN_CHARS characters, SECRET_MIN_DISTINCT distinct, no padding."""
     stripped = secret.strip()
     _require(len(stripped) >= SECRET_MIN_CHARS and len(set(stripped)) >= SECRET_MIN_DISTINCT
              and stripped == secret,
@@ -64,9 +64,8 @@ def check_secret_strength(secret: str) -> None:
 
 def setting(default: bool | int | float, help: str, *, above: float | None = None, at_least: float | None = None,
             off: str = "", timeout: bool = False) -> Any:
-    """A field of :class:`WorkerSettings`: its default, help text and range (``> above`` or
-    ``>= at_least``; ``timeout``: a finite number of seconds in (0, MAX_TIMEOUT_S]; ``off``
-    names the value that turns it off, for the message)."""
+    """A field of :class:`WorkerSettings`: its default, help text and range (``> above`` or ``>= at_least``;
+    ``timeout``: a finite number of seconds in (0, MAX_TIMEOUT_S]; ``off`` names the value that turns it off)."""
     return field(default=default, metadata={"help": help, "above": above, "at_least": at_least, "off": off,
                                             "timeout": timeout})
 
@@ -117,8 +116,7 @@ class WorkerSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
-        """The settings in ``env`` (unset or empty: the default); a value out of range is a
-        ConfigError naming its environment variable."""
+        """The settings in ``env`` (unset or empty: the default); out of range: a ConfigError naming the variable."""
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key, default = setting_env(f), f.default
@@ -136,8 +134,8 @@ def setting_env(f: dataclasses.Field) -> str:
 
 
 def setting_flag(f: dataclasses.Field) -> str:
-    """The `unbroken run` flag of a :class:`WorkerSettings` field, without its dashes: the name
-    with dashes, ``no-<name>`` for a switch that is on by default."""
+    """The `unbroken run` flag of a :class:`WorkerSettings` field, without its dashes: the name with dashes,
+    ``no-<name>`` for a switch that is on by default."""
     name = f.name.replace("_", "-")
     return f"no-{name}" if f.default is True else name
 
@@ -146,10 +144,9 @@ def setting_flag(f: dataclasses.Field) -> str:
 class HangConfig:
     """How the controller decides that a live worker is hung (no step progress).
 
-    A rank that has not completed a step in the current attempt gets
-    ``first_step_timeout_s`` (imports, process-group setup, restore). After that the
-    timeout is ``max(floor_s, factor * median step time)``, calibrated from observed
-    steps, unless ``timeout_s`` fixes it.
+    A rank that has not completed a step in the current attempt gets ``first_step_timeout_s`` (imports,
+    process-group setup, restore). After that the timeout is ``max(floor_s, factor * median step time)``,
+    calibrated from observed steps, unless ``timeout_s`` fixes it.
     """
 
     timeout_s: float | None = None
@@ -217,6 +214,7 @@ class LaunchConfig:
     recover_strategy: tuple[str, ...] = (Rung.RETRY, Rung.RECOVER_IN_PLACE, Rung.RECOVER, Rung.EXIT)
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
     no_replica_restore: bool = False  # never restore from replicas: checkpoints only (seeds' no-replica)
+    prerun_spares: bool = False  # spares run the script up to its first rank-dependent read (agent/prerun.py)
     stop_grace_s: float = 3.0
     # SIGTERM with --save: how long the job may take to dump its newest committed step before it
     # stops without it (0: never dump). With the stop grace and the agent's exit it must fit in the
@@ -292,18 +290,22 @@ def secret_from_env(env: Mapping[str, str] | None = None) -> str:
 
 
 def managed_from_env(env: Mapping[str, str] | None = None) -> bool:
-    """True in a worker started by `unbroken run` (mode ``managed``), even where the rest of
-    its environment is invalid."""
+    """True in a worker started by `unbroken run` (mode ``managed``), even where the rest of its environment is invalid."""
     env = os.environ if env is None else env
     return bool(env.get(ENV_CONTROLLER, ""))
+
+
+def prerun_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """In a pre-run spare (agent/prerun.py): (the fd it reports ready on, the job's world size); else None."""
+    env = os.environ if env is None else env
+    return (_env_number(env, ENV_PRERUN, -1), _env_number(env, "WORLD_SIZE", 1)) if ENV_PRERUN in env else None
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a worker process knows about its job: resolved once, in :func:`worker_config_from_env`.
 
-    ``mode`` is ``managed`` under `unbroken run`, ``torchrun`` under plain torchrun, and
-    ``single`` for a plain ``python`` process.
+    ``mode`` is ``managed`` under `unbroken run`, ``torchrun`` under plain torchrun, ``single`` in plain ``python``.
     """
 
     mode: str = "single"
@@ -404,10 +406,8 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
 def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
                controller: str, store_host: str, store_port: int, gen: int = 0,
                world_size: int = 0, store_prefix: str = "") -> dict[str, str]:
-    """The environment a worker gets from the agent: torchrun's variables plus ours.
-
-    ``world_size`` is the job's, as the controller says (0: this launcher's own flags).
-    """
+    """The environment a worker gets from the agent: torchrun's variables plus ours; ``world_size`` is
+    the job's, as the controller says (0: this launcher's own flags)."""
     ckpt = cfg.checkpoint
     world_size = world_size or cfg.world_size
     env = {

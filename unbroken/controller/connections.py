@@ -229,7 +229,13 @@ def _stop_requested(self: Connections, agent: int, msg: m.StopRequested) -> None
     self._ctl.terminate(f"terminated ({name}) on node {agent}")
 
 
+def _agent_event(self: Connections, agent: int, msg: m.AgentEvent) -> None:
+    fields = {k: v for k, v in msg.fields.items() if k not in ("node_rank", "t", "event")}
+    self._ctl.events.emit(msg.name, node_rank=agent, **fields)
+
+
 AGENT_HANDLERS: dict[type, AgentHandler] = {
+    m.AgentEvent: _agent_event,
     m.WorkerStarted: _worker_started, m.WorkerExited: _worker_exited, m.WorkerStatus: _worker_status,
     m.WorkersStopped: _workers_stopped,
     m.Persisted: _persisted, m.Heartbeat: lambda self, agent, msg: None, m.StopRequested: _stop_requested,

@@ -49,6 +49,14 @@ class AgentRegister(Message):
     standby: bool = False  # a spare agent: hosts no rank until the controller moves one there
 
 
+@message("agent_event")
+class AgentEvent(Message):
+    """An agent's record for the job's event log (its spares: spare_ready, prerun_failed)."""
+
+    name: str
+    fields: dict[str, Any]
+
+
 @message("worker_started")
 class WorkerStarted(Message):
     rank: int

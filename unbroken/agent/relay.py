@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 #: How long an incomplete batch waits for the node's other ranks before it is sent anyway.
 RELAY_DELAY_S = 0.5
 #: The most state bytes one NodeReports carries (the rest of its frame is small); more: several.
-BATCH_STATE_BYTES = MAX_FRAME_BYTES // 2
+BATCH_STATE_BYTES = MAX_FRAME_BYTES * 3 // 4
 ENTRY_OVERHEAD_BYTES = 512  # an entry's fields besides its state, generously
 #: How long rank_gone waits for a dead worker's relay connection to reach its end (its last reports).
 GONE_WAIT_S = 0.5

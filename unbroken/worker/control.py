@@ -80,11 +80,6 @@ class ControlClient:
         if self._relay is not None:
             threading.Thread(target=self._read_relay, name=f"unbroken-relay-r{rank}", daemon=True).start()
 
-    @property
-    def relayed(self) -> bool:
-        """The step reports go through the node's agent (agent/relay.py)."""
-        return self._relay is not None
-
     def _read_loop(self) -> None:
         while not self._closed.is_set():
             try:

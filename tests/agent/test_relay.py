@@ -94,12 +94,14 @@ def test_a_missing_rank_holds_the_batch_until_the_delay_then_the_others_go(relay
     _connected(node, 3)
     for r in (0, 1):
         conns[r].send(m.StepSynced(rank=r, attempt=0, gen=0, step=7))
-    time.sleep(0.05)
-    node.flush_due()
+    deadline = time.monotonic() + 5
+    while len(node._buffer) < 2:  # both taken in (the relay's threads)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    node.flush_due(time.monotonic())
     assert sent.msgs == []  # rank 2 missing, the delay not over: the controller cannot commit step 7 yet
-    time.sleep(DELAY_S)
-    node.flush_due()  # the agent's watcher does this every 50 ms
-    assert [e.rank for _, e in sent.entries(0)] == [0, 1]  # the hang rule sees them in sync within the delay
+    node.flush_due(time.monotonic() + DELAY_S)  # the agent's watcher does this every 50 ms
+    assert sorted(e.rank for _, e in sent.entries(0)) == [0, 1]  # the hang rule sees them in sync within the delay
     for c in conns:
         c.close()
 

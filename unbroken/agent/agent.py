@@ -31,6 +31,7 @@ import psutil
 
 from unbroken.agent import prerun
 from unbroken.agent.placement import Placement
+from unbroken.agent.relay import NodeRelay
 from unbroken.checkpoint import shm_files
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.config import LaunchConfig, worker_env
@@ -93,6 +94,7 @@ class Agent:
 
             self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks,
                                         self._report_persisted, run_id=run_id(cfg.secret, cfg.job_id))
+        self._relay: NodeRelay | None = None  # built in run() under the setting node_reports
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
 
@@ -103,6 +105,9 @@ class Agent:
                              {"node_rank": self.node_rank}, timeout_s=connect_timeout_s)
         self._conn.send(m.AgentRegister(node_rank=self.node_rank, nproc=self.cfg.nproc_per_node,
                                         host=socket.gethostname(), pid=os.getpid(), standby=self.standby))
+        if self.cfg.worker.node_reports:  # per-node aggregation of step reports and commits (agent/relay.py)
+            self._relay = NodeRelay(self.cfg.secret.encode(), self._send)
+            self._relay.start()
         self._watcher.start()
         self._claim_shared_memory()
         if self._persister is not None:
@@ -124,6 +129,8 @@ class Agent:
                 elif isinstance(msg, m.StopWorkers):
                     self._stop_all(msg.attempt)
                     self._send(m.WorkersStopped(node_rank=self.node_rank, attempt=msg.attempt))
+                elif isinstance(msg, m.CommitStep) and self._relay is not None:
+                    self._relay.fan_out(msg)
                 elif isinstance(msg, m.KillWorker):
                     self._kill(msg.rank, msg.pid)
                 elif isinstance(msg, m.RestartWorker):
@@ -139,6 +146,8 @@ class Agent:
             if self._persister is not None:
                 self._persister.stop()  # its last report still goes out on the open connection
             self._release_shared_memory()
+            if self._relay is not None:
+                self._relay.close()
             self._conn.close()
 
     # -- SIGTERM ------------------------------------------------------------------------------
@@ -225,7 +234,8 @@ class Agent:
         host, port = self._placement.store_addr
         return worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt, controller=self.controller,
                           store_host=host, store_port=port, gen=gen, world_size=self._placement.world_size,
-                          store_prefix=self._placement.store_prefix)
+                          store_prefix=self._placement.store_prefix,
+                          relay=self._relay.address if self._relay is not None else "")
 
     # -- the warm spare ----------------------------------------------------------------------
     def _start_spare(self) -> None:
@@ -360,9 +370,13 @@ class Agent:
                 exited = [p for p in self._procs.values() if p.state == "running" and p.popen.poll() is not None]
                 for p in exited:
                     p.state = "exited"
+            if self._relay is not None:
+                self._relay.flush_due()
             for p in exited:
                 if p.reader is not None:
                     p.reader.join(timeout=0.5)  # the last lines matter for the root cause
+                if self._relay is not None:
+                    self._relay.rank_gone(p.rank)  # its last step reports go before its exit
                 code = p.popen.returncode
                 self._send(m.WorkerExited(rank=p.rank, pid=p.popen.pid, attempt=p.attempt,
                                           exit_code=code if code >= 0 else None,

@@ -95,7 +95,8 @@ class Job:
         if self.cfg.mode != "managed":
             return None
         return ControlClient(self.cfg.controller, self.cfg.secret, rank=self.rank, pid=os.getpid(),
-                             attempt=self.attempt, gen=self.cfg.gen, replacement=self.cfg.replacement)
+                             attempt=self.attempt, gen=self.cfg.gen, replacement=self.cfg.replacement,
+                             relay=self.cfg.relay)
 
     def _build_injector(self) -> FaultInjector:
         faults = parse_plan(self.cfg.inject)

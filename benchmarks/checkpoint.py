@@ -475,6 +475,7 @@ def print_table(rows: list[dict], r: dict[str, float], params: dict, cold: str) 
 
 
 def main() -> None:
+    snapshot_overlap.exit_on_sigterm()  # the snapshot files go with a `timeout` too
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)

@@ -14,6 +14,9 @@ it enters step --kill-step (the hang row SIGSTOPs it instead). Rows (BENCHMARKS.
 
   unbroken_recover_in_place  `unbroken run --inject kill:...` (default strategy
                              recover-in-place,exit): the lost rank is replaced in flight
+  unbroken_recover_in_place_prerun  the same with --prerun-spares: the replacement is a spare that
+                             ran the script up to its first rank-dependent read (note: used, or
+                             not ready at the fault: a cold start)
   unbroken_hang_in_place     the same, but no --inject: the benchmark SIGSTOPs rank 2's worker once
                              rank 0 completed step --kill-step - 1; the controller's hang detector
                              finds it (timeout printed: calibrated, or --hang-timeout-s), the agent
@@ -76,7 +79,8 @@ NPROC = 4
 KILL_RANK = 2
 IN_PLACE = "unbroken_recover_in_place"
 HANG = "unbroken_hang_in_place"
-ROWS = ("unbroken_recover_in_place", HANG, "unbroken_restart_memory", "unbroken_restart_storage",
+PRERUN = "unbroken_recover_in_place_prerun"  # the same with --prerun-spares (agent/prerun.py)
+ROWS = ("unbroken_recover_in_place", PRERUN, HANG, "unbroken_restart_memory", "unbroken_restart_storage",
         "torchrun_restart", "torchft")
 TARGET_RATIOS = {"gpt": 15.0, "ddp": 4.0, "fsdp": 4.0, "pp": 4.0}  # recover-in-place vs torchrun_restart, 0 lost
 # (issue 17 for the example's own loop; issue 13 for the stock DDP / FSDP2 wrappers; issue 14 for PP2 x DP2)
@@ -167,6 +171,16 @@ def add_event_figures(run: Run, events: list[dict], stop_t: float | None = None)
                 if key in ev:
                     run.extra[key] = float(ev[key])
     add_restore_phases(run, [ev for ev in events if ev.get("event") == "restore_phases"])
+
+
+def prerun_note(events: list[dict], rank: int = KILL_RANK) -> str:
+    """Whether the killed rank's replacement was the pre-run spare (ready before the fault) or not."""
+    ready = {ev["pid"]: ev.get("where") for ev in events if ev.get("event") == "spare_ready"}
+    starts = [ev["pid"] for ev in events if ev.get("event") == "worker_started" and ev.get("rank") == rank]
+    if starts[1:] and starts[-1] in ready:
+        return f"pre-run spare (blocked at {ready[starts[-1]]})"
+    failed = [ev for ev in events if ev.get("event") == "prerun_failed"]
+    return "pre-run spare FAILED: warm spare" if failed else "pre-run spare not ready at the fault: cold start"
 
 
 def add_restore_phases(run: Run, phases: list[dict]) -> None:
@@ -279,8 +293,8 @@ class Bench:
         a, env = self.args, dict(self.env)
         base = [*unbroken_cmd(), "run", "--nproc-per-node", str(NPROC), "--run-dir", str(d / "run"),
                 "--inject", self.inject]
-        if name == "unbroken_recover_in_place":
-            return [*base, *self.script_args(out)], env
+        if name in (IN_PLACE, PRERUN):
+            return [*base, *(["--prerun-spares"] if name == PRERUN else []), *self.script_args(out)], env
         if name == HANG:  # no --inject: the benchmark SIGSTOPs the rank itself (Stopper)
             hang = [] if a.hang_timeout_s is None else ["--hang-timeout-s", str(a.hang_timeout_s)]
             return [*base[:-2], *hang, *self.script_args(out)], env
@@ -322,6 +336,8 @@ class Bench:
         analyze(run, res.lines, self.args.kill_step, self.args.steps, fault_t=stop_t, step_re=step_re)
         if name.startswith("unbroken_"):
             add_event_figures(run, read_events(d / "run"), stop_t)
+            if name == PRERUN:
+                run.notes.append(prerun_note(read_events(d / "run")))
             leftover = clean_shm(d / "run")
             if leftover:
                 run.notes.append(f"removed {len(leftover)} leftover /dev/shm file(s)")
@@ -429,7 +445,7 @@ def print_table(args: argparse.Namespace, results: dict[str, list[Run]], skipped
                 if any(k in r.extra for r in runs)]
         if keys:
             footnotes.append(f"{name}, from events.jsonl: " + ", ".join(
-                f"{k} {median([r.extra[k] for r in runs if k in r.extra]):.2f}" for k in keys))
+                f"{k} {median([r.extra[k] for r in runs if k in r.extra]):.3f}" for k in keys))
     console.print(table)
     for line in footnotes:
         console.print(line, highlight=False)

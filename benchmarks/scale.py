@@ -17,6 +17,9 @@ on N ranks and the last rank is SIGKILLed entering step --kill-step. Rows, inter
   in_flight_full_mesh  (not in the default rows) the same without `--lazy-connect` (the
                default): each generation's gloo groups connect every pair at the build, not a
                pair at its first message (comm/groups.py); in_flight passes `--lazy-connect`
+  in_flight_prerun  (not in the default rows) in_flight with `--prerun-spares`: the replacement
+               is a spare that ran the script up to its first rank-dependent read (the note
+               says whether it took over or the rank started cold)
   job_restart  `unbroken run --recover-strategy exit` with the shared-memory tier (a snapshot
                every step): every rank restarts and loads the newest snapshot; total_s is the
                controller's recover_s (fault seen -> every rank back at the fault's step)
@@ -42,21 +45,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_window import CpuSampler, cpu_by_role, format_cpu  # noqa: E402
-from recovery import FAULT_RE, Run, add_event_figures, analyze  # noqa: E402 - the same measurement as recovery.py
+from recovery import FAULT_RE, Run, add_event_figures, analyze, prerun_note  # noqa: E402 - the same measurement as recovery.py
 from runlib import REPO, clean_shm, in_flight, kill_tree, launch, median, read_events, unbroken_cmd  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4"]
 COMPONENTS = ("detect_s", "replace_s", "regroup_s", "restore_s", "other_s", "redo_s", "total_s")
-ROWS = ("in_flight", "job_restart", "in_flight_full_mesh")
+ROWS = ("in_flight", "job_restart", "in_flight_full_mesh", "in_flight_prerun")
 DEFAULT_ROWS = ("in_flight", "job_restart")
+EXTRA_TABLES = (("in_flight_full_mesh", "full mesh", "The same in flight with the full mesh (the default, no `--lazy-connect`)"),
+                ("in_flight_prerun", "pre-run", "The same in flight with pre-run spares (`--prerun-spares`)"))
 
 
 def command(row: str, nproc: int, d: Path, args: argparse.Namespace) -> list[str]:
     base = [*unbroken_cmd(), "run", "--nproc-per-node", str(nproc), "--run-dir", str(d / "run"),
             "--inject", f"kill:rank={nproc - 1}:step={args.kill_step}", "--first-step-timeout-s", "600"]
-    if row == "in_flight":  # a gloo pair connects on its first message (the full mesh: the default)
+    if row in ("in_flight", "in_flight_prerun"):  # a gloo pair connects on its first message (the full mesh: the default)
         base += ["--lazy-connect"]
+    if row == "in_flight_prerun":  # the replacement ran the script ahead (agent/prerun.py)
+        base += ["--prerun-spares"]
     if row == "job_restart":
         base += ["--recover-strategy", "exit", "--save", str(d / "ckpt"), "--ckpt-every-steps", "1",
                  "--persist-every-steps", "1000"]
@@ -72,6 +79,8 @@ def run_once(row: str, nproc: int, workdir: Path, args: argparse.Namespace, env:
     analyze(run, res.lines, args.kill_step, args.steps)
     events = read_events(d / "run")
     add_event_figures(run, events)
+    if row == "in_flight_prerun":
+        run.notes.append(prerun_note(events, rank=nproc - 1))
     if sampler is not None:
         run.notes.extend(cpu_windows(sampler, run, res.lines, events, lost_rank=nproc - 1))
     if row.startswith("in_flight") and run.recover_s is not None and "total_s" in run.extra:
@@ -127,13 +136,14 @@ def table(results: dict[int, dict[str, dict[str, float]]], args: argparse.Namesp
         cells = [str(nproc)] + [fmt(f, k) for k in (*COMPONENTS, "recover_s")] + [fmt(j, "total_s"), fmt(j, "recover_s")]
         failed = f.get("failed_runs", 0) + j.get("failed_runs", 0)
         lines.append("| " + " | ".join(cells) + " |" + (f" {failed:.0f} failed run(s)" if failed else ""))
-    if any("in_flight_full_mesh" in rows for rows in results.values()):
-        head = " | ".join(["N ranks", *(f"full mesh {k}" for k in (*COMPONENTS, "recover_s"))])
-        lines += ["", "The same in flight with the full mesh (the default, no `--lazy-connect`; interleaved with the rows above):", "",
-                  f"| {head} |", "|" + "---|" * (head.count("|") + 1)]
+    for row, label, title in EXTRA_TABLES:
+        if not any(row in rows for rows in results.values()):
+            continue
+        head = " | ".join(["N ranks", *(f"{label} {k}" for k in (*COMPONENTS, "recover_s", "rp_script_s"))])
+        lines += ["", f"{title} (interleaved with the rows above):", "", f"| {head} |", "|" + "---|" * (head.count("|") + 1)]
         for nproc, rows in sorted(results.items()):
-            mesh = rows.get("in_flight_full_mesh", {})
-            lines.append("| " + " | ".join([str(nproc)] + [fmt(mesh, k) for k in (*COMPONENTS, "recover_s")]) + " |")
+            extra = rows.get(row, {})
+            lines.append("| " + " | ".join([str(nproc)] + [fmt(extra, k) for k in (*COMPONENTS, "recover_s", "rp_script_s")]) + " |")
     return "\n".join(lines)
 
 
@@ -203,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                     run = run_once(row, nproc, workdir, args, env)
                     runs[row].append(run)
                     print(f"  recover_s {run.recover_s}, {json.dumps({k: round(v, 3) for k, v in run.extra.items()})}"
+                          + "".join(f"  ({note})" for note in run.notes if not note.startswith("cpu"))
                           + (f"  PROBLEM: {'; '.join(run.problems)}" if run.problems else ""), flush=True)
-                    for line in [*run.notes, *run.tail]:
+                    for line in [*(n for n in run.notes if n.startswith("cpu")), *run.tail]:
                         print(f"    {line}", flush=True)
             results[nproc] = {row: summarize(rs) for row, rs in runs.items()}
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -67,8 +68,12 @@ class OverlapBench:
         self.writers = {m: SnapshotWriter(shm_dir, f"{job_id}-{m}", 0) for m in MODES[1:]}
         self.figures: dict[str, list[float]] = {}
         self._floor_dst: list[torch.Tensor] | None = None
-        for mode in MODES:  # warm up: AdamW's state appears, the slots are allocated and touched
-            self.run(mode, 2, record=False)
+        try:
+            for mode in MODES:  # warm up: AdamW's state appears, the slots are allocated and touched
+                self.run(mode, 2, record=False)
+        except BaseException:  # a SIGTERM (exit_on_sigterm) or an error: no snapshot file stays
+            self.close()
+            raise
 
     def add(self, key: str, value: float) -> None:
         self.figures.setdefault(key, []).append(value)
@@ -163,7 +168,16 @@ def print_result(r: dict, size_mb: int, steps: int, repeats: int) -> None:
         print(f"  {what:<42} {value:6.3f}x  {'met' if met else 'NOT met'}")
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (a `timeout`, a scheduler's kill) exit through the `finally` blocks, which remove
+    the snapshot files (up to GiBs of /dev/shm, i.e. RAM) this run made."""
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)

@@ -66,4 +66,5 @@ def test_the_derived_names_are_the_documented_ones():
     assert names["spare_preimport"] == ("no-spare-preimport", "UNBROKEN_SPARE_PREIMPORT")
     assert names["overlap_snapshots"] == ("no-overlap-snapshots", "UNBROKEN_OVERLAP_SNAPSHOTS")
     assert names["lazy_connect"] == ("lazy-connect", "UNBROKEN_LAZY_CONNECT")
+    assert names["node_reports"] == ("node-reports", "UNBROKEN_NODE_REPORTS")
     assert LaunchConfig(script="x").worker == WorkerSettings()

@@ -28,6 +28,7 @@ SECRET_MIN_DISTINCT = 10
 
 # Environment variables the launcher sets for its workers (beyond torchrun's own).
 ENV_CONTROLLER = "UNBROKEN_CONTROLLER"  # host:port of the controller
+ENV_RELAY = "UNBROKEN_RELAY"  # host:port of the node's agent relay (setting node_reports; agent/relay.py)
 ENV_SECRET = "UNBROKEN_JOB_SECRET"
 ENV_JOB_ID = "UNBROKEN_JOB_ID"
 ENV_RUN_DIR = "UNBROKEN_RUN_DIR"
@@ -40,6 +41,7 @@ ENV_SHM_DIR = "UNBROKEN_SHM_DIR"
 ENV_INJECT = "UNBROKEN_INJECT"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
 ENV_STORE_PREFIX = "UNBROKEN_STORE_PREFIX"  # the attempt's secret rendezvous key prefix
+ENV_PRERUN = "UNBROKEN_PRERUN"  # a pre-run spare (--prerun-spares): the fd it reports ready on
 
 #: What a rank reported degraded (sub-health) leads to: nothing, or a dump and a clean restart.
 SUB_HEALTH_POLICIES = ("ignore", "grace-exit")
@@ -51,8 +53,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def check_secret_strength(secret: str) -> None:
-    """A job secret given by the user must be hard to guess: at least SECRET_MIN_CHARS characters,
-    SECRET_MIN_DISTINCT of them distinct, not padded with whitespace."""
+    """A user-given job secret must be hard to guess: SECRET_MIN_CHARS characters, SECRET_MIN_DISTINCT distinct, no padding."""
     stripped = secret.strip()
     _require(len(stripped) >= SECRET_MIN_CHARS and len(set(stripped)) >= SECRET_MIN_DISTINCT
              and stripped == secret,
@@ -64,9 +65,8 @@ def check_secret_strength(secret: str) -> None:
 
 def setting(default: bool | int | float, help: str, *, above: float | None = None, at_least: float | None = None,
             off: str = "", timeout: bool = False) -> Any:
-    """A field of :class:`WorkerSettings`: its default, help text and range (``> above`` or
-    ``>= at_least``; ``timeout``: a finite number of seconds in (0, MAX_TIMEOUT_S]; ``off``
-    names the value that turns it off, for the message)."""
+    """A field of :class:`WorkerSettings`: its default, help text and range (``> above`` or ``>= at_least``;
+    ``timeout``: a finite number of seconds in (0, MAX_TIMEOUT_S]; ``off`` names the value that turns it off)."""
     return field(default=default, metadata={"help": help, "above": above, "at_least": at_least, "off": off,
                                             "timeout": timeout})
 
@@ -102,6 +102,7 @@ class WorkerSettings:
     overlap_snapshots: bool = setting(True, "copy all state into the memory tier at the step boundary (default: "
                                             "parameters and optimizer state during the next forward/backward)")
     lazy_connect: bool = setting(False, "connect a pair of ranks of unbroken's gloo groups on its first message")
+    node_reports: bool = setting(False, "step reports and commits through each node's agent (agent/relay.py)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -117,8 +118,7 @@ class WorkerSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
-        """The settings in ``env`` (unset or empty: the default); a value out of range is a
-        ConfigError naming its environment variable."""
+        """The settings in ``env`` (unset/empty: the default); out of range: a ConfigError naming its variable."""
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key, default = setting_env(f), f.default
@@ -136,8 +136,7 @@ def setting_env(f: dataclasses.Field) -> str:
 
 
 def setting_flag(f: dataclasses.Field) -> str:
-    """The `unbroken run` flag of a :class:`WorkerSettings` field, without its dashes: the name
-    with dashes, ``no-<name>`` for a switch that is on by default."""
+    """A :class:`WorkerSettings` field's `unbroken run` flag without dashes: its name, ``no-<name>`` if on by default."""
     name = f.name.replace("_", "-")
     return f"no-{name}" if f.default is True else name
 
@@ -146,10 +145,9 @@ def setting_flag(f: dataclasses.Field) -> str:
 class HangConfig:
     """How the controller decides that a live worker is hung (no step progress).
 
-    A rank that has not completed a step in the current attempt gets
-    ``first_step_timeout_s`` (imports, process-group setup, restore). After that the
-    timeout is ``max(floor_s, factor * median step time)``, calibrated from observed
-    steps, unless ``timeout_s`` fixes it.
+    A rank that has not completed a step in the current attempt gets ``first_step_timeout_s`` (imports,
+    process-group setup, restore). After that the timeout is ``max(floor_s, factor * median step time)``,
+    calibrated from observed steps, unless ``timeout_s`` fixes it.
     """
 
     timeout_s: float | None = None
@@ -217,6 +215,7 @@ class LaunchConfig:
     recover_strategy: tuple[str, ...] = (Rung.RETRY, Rung.RECOVER_IN_PLACE, Rung.RECOVER, Rung.EXIT)
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
     no_replica_restore: bool = False  # never restore from replicas: checkpoints only (seeds' no-replica)
+    prerun_spares: bool = False  # spares run the script up to its first rank-dependent read (agent/prerun.py)
     stop_grace_s: float = 3.0
     # SIGTERM with --save: how long the job may take to dump its newest committed step before it
     # stops without it (0: never dump). With the stop grace and the agent's exit it must fit in the
@@ -232,8 +231,7 @@ class LaunchConfig:
     worker: WorkerSettings = field(default_factory=WorkerSettings)
 
     def __post_init__(self) -> None:
-        _require(self.nproc_per_node >= 1,
-                 f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        _require(self.nproc_per_node >= 1, f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         _require(self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}")
         _require(0 <= self.node_rank < self.nnodes,
                  f"--node-rank must be in [0, {self.nnodes - 1}] for --nnodes {self.nnodes}, got {self.node_rank}")
@@ -251,8 +249,7 @@ class LaunchConfig:
         _require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
         _require(self.stop_grace_s >= 0, f"stop grace must be >= 0 s, got {self.stop_grace_s}")
         _require(isinstance(self.sigterm_dump_timeout_s, (int, float)) and math.isfinite(self.sigterm_dump_timeout_s)
-                 and 0 <= self.sigterm_dump_timeout_s
-                 <= MAX_TIMEOUT_S, f"--sigterm-dump-timeout-s must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}] "
+                 and 0 <= self.sigterm_dump_timeout_s <= MAX_TIMEOUT_S, f"--sigterm-dump-timeout-s must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}] "
                  f"(0: no dump on SIGTERM), got {self.sigterm_dump_timeout_s}")
         _require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         for name in self.recover_strategy:
@@ -261,9 +258,8 @@ class LaunchConfig:
         _require(self.crash_loop_limit >= 0, f"--crash-loop-limit must be >= 0 (0: off), got {self.crash_loop_limit}")
         _require(self.straggler_factor == 0 or 1 < self.straggler_factor < math.inf,
                  f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
-        _require(self.sub_health_policy in SUB_HEALTH_POLICIES,
-                 f"--sub-health-policy: unknown policy {self.sub_health_policy!r} "
-                 f"(allowed: {', '.join(SUB_HEALTH_POLICIES)})")
+        _require(self.sub_health_policy in SUB_HEALTH_POLICIES, f"--sub-health-policy: unknown policy "
+                 f"{self.sub_health_policy!r} (allowed: {', '.join(SUB_HEALTH_POLICIES)})")
 
     @property
     def world_size(self) -> int:
@@ -292,18 +288,22 @@ def secret_from_env(env: Mapping[str, str] | None = None) -> str:
 
 
 def managed_from_env(env: Mapping[str, str] | None = None) -> bool:
-    """True in a worker started by `unbroken run` (mode ``managed``), even where the rest of
-    its environment is invalid."""
+    """True in a worker started by `unbroken run` (mode ``managed``), even if the rest of its environment is invalid."""
     env = os.environ if env is None else env
     return bool(env.get(ENV_CONTROLLER, ""))
+
+
+def prerun_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """In a pre-run spare (agent/prerun.py): (the fd it reports ready on, the job's world size); else None."""
+    env = os.environ if env is None else env
+    return (_env_number(env, ENV_PRERUN, -1), _env_number(env, "WORLD_SIZE", 1)) if ENV_PRERUN in env else None
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a worker process knows about its job: resolved once, in :func:`worker_config_from_env`.
 
-    ``mode`` is ``managed`` under `unbroken run`, ``torchrun`` under plain torchrun, and
-    ``single`` for a plain ``python`` process.
+    ``mode`` is ``managed`` under `unbroken run`, ``torchrun`` under plain torchrun, ``single`` in plain ``python``.
     """
 
     mode: str = "single"
@@ -322,6 +322,7 @@ class WorkerConfig:
     inject: str = ""
     gen: int = 0  # > 0: this process replaces a lost rank and joins generation `gen`
     store_prefix: str = ""  # managed: every rendezvous key lives under it (controller/rendezvous.py)
+    relay: str = ""  # managed, setting node_reports: host:port of the node's agent relay (agent/relay.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
 
@@ -346,12 +347,7 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
     """Build a worker's config from torchrun's and our environment; ``overrides`` win."""
     env = os.environ if env is None else env
     controller = env.get(ENV_CONTROLLER, "")
-    if controller:
-        mode = "managed"
-    elif "WORLD_SIZE" in env and "RANK" in env:
-        mode = "torchrun"
-    else:
-        mode = "single"
+    mode = "managed" if controller else "torchrun" if "WORLD_SIZE" in env and "RANK" in env else "single"
     ckpt = CheckpointConfig(
         save_dir=env.get(ENV_SAVE_DIR) or None, load_dir=env.get(ENV_LOAD_DIR) or None,
         every_steps=_env_number(env, ENV_CKPT_EVERY, 0),
@@ -387,6 +383,7 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         inject=env.get(ENV_INJECT, ""),
         gen=_env_number(env, ENV_GEN, 0),
         store_prefix=env.get(ENV_STORE_PREFIX, ""),
+        relay=env.get(ENV_RELAY, ""),
         checkpoint=ckpt,
         worker=settings,
     )
@@ -398,16 +395,18 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         check_host_port(cfg.controller, f"environment variable {ENV_CONTROLLER}")
         _require(bool(cfg.store_prefix), f"{ENV_CONTROLLER} is set but {ENV_STORE_PREFIX} is not "
                                          "(both come from `unbroken run`)")
+        if cfg.relay:  # the agent relay (setting node_reports)
+            check_host_port(cfg.relay, f"environment variable {ENV_RELAY}")
     return cfg
 
 
 def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
                controller: str, store_host: str, store_port: int, gen: int = 0,
-               world_size: int = 0, store_prefix: str = "") -> dict[str, str]:
+               world_size: int = 0, store_prefix: str = "", relay: str = "") -> dict[str, str]:
     """The environment a worker gets from the agent: torchrun's variables plus ours.
 
-    ``world_size`` is the job's, as the controller says (0: this launcher's own flags).
-    """
+    ``world_size`` is the job's, as the controller says (0: this launcher's own flags);
+    ``relay``: the agent relay's host:port ("": the worker reports to the controller directly)."""
     ckpt = cfg.checkpoint
     world_size = world_size or cfg.world_size
     env = {
@@ -441,6 +440,7 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         ENV_SHM_DIR: ckpt.shm_dir,
         ENV_GEN: str(gen),
         ENV_STORE_PREFIX: store_prefix,
+        ENV_RELAY: relay,
         **cfg.worker.to_env(),
     }
     if ckpt.save_dir:

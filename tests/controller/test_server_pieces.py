@@ -344,3 +344,63 @@ def test_what_the_script_imported_goes_to_every_agent_once_checked():
     for conn in agents.values():  # the first report only, names only
         assert conn.sent == [m.SpareImports(modules=["numpy", "torch.distributed.fsdp"])]
     assert hub.events.lines == [("script_imports", {"count": 2, "modules": ["numpy", "torch.distributed.fsdp"]})]
+
+
+# -- per-node aggregation (agent/relay.py): the controller's side ------------------------------
+def _relayed_hub(world_size: int = 4) -> tuple[FakeHub, dict[int, FakeConn], FakeConn]:
+    """A running job on one node whose agent relays for ranks 1..N-1; rank 0 reports directly."""
+    hub = FakeHub(world_size, run_machine=True)
+    hub.state = dataclasses.replace(hub.state, phase=sm.JobPhase.RUNNING)
+    conns = {r: FakeConn() for r in hub.workers}
+    for r, w in hub.workers.items():
+        w.conn, w.state, w.phase, w.relayed = conns[r], WorkerState.RUNNING, Phase.COMPUTE, r > 0
+    agent = FakeConn()
+    hub.connections.agents[0] = agent
+    return hub, conns, agent
+
+
+def _node_reports(hub, msgs, pids=None) -> None:
+    pids = pids or [100 + msg.rank for msg in msgs]
+    AGENT_HANDLERS[m.NodeReports](hub.connections, 0, m.NodeReports(entries=[m.encode(x) for x in msgs], pids=pids))
+
+
+def test_a_nodes_reports_count_for_each_of_its_ranks_and_the_commit_goes_once_to_its_agent():
+    hub, conns, agent = _relayed_hub()
+    _node_reports(hub, [m.Progress(rank=r, attempt=0, step=3, phase="compute", metrics={}, state=b"s%d" % r)
+                        for r in (1, 2, 3)])
+    assert hub.rank_states.for_resume(2, 0, 3).state == b"s2"  # each rank's step-start state is kept
+    _node_reports(hub, [m.StepSynced(rank=r, attempt=0, gen=0, step=3) for r in (1, 2, 3)])
+    assert agent.sent == [] and hub.state.committed_step == -1  # rank 0 has not reported: no commit
+    worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=3))
+    assert hub.state.committed_step == 3 and {w.phase for w in hub.workers.values()} == {Phase.UPDATE}
+    assert agent.sent == [m.CommitStep(gen=0, step=3)]  # once for the node's three relayed ranks (it fans out)
+    assert conns[0].sent == [m.CommitStep(gen=0, step=3)] and all(conns[r].sent == [] for r in (1, 2, 3))
+    counts = hub.connections.counts
+    assert (counts.received["NodeReports"], counts.sent["CommitStep"]) == (2, 2)
+    assert (counts.relayed["Progress"], counts.relayed["StepSynced"]) == (3, 3)
+
+
+def test_a_missing_rank_in_the_nodes_reports_holds_the_commit():
+    hub, conns, agent = _relayed_hub()
+    worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=1))
+    _node_reports(hub, [m.StepSynced(rank=r, attempt=0, gen=0, step=1) for r in (1, 3)])
+    assert hub.state.committed_step == -1 and agent.sent == []
+    assert [hub.workers[r].phase for r in range(4)] == [Phase.SYNC, Phase.SYNC, Phase.COMPUTE, Phase.SYNC]
+    _node_reports(hub, [m.StepSynced(rank=2, attempt=0, gen=0, step=1)])
+    assert hub.state.committed_step == 1 and agent.sent == [m.CommitStep(gen=0, step=1)]
+
+
+def test_relayed_reports_of_another_process_attempt_or_node_are_fenced():
+    hub, conns, agent = _relayed_hub(2)
+    _node_reports(hub, [m.StepSynced(rank=1, attempt=0, gen=0, step=1)], pids=[999])  # an old process of rank 1
+    _node_reports(hub, [m.StepSynced(rank=1, attempt=3, gen=0, step=1)])  # another attempt's
+    AGENT_HANDLERS[m.NodeReports](hub.connections, 0, m.NodeReports(
+        entries=[m.encode(m.ClaimFault(rank=1, fault_id="f")), {"type": "bogus"}], pids=[101, 101]))
+    assert hub.applied == [] and hub.connections.counts.relayed == {}
+
+
+def test_an_abort_order_carries_the_committed_step():
+    hub, conns, agent = _relayed_hub(2)
+    hub.state = dataclasses.replace(hub.state, committed_step=6)
+    hub.executor.execute([sm.AbortGeneration(1, "rank 1 died")])
+    assert conns[0].sent == [m.Abort(gen=1, reason="rank 1 died", committed_step=6)]

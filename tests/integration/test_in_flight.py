@@ -121,16 +121,18 @@ def test_replacement_killed_while_restoring_is_recovered(tmp_path, reference):
 
 @pytest.mark.timeout(200)
 def test_recover_onto_a_standby_agent_bit_exact(tmp_path, reference):
-    """Rung `recover`: the lost rank starts again on a spare agent, not on its own node."""
+    """Rung `recover`: the lost rank starts again on a spare agent, not on its own node. Both
+    agents relay their ranks' step reports (--node-reports, agent/relay.py): the replacement's go
+    through the standby agent, and the commits go to both."""
     port = free_port()
     env = dict(os.environ, UNBROKEN_JOB_SECRET="standby-test-secret-" + "s" * 16)
     out = tmp_path / "standby.safetensors"
     script = [str(EXAMPLE), "--steps", str(STEPS), "--out", str(out), *TRAIN_ARGS]
     main = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "4", "--master-port", str(port),
             "--run-dir", str(tmp_path / "main"), "--recover-strategy", "recover,exit",
-            "--inject", "kill:rank=2:step=7", *script]
+            "--inject", "kill:rank=2:step=7", "--node-reports", *script]
     spare = [sys.executable, "-m", "unbroken.cli.main", "run", "--standby", "--master-port", str(port),
-             "--run-dir", str(tmp_path / "spare"), *script]
+             "--run-dir", str(tmp_path / "spare"), "--node-reports", *script]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd in (main, spare)]
     outputs = [p.communicate(timeout=180)[0] for p in procs]
@@ -145,3 +147,5 @@ def test_recover_onto_a_standby_agent_bit_exact(tmp_path, reference):
     first, last = _survivor_pids(run_dir, {2})
     assert first == last
     assert events(run_dir, "recovered_in_flight")[0]["replaced"] == [2]
+    (counts,) = events(run_dir, "control_messages")
+    assert counts["relayed"]["StepSynced"] >= 4 * STEPS - 4 and "StepSynced" not in counts["received"]

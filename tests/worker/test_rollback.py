@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from unbroken.errors import CheckpointCorrupt, ConfigError
+from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError
 from unbroken.worker import rollback, state_blob
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.tracked import TrackedState
@@ -328,3 +328,33 @@ def test_the_norm_layers_are_found_once_the_objects_are_frozen(monkeypatch):
     monkeypatch.setattr(torch.nn.Module, "named_modules", lambda *a, **k: pytest.fail("walked the module tree again"))
     assert sorted(tracked.step_start()[1]["buffers"]["model"]) == [
         "1.num_batches_tracked", "1.running_mean", "1.running_var"]
+
+
+def test_the_replicated_part_is_kept_encoded_and_a_device_tensor_keeps_a_snapshot():
+    """The step start's replicated part is its encoding (C code) while it holds CPU values only;
+    a tensor on another device (meta here: what a GPU tensor takes) is kept by a snapshot on its
+    device, and the step starts after it are snapshots too."""
+    tracked = _tracked()
+    states = rollback.StepStates(rank=0)
+    states.begin(0, *tracked.step_start())
+    assert isinstance(states.capture.local_state, bytes)
+    want = rollback.snapshot(tracked.rollback_tree())
+    tracked.objects["sched"].step()
+    assert rollback.same(states.capture.local(), want)
+    tracked.objects["ema"] = torch.zeros(2, device="meta")
+    tracked._kept_layout = None
+    states.begin(1, *tracked.step_start())
+    kept = states.capture.local()
+    assert isinstance(states.capture.local_state, dict) and kept["ema"].device.type == "meta"
+    tracked.objects["ema"] = torch.zeros(2)
+    states.begin(2, *tracked.step_start())
+    assert isinstance(states.capture.local_state, dict)  # decided once: snapshots from then on
+
+
+def test_an_encoder_for_cpu_values_refuses_a_device_tensor_and_a_big_int():
+    encoder = state_blob.TreeEncoder(cpu_only=True)
+    with pytest.raises(CheckpointError, match="meta"):
+        encoder.encode({"t": torch.zeros(1, device="meta")})
+    with pytest.raises(CheckpointError, match="format 2"):
+        encoder.encode({"n": 1 << 70})
+    assert state_blob.decode_tree(encoder.encode({"t": torch.arange(3)}), "x")["t"].tolist() == [0, 1, 2]

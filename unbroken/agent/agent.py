@@ -29,7 +29,9 @@ from typing import TextIO
 
 import psutil
 
+from unbroken.agent import prerun
 from unbroken.agent.placement import Placement
+from unbroken.agent.relay import NodeRelay
 from unbroken.checkpoint import shm_files
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.config import LaunchConfig, worker_env
@@ -57,7 +59,7 @@ class WorkerProc:
     rank: int
     local_rank: int
     attempt: int
-    popen: subprocess.Popen
+    popen: subprocess.Popen | None  # None only while a pre-run spare is being taken for it
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
     state: str = "running"
@@ -82,6 +84,8 @@ class Agent:
         self._spare_imports: list[str] = []  # what the script imported: each spare imports it too
         self._spare_due_t: float | None = None  # when the next spare starts (after one was taken)
         self._use_spare = bool(REPLACING_RUNGS & set(cfg.recover_strategy))
+        self._prerun = cfg.prerun_spares  # False after a pre-run spare failed: warm spares for the rest of the job
+        self._prerun_spare: prerun.PrerunSpare | None = None
         ckpt = cfg.checkpoint
         self._persister = None
         if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id:
@@ -90,6 +94,7 @@ class Agent:
 
             self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks,
                                         self._report_persisted, run_id=run_id(cfg.secret, cfg.job_id))
+        self._relay: NodeRelay | None = None  # built in run() under the setting node_reports
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
 
@@ -100,6 +105,9 @@ class Agent:
                              {"node_rank": self.node_rank}, timeout_s=connect_timeout_s)
         self._conn.send(m.AgentRegister(node_rank=self.node_rank, nproc=self.cfg.nproc_per_node,
                                         host=socket.gethostname(), pid=os.getpid(), standby=self.standby))
+        if self.cfg.worker.node_reports:  # per-node aggregation of step reports and commits (agent/relay.py)
+            self._relay = NodeRelay(self.cfg.secret.encode(), self._send)
+            self._relay.start()
         self._watcher.start()
         self._claim_shared_memory()
         if self._persister is not None:
@@ -110,8 +118,9 @@ class Agent:
             while True:
                 try:
                     msg = self._conn.recv(timeout_s=self._spare_wait_s())
-                except TimeoutError:  # (an OSError) a spare is due to start
+                except TimeoutError:  # (an OSError) a spare is due to start, or to be looked at
                     self._start_spare_when_due()
+                    self._check_prerun()
                     continue
                 except (ConnectionClosed, ProtocolError, OSError) as exc:
                     return 1, f"lost the controller at {self.controller}: {exc}"
@@ -120,6 +129,8 @@ class Agent:
                 elif isinstance(msg, m.StopWorkers):
                     self._stop_all(msg.attempt)
                     self._send(m.WorkersStopped(node_rank=self.node_rank, attempt=msg.attempt))
+                elif isinstance(msg, m.CommitStep) and self._relay is not None:
+                    self._relay.fan_out(msg)
                 elif isinstance(msg, m.KillWorker):
                     self._kill(msg.rank, msg.pid)
                 elif isinstance(msg, m.RestartWorker):
@@ -135,6 +146,8 @@ class Agent:
             if self._persister is not None:
                 self._persister.stop()  # its last report still goes out on the open connection
             self._release_shared_memory()
+            if self._relay is not None:
+                self._relay.close()
             self._conn.close()
 
     # -- SIGTERM ------------------------------------------------------------------------------
@@ -199,29 +212,39 @@ class Agent:
 
     def _spawn(self, rank: int, attempt: int, gen: int) -> None:
         local_rank = self._placement.local_rank(rank)
-        host, port = self._placement.store_addr
-        env = dict(os.environ)
-        env.update(worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt,
-                              controller=self.controller, store_host=host, store_port=port, gen=gen,
-                              world_size=self._placement.world_size, store_prefix=self._placement.store_prefix))
+        env = dict(os.environ, **self._worker_env(rank, local_rank, attempt, gen))
         argv = [self.cfg.script, *self.cfg.script_args]
-        popen = self._take_spare(env, argv) if gen > 0 else None
-        if popen is None:
-            popen = subprocess.Popen([sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
-        proc = WorkerProc(rank, local_rank, attempt, popen)
-        proc.reader = threading.Thread(target=self._read_output, args=(proc,),
-                                       name=f"unbroken-out-r{rank}", daemon=True)
-        proc.reader.start()
+        proc = self._take_prerun(WorkerProc(rank, local_rank, attempt, None), env, argv) if gen > 0 else None
+        if proc is None:
+            popen = self._take_spare(env, argv) if gen > 0 else None
+            if popen is None:
+                popen = subprocess.Popen([sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+            proc = WorkerProc(rank, local_rank, attempt, popen)
+            proc.reader = threading.Thread(target=self._read_output, args=(proc,),
+                                           name=f"unbroken-out-r{rank}", daemon=True)
+            proc.reader.start()
+        popen = proc.popen
         with self._lock:
             self._procs[rank] = proc
         self._send(m.WorkerStarted(rank=rank, pid=popen.pid, attempt=attempt))
 
+    def _worker_env(self, rank: int, local_rank: int, attempt: int, gen: int) -> dict[str, str]:
+        host, port = self._placement.store_addr
+        return worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt, controller=self.controller,
+                          store_host=host, store_port=port, gen=gen, world_size=self._placement.world_size,
+                          store_prefix=self._placement.store_prefix,
+                          relay=self._relay.address if self._relay is not None else "")
+
     # -- the warm spare ----------------------------------------------------------------------
     def _start_spare(self) -> None:
         """Pre-start a process that imports torch, to replace a lost rank without that wait."""
-        if not self._use_spare or self._spare is not None:
+        if not self._use_spare or self._spare is not None or self._prerun_spare is not None:
+            return
+        if self._prerun and self._placement.world_size:  # (a standby agent's first spare: warm)
+            self._prerun_spare = prerun.PrerunSpare.start(dict(os.environ), self._worker_env(0, 0, 0, 0),
+                                                          [self.cfg.script, *self.cfg.script_args], _die_with_parent)
             return
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.omp_num_threads), PYTHONUNBUFFERED="1")
         # -P: the working directory is not put on sys.path, so a folder named `unbroken` there
@@ -272,8 +295,45 @@ class Agent:
         return spare
 
     def _spare_wait_s(self) -> float | None:
-        """How long the command loop may wait for a message before the next spare is due (None: none is)."""
-        return None if self._spare_due_t is None else max(0.0, self._spare_due_t - time.monotonic())
+        """How long the command loop may wait for a message before the next spare is due or the
+        pre-run spare is to be looked at (None: neither)."""
+        due_s = None if self._spare_due_t is None else max(0.0, self._spare_due_t - time.monotonic())
+        if self._prerun_spare is not None:
+            return prerun.POLL_S if due_s is None else min(due_s, prerun.POLL_S)
+        return due_s
+
+    # -- the pre-run spare (agent/prerun.py) -----------------------------------------------
+    def _check_prerun(self) -> None:
+        """From the command loop: report the pre-run spare ready, or exited (-> warm spares)."""
+        spare = self._prerun_spare
+        for name, fields in spare.poll() if spare is not None else ():
+            self._send(m.AgentEvent(name=name, fields=fields))
+        if spare is not None and spare.state == "exited":
+            self._release_prerun()
+            self._start_spare()
+
+    def _take_prerun(self, proc: WorkerProc, env: dict[str, str], argv: list[str]) -> WorkerProc | None:
+        """``proc`` run by the pre-run spare if it can take the order (prerun.take_decision); else None."""
+        self._check_prerun()
+        spare = self._prerun_spare
+        decision = spare.take(env, argv, lambda line: self._show_line(proc, line)) if spare is not None else "cold"
+        if decision == "cold":
+            return None
+        if spare.failure is not None:
+            self._send(m.AgentEvent(name="prerun_failed", fields=spare.failure))
+        self._release_prerun()  # taken or dropped: the next one starts later, from this thread
+        self._spare_due_t = time.monotonic() + SPARE_RESTART_DELAY_S
+        if decision != "use":
+            return None
+        proc.popen, proc.reader = spare.popen, spare.reader
+        return proc
+
+    def _release_prerun(self) -> None:
+        """Let the pre-run spare go (taken: a worker now); one not taken is dropped, warm spares from now on."""
+        spare, self._prerun_spare = self._prerun_spare, None
+        if spare is not None and spare.state != "taken":
+            self._prerun = False
+            spare.drop()
 
     def _start_spare_when_due(self) -> None:
         if self._spare_due_t is not None and time.monotonic() >= self._spare_due_t:
@@ -281,6 +341,7 @@ class Agent:
             self._start_spare()
 
     def _drop_spare(self) -> None:
+        self._release_prerun()
         spare, self._spare = self._spare, None
         if spare is not None:
             _signal_group(spare, signal.SIGKILL)
@@ -289,13 +350,15 @@ class Agent:
     def _read_output(self, proc: WorkerProc) -> None:
         assert proc.popen.stdout is not None
         for raw in iter(proc.popen.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            proc.tail.append(line)
-            if self._output is not None:
-                with self._out_lock:
-                    self._output.write(f"[rank {proc.rank}] {line}\n")
-                    self._output.flush()
+            self._show_line(proc, raw.decode("utf-8", "replace").rstrip("\n"))
         proc.popen.stdout.close()
+
+    def _show_line(self, proc: WorkerProc, line: str) -> None:
+        proc.tail.append(line)
+        if self._output is not None:
+            with self._out_lock:
+                self._output.write(f"[rank {proc.rank}] {line}\n")
+                self._output.flush()
 
     def _watch_loop(self) -> None:
         rounds = 0
@@ -307,9 +370,13 @@ class Agent:
                 exited = [p for p in self._procs.values() if p.state == "running" and p.popen.poll() is not None]
                 for p in exited:
                     p.state = "exited"
+            if self._relay is not None:
+                self._relay.flush_due()
             for p in exited:
                 if p.reader is not None:
                     p.reader.join(timeout=0.5)  # the last lines matter for the root cause
+                if self._relay is not None:
+                    self._relay.rank_gone(p.rank)  # its last step reports go before its exit
                 code = p.popen.returncode
                 self._send(m.WorkerExited(rank=p.rank, pid=p.popen.pid, attempt=p.attempt,
                                           exit_code=code if code >= 0 else None,

@@ -16,6 +16,9 @@ those imports are done:
   ``python -u script.py args...`` would.
 
 After its imports the spare runs one tiny forward, backward and optimizer step (:func:`warm_up`).
+A *pre-run* spare (``--prerun ARGV...``, agent/prerun.py) then runs the script at once, with the
+worker environment minus the rank; its session blocks at the first rank-dependent read and reads
+its order from stdin itself (worker/prerun.py); it gets no ``imports`` lines.
 Started with the environment that matters at torch's import (``OMP_NUM_THREADS``) already
 set, so a replacement runs with the thread settings of the process it replaces.
 """
@@ -42,6 +45,9 @@ def main() -> None:
     from unbroken.protocol.messages import spare_import_names
 
     warm_up()
+    if sys.argv[1:2] == ["--prerun"]:
+        _run_as_main(sys.argv[2:])
+        return
     for line in sys.stdin:
         order = json.loads(line)
         if "imports" in order:
@@ -90,11 +96,14 @@ def pre_import(names: list[str]) -> int:
 
 def run_script(order: dict) -> None:
     os.environ.update({str(k): str(v) for k, v in order["env"].items()})
-    argv = [str(a) for a in order["argv"]]
+    sys.stdin.close()
+    _run_as_main([str(a) for a in order["argv"]])
+
+
+def _run_as_main(argv: list[str]) -> None:
     script = os.path.abspath(argv[0])
     sys.argv = argv
     sys.path.insert(0, os.path.dirname(script))  # as `python script.py` sets sys.path[0]
-    sys.stdin.close()
     runpy.run_path(script, run_name="__main__")
 
 

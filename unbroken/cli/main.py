@@ -81,6 +81,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("standby", action="store_true", help="join a running job as a spare agent (rung `recover`)")
     flag("no-replica-restore", action="store_true",
          help="never restore a lost rank from replicas; recover from the newest checkpoint instead")
+    flag("prerun-spares", action="store_true",
+         help="spares run the script up to its first rank-dependent read before a rank is lost (see README)")
     _add_worker_settings(flag)
     flag("crash-loop-limit", type=_int, default=3,
          help="fail the job when the same rank fails the same way (exit status, step, last output line) "
@@ -168,6 +170,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         recover_strategy=parse_strategies(args.recover_strategy),
         standby=args.standby,
         no_replica_restore=args.no_replica_restore,
+        prerun_spares=args.prerun_spares,
         sub_health_policy=args.sub_health_policy,
         straggler_factor=args.straggler_factor,
         crash_loop_limit=args.crash_loop_limit,

@@ -40,6 +40,9 @@ class MessageCounts:
 
     received: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     sent: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # Step messages that travel between the controller and agents for their ranks (NodeReports in,
+    # CommitStep out: counted in received/sent too) and the worker reports inside the batches.
+    relayed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class Connections:
@@ -121,7 +124,7 @@ class Connections:
             if first.attempt != ctl.state.attempt or (w.pid and first.pid != w.pid):
                 ctl.events.emit("worker_fenced", rank=first.rank, pid=first.pid, attempt=first.attempt)
                 return
-            w.conn, w.state = conn, WorkerState.RUNNING
+            w.conn, w.state, w.relayed = conn, WorkerState.RUNNING, first.relay
             if first.replacement:
                 self._replacement_joined(first.rank, first.gen)
         while True:
@@ -163,6 +166,16 @@ class Connections:
         for node in list(self.agents):
             self.send_to_agent(node, msg)
 
+    def send_commit(self, msg: m.CommitStep) -> None:
+        """A step's commit: once to each agent that relays for a live rank (it fans out), directly to the rest."""
+        live = [w for w in self._ctl.workers.values() if w.conn is not None and w.state in LIVE_WORKER_STATES]
+        self.send_to_workers(msg, {w.rank for w in live if not w.relayed})
+        for agent in sorted({self._ctl.state.agent_of(w.rank) for w in live if w.relayed}):
+            if agent in self.agents:
+                self.send_to_agent(agent, msg)
+                self.counts.sent[type(msg).__name__] += 1
+                self.counts.relayed["CommitStep"] += 1
+
     def send_to_workers(self, msg: m.Message, ranks: set[int] | None = None) -> None:
         """Send ``msg`` to every live worker (or those of ``ranks``) that has a connection."""
         for w in self._ctl.workers.values():
@@ -181,7 +194,7 @@ def _worker_started(self: Connections, agent: int, msg: m.WorkerStarted) -> None
     w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
     w.step, w.phase, w.state, w.steps_in_attempt = None, Phase.STARTING, WorkerState.STARTING, 0
     w.process = "running"
-    w.in_step_loop = False
+    w.in_step_loop = w.relayed = False
     w.compute_s.clear()
     self._ctl.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
 
@@ -229,10 +242,40 @@ def _stop_requested(self: Connections, agent: int, msg: m.StopRequested) -> None
     self._ctl.terminate(f"terminated ({name}) on node {agent}")
 
 
+def _agent_event(self: Connections, agent: int, msg: m.AgentEvent) -> None:
+    fields = {k: v for k, v in msg.fields.items() if k not in ("node_rank", "t", "event")}
+    self._ctl.events.emit(msg.name, node_rank=agent, **fields)
+
+
+def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
+    """An agent's batch of its ranks' step reports (agent/relay.py): each is handled as if the rank
+    had sent it here, once it decodes to a relayed type, of a process this attempt knows on that node."""
+    ctl = self._ctl
+    self.counts.received["NodeReports"] += 1
+    for pid, obj in zip(msg.pids, msg.entries):
+        try:
+            inner = m.decode(obj)
+        except ProtocolError as exc:
+            log.warning("controller: node %d relayed a bad step report: %s", agent, exc)
+            continue
+        rank = getattr(inner, "rank", -1)
+        if inner.TYPE not in m.RELAYED_TYPES or not 0 <= rank < ctl.cfg.world_size:
+            log.warning("controller: node %d relayed %s of rank %s (relayed: %s of a rank of the job); dropped",
+                        agent, inner.TYPE, rank, ", ".join(m.RELAYED_TYPES))
+            continue
+        w = ctl.workers[rank]
+        if inner.attempt != ctl.state.attempt or pid != w.pid or ctl.state.agent_of(rank) != agent:
+            continue  # an older attempt's, or a process this rank no longer is (fencing, as for a direct report)
+        self.counts.relayed[type(inner).__name__] += 1
+        WORKER_HANDLERS[type(inner)](self, rank, inner.attempt, None, inner)
+
+
 AGENT_HANDLERS: dict[type, AgentHandler] = {
+    m.AgentEvent: _agent_event,
     m.WorkerStarted: _worker_started, m.WorkerExited: _worker_exited, m.WorkerStatus: _worker_status,
     m.WorkersStopped: _workers_stopped,
     m.Persisted: _persisted, m.Heartbeat: lambda self, agent, msg: None, m.StopRequested: _stop_requested,
+    m.NodeReports: _node_reports,
 }
 
 

@@ -114,7 +114,8 @@ class Executor:
         ctl.outcome = Outcome(action.exit_code, action.reason)
         counts = ctl.connections.counts
         ctl.events.emit("control_messages", received=dict(sorted(counts.received.items())),
-                        sent=dict(sorted(counts.sent.items())))  # for benchmarks/commit.py
+                        sent=dict(sorted(counts.sent.items())),  # for benchmarks/commit.py
+                        relayed=dict(sorted(counts.relayed.items())))
         ctl.events.emit("job_finished", exit_code=action.exit_code, reason=action.reason)
         ctl.connections.broadcast_agents(m.Shutdown(exit_code=action.exit_code, reason=action.reason))
         ctl.done.set()
@@ -132,7 +133,7 @@ class Executor:
         for w in self._ctl.workers.values():  # every rank reported StepSynced: each moves on to its update
             if w.phase == Phase.SYNC:  # (ranks send no 'update' report of their own: worker/progress.py)
                 w.phase = Phase.UPDATE
-        self._ctl.connections.send_to_workers(action)  # the action is the wire message
+        self._ctl.connections.send_commit(action)  # the action is the wire message
 
     def _abort(self, action: sm.AbortGeneration) -> None:
         ctl = self._ctl
@@ -140,7 +141,8 @@ class Executor:
         ctl.timing.decided(now)
         ctl.recovery_deadline = (action.gen, now + ctl.cfg.worker.recovery_timeout_s)
         ctl.events.emit("abort_generation", gen=action.gen)
-        ctl.connections.send_to_workers(m.Abort(gen=action.gen, reason=action.reason))
+        ctl.connections.send_to_workers(m.Abort(gen=action.gen, reason=action.reason,
+                                                committed_step=ctl.state.committed_step))
 
     def _regroup(self, action: sm.OrderRegroup) -> None:
         ctl = self._ctl

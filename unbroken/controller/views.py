@@ -29,6 +29,7 @@ class WorkerView:
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))  # as it measured them
     state: WorkerState = WorkerState.STARTING
     conn: Connection | None = None
+    relayed: bool = False  # its step reports come, and its commits go, through its agent (agent/relay.py)
     process: str = "running"  # as its agent sees the process: running | stopped | zombie (hangs.py)
 
 

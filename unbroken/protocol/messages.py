@@ -49,6 +49,14 @@ class AgentRegister(Message):
     standby: bool = False  # a spare agent: hosts no rank until the controller moves one there
 
 
+@message("agent_event")
+class AgentEvent(Message):
+    """An agent's record for the job's event log (its spares: spare_ready, prerun_failed)."""
+
+    name: str
+    fields: dict[str, Any]
+
+
 @message("worker_started")
 class WorkerStarted(Message):
     rank: int
@@ -125,6 +133,9 @@ class WorkerRegister(Message):
     attempt: int
     gen: int = 0
     replacement: bool = False
+    # Its step reports go through its node's agent (NodeReports) and its commits come back that way
+    # (agent/relay.py, setting node_reports); the controller then sends each commit once per agent.
+    relay: bool = False
 
 
 @message("progress")
@@ -206,6 +217,20 @@ class CommitStep(Message):
     step: int
 
 
+#: The worker messages an agent relays to the controller in a :class:`NodeReports` (its ranks' step reports).
+RELAYED_TYPES = ("progress", "step_synced", "paused")
+
+
+@message("node_reports")
+class NodeReports(Message):
+    """An agent's batch of its ranks' step reports (agent/relay.py), in the order it got them:
+    ``entries[i]`` is one encoded worker message of a type in :data:`RELAYED_TYPES`, from the
+    process ``pids[i]`` (the controller fences on it). Decoded with the schema, never unpickled."""
+
+    entries: list[Any]
+    pids: list[int]
+
+
 @message("stop_requested")
 class StopRequested(Message):
     """The agent got ``signal`` (SIGTERM: a pod deleted or evicted, `scancel`): the job dumps its
@@ -224,6 +249,9 @@ class Abort(Message):
 
     gen: int
     reason: str
+    # The newest committed step when the order went out: a rank waiting for that step's commit,
+    # which may still be on its way through the agent (agent/relay.py), takes it from here.
+    committed_step: int = -1
 
 
 @message("paused")

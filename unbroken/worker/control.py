@@ -2,7 +2,9 @@
 
 Owned by one worker session. A reader thread receives the controller's answers and
 commands; a heartbeat thread proves the *process* is alive (the controller judges the
-*training loop* by step progress, never by heartbeats). Sends are thread-safe.
+*training loop* by step progress, never by heartbeats). Sends are thread-safe. With a relay
+(setting ``node_reports``: agent/relay.py) the step reports go to the node's agent instead,
+and the commits come back from it, read by a second reader thread.
 """
 
 from __future__ import annotations
@@ -30,14 +32,27 @@ def _split_hostport(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _connect_relay(address: str, secret: str, rank: int, pid: int, attempt: int, timeout_s: float) -> Connection | None:
+    """The authenticated connection to this node's agent relay; None (report directly) if it cannot be had."""
+    host, port = _split_hostport(address)
+    try:
+        return connect(host, port, secret.encode(), "relay", {"rank": rank, "pid": pid, "attempt": attempt},
+                       timeout_s=timeout_s)
+    except (ConnectionClosed, ProtocolError, OSError) as exc:
+        log.warning("rank %d: no relay at %s (%s); its step reports go to the controller directly", rank, address, exc)
+        return None
+
+
 class ControlClient:
     """One authenticated connection from a worker (rank) to its job's controller."""
 
     def __init__(self, address: str, secret: str, *, rank: int, pid: int, attempt: int,
-                 gen: int = 0, replacement: bool = False, timeout_s: float = 10.0) -> None:
+                 gen: int = 0, replacement: bool = False, timeout_s: float = 10.0, relay: str = "") -> None:
         host, port = _split_hostport(address)
         self.rank = rank
         self.attempt = attempt
+        # First the relay: the controller sends this rank's commits to its agent once it registered so.
+        self._relay = _connect_relay(relay, secret, rank, pid, attempt, timeout_s) if relay else None
         self._conn: Connection = connect(host, port, secret.encode(), "worker",
                                          {"rank": rank, "pid": pid, "attempt": attempt},
                                          timeout_s=timeout_s)
@@ -54,12 +69,16 @@ class ControlClient:
         self.committed_step = -1
         self._restore_at: dict[int, int] = {}  # restore round -> decided step, set by the reader thread
         self._restore_cv = threading.Condition()
-        self.reports = StepReports(self._send, rank=rank, attempt=attempt)  # progress, StepSynced, Paused
-        self._conn.send(m.WorkerRegister(rank=rank, pid=pid, attempt=attempt, gen=gen, replacement=replacement))
+        # progress, StepSynced, Paused: to the controller, or through the agent's relay
+        self.reports = StepReports(self._send if self._relay is None else self._send_relay, rank=rank, attempt=attempt)
+        self._conn.send(m.WorkerRegister(rank=rank, pid=pid, attempt=attempt, gen=gen, replacement=replacement,
+                                         relay=self._relay is not None))
         self._reader = threading.Thread(target=self._read_loop, name=f"unbroken-ctl-r{rank}", daemon=True)
         self._beater = threading.Thread(target=self._beat_loop, name=f"unbroken-hb-r{rank}", daemon=True)
         self._reader.start()
         self._beater.start()
+        if self._relay is not None:
+            threading.Thread(target=self._read_relay, name=f"unbroken-relay-r{rank}", daemon=True).start()
 
     def _read_loop(self) -> None:
         while not self._closed.is_set():
@@ -68,14 +87,13 @@ class ControlClient:
             except (ConnectionClosed, ProtocolError, OSError):
                 break
             if isinstance(msg, m.Abort):
-                self.abort_gen, self.abort_reason = max(self.abort_gen, msg.gen), msg.reason
-                with self._commit:
+                with self._commit:  # the commit first: one still on its way through the relay is decided
+                    self.committed_step = max(self.committed_step, msg.committed_step)
+                    self.abort_gen, self.abort_reason = max(self.abort_gen, msg.gen), msg.reason
                     self._commit.notify_all()
                 self._tell_abort()
             elif isinstance(msg, m.CommitStep):
-                with self._commit:
-                    self.committed_step = max(self.committed_step, msg.step)
-                    self._commit.notify_all()
+                self._committed(msg.step)
             elif isinstance(msg, m.RestoreAt):
                 if msg.attempt == self.attempt:
                     with self._restore_cv:
@@ -83,9 +101,30 @@ class ControlClient:
                         self._restore_cv.notify_all()
             else:
                 self._replies.put(msg)
+        self._lost("the controller connection was lost")
+
+    def _read_relay(self) -> None:
+        """The relay's reader thread: the commits the agent fans out (nothing else comes that way)."""
+        assert self._relay is not None
+        while not self._closed.is_set():
+            try:
+                msg = self._relay.recv()
+            except (ConnectionClosed, ProtocolError, OSError):
+                break
+            if isinstance(msg, m.CommitStep):
+                self._committed(msg.step)
+        if not self._closed.is_set():  # the agent is gone: no commit can reach this rank any more
+            self._lost("the connection to this node's agent (its relay of step reports) was lost")
+
+    def _committed(self, step: int) -> None:
+        with self._commit:
+            self.committed_step = max(self.committed_step, step)
+            self._commit.notify_all()
+
+    def _lost(self, reason: str) -> None:
         self._closed.set()
         self.abort_gen = LOST_CONTROLLER_GEN  # without the controller nothing commits: leave any wait
-        self.abort_reason = self.abort_reason or "the controller connection was lost"
+        self.abort_reason = self.abort_reason or reason
         with self._commit:
             self._commit.notify_all()
         self._tell_abort()
@@ -113,6 +152,16 @@ class ControlClient:
         except (OSError, ProtocolError):
             self._closed.set()
             return False
+
+    def _send_relay(self, msg) -> bool:
+        assert self._relay is not None
+        if self._closed.is_set():
+            return False
+        try:
+            self._relay.send(msg)
+            return True
+        except (OSError, ProtocolError):
+            return False  # the relay's reader sees the end and acts on it
 
     def progress(self, step: int, phase: str, state: bytes = b"", state_same: bool = False) -> None:
         """The rank entered ``phase`` of ``step``: reported as :class:`StepReports` says (in-step marks late)."""
@@ -158,7 +207,8 @@ class ControlClient:
         self.reports.send_now(m.Paused(rank=self.rank, attempt=self.attempt, gen=gen, step=step, phase=phase))
 
     def joined(self, gen: int) -> None:
-        self._send(m.WorkerRegister(rank=self.rank, pid=0, attempt=self.attempt, gen=gen, replacement=True))
+        self._send(m.WorkerRegister(rank=self.rank, pid=0, attempt=self.attempt, gen=gen, replacement=True,
+                                    relay=self._relay is not None))
 
     def resumed(self, gen: int, step: int, restore_s: float) -> None:
         self._send(m.Resumed(rank=self.rank, attempt=self.attempt, gen=gen, step=step, restore_s=restore_s))
@@ -197,6 +247,8 @@ class ControlClient:
         self.reports.flush()
         self._closed.set()
         self._conn.close()
+        if self._relay is not None:
+            self._relay.close()
 
     def restore_at(self, round_: int, memory_steps: list[int], storage_steps: list[int], timeout_s: float,
                    poll_s: float = 0.05) -> int | None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.comm import wait_all
-from unbroken.config import WorkerConfig, managed_from_env, worker_config_from_env
+from unbroken.config import WorkerConfig, managed_from_env, prerun_from_env, worker_config_from_env
 from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
@@ -95,14 +95,14 @@ class Job:
         if self.cfg.mode != "managed":
             return None
         return ControlClient(self.cfg.controller, self.cfg.secret, rank=self.rank, pid=os.getpid(),
-                             attempt=self.attempt, gen=self.cfg.gen, replacement=self.cfg.replacement)
+                             attempt=self.attempt, gen=self.cfg.gen, replacement=self.cfg.replacement,
+                             relay=self.cfg.relay)
 
     def _build_injector(self) -> FaultInjector:
         faults = parse_plan(self.cfg.inject)
         validate_plan(faults, self.world_size)
         if self._control is not None:
-            control = self._control
-            claim = lambda fault: control.claim_fault(fault.fault_id)  # noqa: E731
+            claim = lambda fault, control=self._control: control.claim_fault(fault.fault_id)  # noqa: E731
         else:
             claim = file_claim(self.cfg.run_dir)
         # A memory fault damages the live state: the pending snapshot's copy of it completes first.
@@ -213,10 +213,9 @@ class Job:
             raise
 
     def _exit_if_fatal(self, exc: Exception) -> None:
-        """Under `unbroken run`, for a FatalError: close the session, then exit with EXIT_FATAL,
-        so the controller fails the job instead of restarting a worker that would fail again.
-        Closing first matters: a gloo group still alive at interpreter exit can abort the
-        process, and the exit code with it. Elsewhere (plain python, torchrun) return."""
+        """Under `unbroken run`, for a FatalError: close the session, then exit with EXIT_FATAL, so the
+        controller fails the job instead of restarting a worker that would fail again. Closing first matters:
+        a gloo group alive at interpreter exit can abort the process, and the exit code with it. Elsewhere return."""
         if not isinstance(exc, FatalError) or self.cfg.mode != "managed":
             return
         if self._control is not None:  # the reason, in the job's event log
@@ -406,9 +405,8 @@ class Job:
         return int(t.item())
 
     def _restore(self) -> int:
-        """Agree with every rank on the newest step all can load, load it; return the step. Sources by
-        the resume rule (restore.build_sources). Every rank must load the same step: under `unbroken run`
-        the controller decides it, elsewhere an all-reduce (see restore.py)."""
+        """Agree with every rank on the newest step all can load (restore.build_sources), load it; return the
+        step. Under `unbroken run` the controller decides the step, elsewhere an all-reduce (see restore.py)."""
         if self._restored:
             return self._step
         self._restored = True
@@ -420,22 +418,26 @@ class Job:
 def init(**overrides: Any) -> Job:
     """Join the job this process belongs to and return its session.
 
-    Works under `unbroken run`, under plain `torchrun`, and in a plain ``python`` process
-    (world size 1). Keyword arguments override the environment: ``save_dir``,
-    ``load_dir``, ``every_steps``, ``keep``, ``run_dir``, ``inject``, and every field of
-    :class:`unbroken.config.WorkerSettings` (``pg_timeout_s``, ...);
-    ``device`` and ``backend`` choose the device and the process-group backend.
+    Works under `unbroken run`, under plain `torchrun`, and in a plain ``python`` process (world size 1).
+    Keyword arguments override the environment: ``save_dir``, ``load_dir``, ``every_steps``, ``keep``,
+    ``run_dir``, ``inject``, and every field of :class:`unbroken.config.WorkerSettings` (``pg_timeout_s``,
+    ...); ``device`` and ``backend`` choose the device and the process-group backend. In a pre-run spare
+    (``--prerun-spares``) the session is unassigned until the agent gives it a rank (worker/prerun.py).
 
-    Under `unbroken run`, a FatalError here (e.g. a ConfigError) and in ``job.track()``,
-    ``job.steps()`` or a ``with job.step():`` block is logged at ERROR and ends the process
-    with :data:`unbroken.EXIT_FATAL`: the job fails at once instead of restarting. Elsewhere
-    it propagates as raised.
+    Under `unbroken run`, a FatalError here (e.g. a ConfigError) and in ``job.track()``, ``job.steps()`` or
+    a ``with job.step():`` block is logged at ERROR and ends the process with :data:`unbroken.EXIT_FATAL`:
+    the job fails at once instead of restarting. Elsewhere it propagates as raised.
     """
-    device = overrides.pop("device", None)
-    backend = overrides.pop("backend", None)
+    device, backend = overrides.pop("device", None), overrides.pop("backend", None)
+    if (prerun := prerun_from_env()) is not None:
+        from unbroken.worker.prerun import unassigned_job
+        return unassigned_job(prerun, device, functools.partial(_join, overrides, device, backend))
+    return _join(overrides, device, backend)
+
+
+def _join(overrides: dict[str, Any], device: torch.device | None, backend: str | None) -> Job:
     try:
-        cfg: WorkerConfig = worker_config_from_env(**overrides)
-        return Job(cfg, device=device, backend=backend)
+        return Job(worker_config_from_env(**overrides), device=device, backend=backend)
     except FatalError as exc:
         if managed_from_env():
             _exit_fatal(exc, "worker")

@@ -43,7 +43,9 @@ _DTYPE_NAMES = {d: str(d).removeprefix("torch.").encode() for d in vars(torch).v
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
-    """The bytes of a CPU tensor's elements in row-major order."""
+    """The bytes of a tensor's elements in row-major order (a device tensor's through a host copy)."""
+    if not t.is_cpu:
+        t = t.detach().cpu()
     if t.is_contiguous() and not t.is_conj() and not t.is_neg():  # most tensors: one copy of their memory
         size = t.nbytes
         return ctypes.string_at(t.data_ptr(), size) if size else b""
@@ -65,10 +67,14 @@ class TreeEncoder:
     per-step reports need: one msgpack packer kept for every call, each tensor header (dtype
     and shape) made once, and the encodings of tensors the caller knows never change reused.
 
+    ``cpu_only``: a tensor on another device is a value it cannot hold (CheckpointError), for
+    callers that keep such tensors on their device instead.
+
     Owned by one rank's :class:`~unbroken.worker.rollback.StepStates`; one thread at a time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_only: bool = False) -> None:
+        self._cpu_only = cpu_only
         self._packer = msgpack.Packer(use_bin_type=True, strict_types=True, default=self._extension)
         self._headers: dict[tuple[torch.dtype, torch.Size], bytes] = {}
         self._memo: dict[int, tuple[torch.Tensor, msgpack.ExtType]] = {}  # id -> (tensor, encoding)
@@ -80,8 +86,10 @@ class TreeEncoder:
         self._seen = {}
         try:
             blob = _MAGIC + self._packer.pack(tree)
-        except OverflowError:  # an int msgpack cannot hold: the JSON format keeps any int
+        except OverflowError as exc:  # an int msgpack cannot hold: the JSON format keeps any int
             self._packer.reset()
+            if self._cpu_only:  # (format 1 would bring device tensors to the host)
+                raise CheckpointError(f"cannot encode the state in format 2: {exc}") from exc
             blob = _encode_format_1(tree)
         except (TypeError, ValueError) as exc:
             self._packer.reset()
@@ -120,6 +128,8 @@ class TreeEncoder:
 
     def _tensor_extension(self, x: torch.Tensor) -> msgpack.ExtType:
         """[name length, ndim] bytes, the dtype's name, ndim little-endian int64 sizes, the raw bytes."""
+        if not x.is_cpu and self._cpu_only:
+            raise TypeError(f"a tensor on {x.device} (this encoder keeps CPU tensors only)")
         t = x if x.is_cpu else x.detach().cpu()
         key = (t.dtype, t.shape)
         header = self._headers.get(key)

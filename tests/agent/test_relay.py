@@ -1,0 +1,238 @@
+"""Per-node aggregation of the step reports (agent/relay.py) and a worker's side of it
+(worker/control.py): real authenticated local connections, a recording send for the agent's
+controller connection, a stand-in controller socket. Milliseconds per test, no processes."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from unbroken.agent.relay import NodeRelay
+from unbroken.protocol import messages as m
+from unbroken.protocol.wire import Server, connect
+from unbroken.worker.control import LOST_CONTROLLER_GEN, ControlClient
+
+pytestmark = pytest.mark.timeout(20)
+
+SECRET = b"relay-test-secret-0123456789abcdef"
+DELAY_S = 0.3
+
+
+class Sent:
+    """The agent's controller connection: records what the relay sends."""
+
+    def __init__(self) -> None:
+        self.msgs: list[m.NodeReports] = []
+        self.cv = threading.Condition()
+
+    def __call__(self, msg) -> bool:
+        with self.cv:
+            self.msgs.append(msg)
+            self.cv.notify_all()
+        return True
+
+    def wait(self, count: int, timeout_s: float = 5.0) -> list[m.NodeReports]:
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.msgs) >= count, timeout_s), f"{len(self.msgs)} of {count} sent"
+            return list(self.msgs)
+
+    def entries(self, i: int) -> list[tuple[int, m.Message]]:
+        return [(pid, m.decode(e)) for pid, e in zip(self.msgs[i].pids, self.msgs[i].entries)]
+
+
+@pytest.fixture
+def relay():
+    sent = Sent()
+    node = NodeRelay(SECRET, sent, delay_s=DELAY_S)
+    node.start()
+    yield node, sent
+    node.close()
+
+
+def _worker(node: NodeRelay, rank: int):
+    host, port = node.address.rsplit(":", 1)
+    return connect(host, int(port), SECRET, "relay", {"rank": rank, "pid": 1000 + rank, "attempt": 0})
+
+
+def _connected(node: NodeRelay, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(node._conns) < count:
+        assert time.monotonic() < deadline, "the workers did not connect"
+        time.sleep(0.005)
+
+
+def _compute(rank: int, step: int) -> m.Progress:
+    return m.Progress(rank=rank, attempt=0, step=step, phase="compute", metrics={}, state=b"own%d" % rank)
+
+
+def test_a_nodes_batch_goes_once_it_carries_every_local_rank(relay):
+    node, sent = relay
+    conns = [_worker(node, r) for r in range(3)]
+    _connected(node, 3)
+    for r in (2, 0):
+        conns[r].send(_compute(r, 5))
+    time.sleep(0.05)
+    assert sent.msgs == []  # rank 1 has not reported step 5 yet
+    conns[1].send(_compute(1, 5))
+    sent.wait(1)
+    assert sorted((pid, e.rank, e.step, e.state) for pid, e in sent.entries(0)) == [
+        (1000, 0, 5, b"own0"), (1001, 1, 5, b"own1"), (1002, 2, 5, b"own2")]  # one batch, states kept
+    for r in range(3):
+        conns[r].send(m.StepSynced(rank=r, attempt=0, gen=0, step=5))
+    sent.wait(2)
+    assert sorted(e.rank for _, e in sent.entries(1)) == [0, 1, 2] and node.batches_sent == 2
+    for c in conns:
+        c.close()
+
+
+def test_a_missing_rank_holds_the_batch_until_the_delay_then_the_others_go(relay):
+    node, sent = relay
+    conns = [_worker(node, r) for r in range(3)]
+    _connected(node, 3)
+    for r in (0, 1):
+        conns[r].send(m.StepSynced(rank=r, attempt=0, gen=0, step=7))
+    deadline = time.monotonic() + 5
+    while len(node._buffer) < 2:  # both taken in (the relay's threads)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    node.flush_due(time.monotonic())
+    assert sent.msgs == []  # rank 2 missing, the delay not over: the controller cannot commit step 7 yet
+    node.flush_due(time.monotonic() + DELAY_S)  # the agent's watcher does this every 50 ms
+    assert sorted(e.rank for _, e in sent.entries(0)) == [0, 1]  # the hang rule sees them in sync within the delay
+    for c in conns:
+        c.close()
+
+
+def test_a_pause_and_a_lone_mark_go_at_once_after_what_came_before(relay):
+    node, sent = relay
+    conns = [_worker(node, r) for r in range(2)]
+    _connected(node, 2)
+    conns[0].send(_compute(0, 3))
+    conns[0].send(m.Paused(rank=0, attempt=0, gen=1, step=3, phase="compute"))
+    sent.wait(1)
+    assert [type(e).__name__ for _, e in sent.entries(0)] == ["Progress", "Paused"]
+    for c in conns:
+        c.close()
+
+
+def test_a_dead_ranks_last_reports_go_before_its_exit_is_reported(relay):
+    node, sent = relay
+    conns = [_worker(node, r) for r in range(2)]
+    _connected(node, 2)
+    conns[1].send(m.StepSynced(rank=1, attempt=0, gen=0, step=2))
+    conns[1].close()  # the process died
+    node.rank_gone(1)  # the agent's watcher, before it sends WorkerExited
+    assert [e.rank for _, e in sent.entries(0)] == [1]
+    conns[0].close()
+
+
+def test_another_ranks_report_and_other_messages_are_dropped(relay):
+    node, sent = relay
+    conn = _worker(node, 0)
+    _connected(node, 1)
+    conn.send(m.StepSynced(rank=1, attempt=0, gen=0, step=2))  # not its own rank
+    conn.send(m.ClaimFault(rank=0, fault_id="f"))  # not a step report
+    conn.send(m.StepSynced(rank=0, attempt=0, gen=0, step=2))
+    sent.wait(1)
+    assert [(e.TYPE, e.rank) for _, e in sent.entries(0)] == [("step_synced", 0)]
+    conn.close()
+
+
+def test_a_batch_with_big_states_is_cut_to_fit_the_frame(relay):
+    node, sent = relay
+    conns = [_worker(node, r) for r in range(3)]
+    _connected(node, 3)
+    for r in range(3):
+        conns[r].send(m.Progress(rank=r, attempt=0, step=1, phase="compute", metrics={},
+                                 state=bytes(m.PER_RANK_LIMIT_BYTES)))
+    sent.wait(2)
+    time.sleep(0.05)
+    assert sorted(e.rank for i in range(len(sent.msgs)) for _, e in sent.entries(i)) == [0, 1, 2]
+    assert len(sent.msgs) == 2  # 3 x 256 KiB of states: two frames
+    for c in conns:
+        c.close()
+
+
+# -- the worker's side ----------------------------------------------------------------------
+class FakeController:
+    """Accepts one worker connection; records its messages; can send it orders."""
+
+    def __init__(self) -> None:
+        self.got: queue.Queue = queue.Queue()
+        self.conn = None
+        self.ready = threading.Event()
+        self.server = Server("127.0.0.1", 0, SECRET, self._serve)
+        self.server.start()
+
+    def _serve(self, conn) -> None:
+        self.conn = conn
+        self.ready.set()
+        while True:
+            self.got.put(conn.recv())
+
+
+def _client(ctl: FakeController, node: NodeRelay) -> ControlClient:
+    return ControlClient(f"127.0.0.1:{ctl.server.port}", SECRET.decode(), rank=0, pid=1000, attempt=0,
+                         relay=node.address)
+
+
+def _wait_commit(client: ControlClient, step: int) -> list:
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(client.wait_commit(0, step, poll_s=0.01)), daemon=True)
+    t.start()
+    return [t, out]
+
+
+def test_a_relayed_worker_registers_so_reports_through_its_agent_and_gets_the_fanned_out_commit(relay):
+    node, sent = relay
+    ctl = FakeController()
+    client = _client(ctl, node)
+    try:
+        assert ctl.got.get(timeout=5) == m.WorkerRegister(rank=0, pid=1000, attempt=0, relay=True)
+        client.progress(4, "compute")
+        t, out = _wait_commit(client, 4)
+        sent.wait(2)  # the compute report, then StepSynced: each a complete batch of this one-rank node
+        assert [type(e).__name__ for i in range(2) for _, e in sent.entries(i)] == ["Progress", "StepSynced"]
+        node.fan_out(m.CommitStep(gen=0, step=4))
+        t.join(5)
+        assert out == [True]
+    finally:
+        client.close()
+        ctl.server.close()
+
+
+def test_an_abort_carries_the_commit_that_may_still_be_on_its_way_through_the_agent(relay):
+    node, sent = relay
+    ctl = FakeController()
+    client = _client(ctl, node)
+    try:
+        ctl.ready.wait(5)
+        t4, out4 = _wait_commit(client, 4)
+        ctl.conn.send(m.Abort(gen=1, reason="rank 3 died", committed_step=4))  # step 4 committed before the fault
+        t4.join(5)
+        assert out4 == [True]  # it updates step 4, as every rank that got the commit does
+        t5, out5 = _wait_commit(client, 5)
+        t5.join(5)
+        assert out5 == [False]  # step 5 was not committed: it rolls back
+    finally:
+        client.close()
+        ctl.server.close()
+
+
+def test_a_dead_agent_ends_a_wait_for_the_commit(relay):
+    node, sent = relay
+    ctl = FakeController()
+    client = _client(ctl, node)
+    try:
+        ctl.ready.wait(5)
+        t, out = _wait_commit(client, 2)
+        node.close()  # the agent is gone: its relay connections end
+        t.join(5)
+        assert out == [False] and client.abort_gen == LOST_CONTROLLER_GEN
+        assert "agent" in client.abort_reason
+    finally:
+        client.close()
+        ctl.server.close()

@@ -1,0 +1,190 @@
+"""Per-node aggregation of the per-step commit: the agent's relay of its ranks' step reports.
+
+Without it every rank sends its step reports (a compute report, StepSynced, the rare in-step
+marks and Paused) to the controller and gets each commit from it: ~3 messages per rank per
+step at one controller. With it (setting ``node_reports``), each rank sends them to its
+node's agent over a local authenticated connection (role ``relay``, the job secret) and the
+agent forwards one :class:`~unbroken.protocol.messages.NodeReports` per batch; the controller
+sends each commit once per agent, which fans it out: ~3 messages per *node* per step.
+
+What the controller must still know, and why the batching keeps it:
+
+* **The commit** (DESIGN.md section 4): the controller still commits a step only when every
+  rank's StepSynced is in, under its lock, atomically with fault handling: the relay changes
+  how the reports travel, not the rule. A batch of StepSynced is sent as soon as every rank
+  connected here has one in it, so holding it never delays a commit: the commit waits for the
+  slowest rank anyway, and a node's batch waits only for its own slowest.
+* **Order**: one rank's relayed messages reach the controller in the order it sent them (one
+  connection per rank, one ordered buffer per node), and the buffer is flushed before the
+  agent reports a worker's exit (:meth:`NodeRelay.rank_gone`): a dead rank's last reports
+  (its step-start state, its StepSynced) arrive before its death. Paused and any other
+  report travel at once. A commit that comes through the agent may arrive after a direct
+  abort order: the abort carries the committed step (``Abort.committed_step``).
+* **Hang blame** (controller/hangs.py): an incomplete batch is sent after ``delay_s`` (0.5 s,
+  like the in-step marks), so the controller knows every rank's phase within about a second,
+  well inside any hang timeout (>= 5 s unless fixed lower).
+* **A dead agent** takes its workers with it (PR_SET_PDEATHSIG); its unsent batch is lost with
+  them, and no step they had not all reported can have committed. A worker whose relay
+  connection breaks treats it as a lost controller (worker/control.py).
+
+Owned by one :class:`~unbroken.agent.agent.Agent`. Threads: the relay's server runs one thread
+per local worker connection (``_serve``: appends, and flushes a complete batch); the agent's
+watcher thread calls :meth:`flush_due` and :meth:`rank_gone`; its command thread calls
+:meth:`fan_out`. One lock guards the buffer and is held while a batch is sent, so batches leave
+in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from unbroken.errors import ConnectionClosed, ProtocolError
+from unbroken.names import Phase
+from unbroken.protocol import messages as m
+from unbroken.protocol.framing import MAX_FRAME_BYTES
+from unbroken.protocol.wire import Connection, Server
+
+log = logging.getLogger(__name__)
+
+#: How long an incomplete batch waits for the node's other ranks before it is sent anyway.
+RELAY_DELAY_S = 0.5
+#: The most state bytes one NodeReports carries (the rest of its frame is small); more: several.
+BATCH_STATE_BYTES = MAX_FRAME_BYTES * 3 // 4
+ENTRY_OVERHEAD_BYTES = 512  # an entry's fields besides its state, generously
+#: How long rank_gone waits for a dead worker's relay connection to reach its end (its last reports).
+GONE_WAIT_S = 0.5
+
+
+@dataclass
+class _Entry:
+    rank: int
+    pid: int
+    msg: m.Message
+    batch: tuple[str, int] | None  # (kind, step) of a report that waits for the node's other ranks
+
+
+def _batch_key(msg: m.Message) -> tuple[str, int] | None:
+    """The reports every rank sends once per step, which a batch collects: compute, StepSynced."""
+    if isinstance(msg, m.StepSynced):
+        return ("synced", msg.step)
+    if isinstance(msg, m.Progress) and msg.phase == Phase.COMPUTE:
+        return ("compute", msg.step)
+    return None  # anything else (Paused, a mark, a lone completed step, finished) goes at once
+
+
+class NodeRelay:
+    """One node's relay of step reports (see the module docstring). ``send`` sends one message
+    on the agent's controller connection (thread-safe); False when it could not."""
+
+    def __init__(self, secret: bytes, send: Callable[[m.Message], bool], *, host: str = "127.0.0.1",
+                 delay_s: float = RELAY_DELAY_S) -> None:
+        self._send, self._delay_s = send, delay_s
+        self._lock = threading.Condition()
+        self._conns: dict[int, Connection] = {}  # rank -> its worker's relay connection (the newest)
+        self._buffer: list[_Entry] = []
+        self._oldest_t: float | None = None
+        self.batches_sent = 0  # NodeReports sent (for tests and benchmarks)
+        self._server = Server(host, 0, secret, self._serve)
+
+    @property
+    def address(self) -> str:
+        return f"{self._server.host}:{self._server.port}"
+
+    def start(self) -> None:
+        self._server.start()
+
+    def close(self) -> None:
+        self.flush()
+        self._server.close()
+
+    # -- from the workers (server threads) ------------------------------------------------
+    def _serve(self, conn: Connection) -> None:
+        rank, pid = conn.ident.get("rank"), conn.ident.get("pid")
+        if conn.role != "relay" or type(rank) is not int or type(pid) is not int or rank < 0:
+            raise ProtocolError(f"relay connection from {conn.peer} must be role 'relay' with int rank and pid, "
+                                f"got role {conn.role!r}, ident {conn.ident!r}")
+        with self._lock:
+            self._conns[rank] = conn
+        try:
+            while True:
+                msg = conn.recv()
+                if msg.TYPE not in m.RELAYED_TYPES or getattr(msg, "rank", None) != rank:
+                    log.warning("relay: rank %d sent %s (relayed: %s of its own rank only); dropped", rank,
+                                msg.TYPE, ", ".join(m.RELAYED_TYPES))
+                    continue
+                self._add(_Entry(rank, pid, msg, _batch_key(msg)))
+        except ConnectionClosed:
+            pass
+        finally:
+            with self._lock:
+                if self._conns.get(rank) is conn:
+                    del self._conns[rank]
+                self._lock.notify_all()
+                if self._complete_locked():  # the batch may have waited for this rank only
+                    self._flush_locked()
+
+    def _add(self, entry: _Entry) -> None:
+        with self._lock:
+            self._buffer.append(entry)
+            if self._oldest_t is None:
+                self._oldest_t = time.monotonic()
+            if entry.batch is None or self._complete_locked(entry.batch):
+                self._flush_locked()
+
+    def _complete_locked(self, key: tuple[str, int] | None = None) -> bool:
+        """Every connected rank has a report of ``key`` in the buffer (any key that is there: None)."""
+        keys = {key} if key is not None else {e.batch for e in self._buffer if e.batch is not None}
+        for k in keys:
+            if set(self._conns) <= {e.rank for e in self._buffer if e.batch == k}:
+                return True
+        return False
+
+    # -- from the agent's threads ------------------------------------------------------------
+    def flush_due(self, now: float | None = None) -> None:
+        """Send a batch that waited ``delay_s`` for the node's other ranks (the watcher thread)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self._oldest_t is not None and now - self._oldest_t >= self._delay_s:
+                self._flush_locked()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked()
+
+    def rank_gone(self, rank: int, wait_s: float = GONE_WAIT_S) -> None:
+        """``rank``'s process exited: take in what it sent before (its connection's end), then
+        send the buffer, before the agent reports the exit on the same connection."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            while rank in self._conns and time.monotonic() < deadline:
+                self._lock.wait(0.01)
+            self._flush_locked()
+
+    def fan_out(self, msg: m.CommitStep) -> None:
+        """The controller's commit, to every local rank connected here (the agent's command thread)."""
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            try:
+                conn.send(msg)
+            except (OSError, ProtocolError):
+                pass  # that worker is gone: its agent reports the exit
+
+    # -- sending -------------------------------------------------------------------------------
+    def _flush_locked(self) -> None:
+        entries, self._buffer, self._oldest_t = self._buffer, [], None
+        while entries:
+            chunk, size = [], 0
+            while entries and (not chunk or size + _size(entries[0]) <= BATCH_STATE_BYTES):
+                size += _size(entries[0])
+                chunk.append(entries.pop(0))
+            self.batches_sent += 1
+            self._send(m.NodeReports(entries=[m.encode(e.msg) for e in chunk], pids=[e.pid for e in chunk]))
+
+
+def _size(entry: _Entry) -> int:
+    return len(getattr(entry.msg, "state", b"")) + ENTRY_OVERHEAD_BYTES

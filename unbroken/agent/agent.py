@@ -13,7 +13,6 @@ Worker states (``WorkerProc.state``): running -> exited (on its own) | stopped (
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -27,10 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
-import psutil
-
 from unbroken.agent import prerun
 from unbroken.agent.placement import Placement
+from unbroken.agent.processes import die_with_parent, process_state, signal_group
 from unbroken.agent.relay import NodeRelay
 from unbroken.checkpoint import shm_files
 from unbroken.checkpoint.launch_dirs import run_id
@@ -45,7 +43,6 @@ log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.05
 STATUS_EVERY = 5  # watch rounds between looks at the workers' process states (stopped, zombie)
 TAIL_LINES = 20
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 #: After a spare became a replacement, the next one starts this much later: its imports (seconds of
 #: CPU) would otherwise compete with the recovery in progress (the replacement's script, the transfer).
 SPARE_RESTART_DELAY_S = 3.0
@@ -205,7 +202,7 @@ class Agent:
         with self._lock:
             old = self._procs.get(msg.rank)
         if old is not None and old.popen.poll() is None:
-            _signal_group(old.popen, signal.SIGKILL)
+            signal_group(old.popen, signal.SIGKILL)
             old.popen.wait()
         self._placement.restart(msg)
         self._spawn(msg.rank, msg.attempt, gen=msg.gen)
@@ -220,7 +217,7 @@ class Agent:
             if popen is None:
                 popen = subprocess.Popen([sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
             proc = WorkerProc(rank, local_rank, attempt, popen)
             proc.reader = threading.Thread(target=self._read_output, args=(proc,),
                                            name=f"unbroken-out-r{rank}", daemon=True)
@@ -244,7 +241,7 @@ class Agent:
             return
         if self._prerun and self._placement.world_size:  # (a standby agent's first spare: warm)
             self._prerun_spare = prerun.PrerunSpare.start(dict(os.environ), self._worker_env(0, 0, 0, 0),
-                                                          [self.cfg.script, *self.cfg.script_args], _die_with_parent)
+                                                          [self.cfg.script, *self.cfg.script_args], die_with_parent)
             return
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.omp_num_threads), PYTHONUNBUFFERED="1")
         # -P: the working directory is not put on sys.path, so a folder named `unbroken` there
@@ -252,7 +249,7 @@ class Agent:
         # folder, as `python script.py` does for a worker started without it.
         self._spare = subprocess.Popen([sys.executable, "-u", "-P", "-m", "unbroken.agent.spare"], env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       start_new_session=True, preexec_fn=_die_with_parent)
+                                       start_new_session=True, preexec_fn=die_with_parent)
         if self._spare_imports:
             self._tell_spare({"imports": self._spare_imports})
 
@@ -344,7 +341,7 @@ class Agent:
         self._release_prerun()
         spare, self._spare = self._spare, None
         if spare is not None:
-            _signal_group(spare, signal.SIGKILL)
+            signal_group(spare, signal.SIGKILL)
             spare.wait()
 
     def _read_output(self, proc: WorkerProc) -> None:
@@ -388,7 +385,7 @@ class Agent:
         with self._lock:
             procs = [p for p in self._procs.values() if p.state == "running"]
         for p in procs:
-            status = _process_state(p.popen.pid)
+            status = process_state(p.popen.pid)
             if status != p.process:
                 p.process = status
                 self._send(m.WorkerStatus(rank=p.rank, pid=p.popen.pid, attempt=p.attempt, status=status))
@@ -397,7 +394,7 @@ class Agent:
         with self._lock:
             proc = self._procs.get(rank)
         if proc is not None and proc.popen.pid == pid and proc.popen.poll() is None:
-            _signal_group(proc.popen, signal.SIGKILL)
+            signal_group(proc.popen, signal.SIGKILL)
 
     def _stop_all(self, attempt: int | None) -> None:
         """Stop every live worker (SIGTERM, then SIGKILL after the grace period) and reap it."""
@@ -408,14 +405,14 @@ class Agent:
                     p.state = "stopped"
         for p in procs:
             if p.popen.poll() is None:
-                _signal_group(p.popen, signal.SIGTERM)
+                signal_group(p.popen, signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.stop_grace_s
         for p in procs:
             try:
                 p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            _signal_group(p.popen, signal.SIGKILL)  # also reaps any child the worker left
+            signal_group(p.popen, signal.SIGKILL)  # also reaps any child the worker left
             p.popen.wait()
             if p.reader is not None:
                 p.reader.join(timeout=1.0)
@@ -434,31 +431,3 @@ class Agent:
             log.warning("agent %d: could not send %s: %s", self.node_rank, type(msg).__name__, exc)
             return False
 
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it if the agent dies, so no worker outlives its agent."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the agent's own clean-up still stops workers
-        pass
-
-
-def _process_state(pid: int) -> str:
-    """running | stopped (SIGSTOP, a debugger) | zombie, as /proc says (psutil)."""
-    try:
-        status = psutil.Process(pid).status()
-    except psutil.NoSuchProcess:
-        return "zombie"  # gone: the watcher reports its exit
-    except psutil.Error:
-        return "running"
-    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-        return "stopped"
-    return "zombie" if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "running"
-
-
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(popen.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -133,9 +133,7 @@ class WorkerRegister(Message):
     attempt: int
     gen: int = 0
     replacement: bool = False
-    # Its step reports go through its node's agent (NodeReports) and its commits come back that way
-    # (agent/relay.py, setting node_reports); the controller then sends each commit once per agent.
-    relay: bool = False
+    relay: bool = False  # step reports via its node's agent, commits back that way (agent/relay.py)
 
 
 @message("progress")

@@ -92,11 +92,10 @@ class Job:
         return torch.device("cpu")
 
     def _build_control(self) -> ControlClient | None:
-        if self.cfg.mode != "managed":
+        if (cfg := self.cfg).mode != "managed":
             return None
-        return ControlClient(self.cfg.controller, self.cfg.secret, rank=self.rank, pid=os.getpid(),
-                             attempt=self.attempt, gen=self.cfg.gen, replacement=self.cfg.replacement,
-                             relay=self.cfg.relay)
+        return ControlClient(cfg.controller, cfg.secret, rank=self.rank, pid=os.getpid(), attempt=self.attempt,
+                             gen=cfg.gen, replacement=cfg.replacement, relay=cfg.relay)
 
     def _build_injector(self) -> FaultInjector:
         faults = parse_plan(self.cfg.inject)

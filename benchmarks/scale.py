@@ -34,6 +34,7 @@ shape with N is what to read, not the absolute figures. Final weights are not co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -43,7 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recovery import Run, add_event_figures, analyze, prerun_note  # noqa: E402 - the same measurement as recovery.py
+from cpu_window import CpuSampler, cpu_by_role, format_cpu  # noqa: E402
+from recovery import FAULT_RE, Run, add_event_figures, analyze, prerun_note  # noqa: E402 - the same measurement as recovery.py
 from runlib import REPO, clean_shm, in_flight, kill_tree, launch, median, read_events, unbroken_cmd  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_gpt.py"
@@ -71,13 +73,16 @@ def command(row: str, nproc: int, d: Path, args: argparse.Namespace) -> list[str
 
 def run_once(row: str, nproc: int, workdir: Path, args: argparse.Namespace, env: dict[str, str]) -> Run:
     d = Path(tempfile.mkdtemp(prefix=f"{row}-{nproc}-", dir=workdir))
-    res = launch(command(row, nproc, d, args), env, args.run_timeout_s, args.verbose)
+    with CpuSampler() if args.cpu else contextlib.nullcontext() as sampler:
+        res = launch(command(row, nproc, d, args), env, args.run_timeout_s, args.verbose)
     run = Run(row, job_s=res.job_s)
     analyze(run, res.lines, args.kill_step, args.steps)
     events = read_events(d / "run")
     add_event_figures(run, events)
     if row == "in_flight_prerun":
         run.notes.append(prerun_note(events, rank=nproc - 1))
+    if sampler is not None:
+        run.notes.extend(cpu_windows(sampler, run, res.lines, events, lost_rank=nproc - 1))
     if row.startswith("in_flight") and run.recover_s is not None and "total_s" in run.extra:
         run.extra["redo_s"] = max(0.0, run.recover_s - run.extra["total_s"])
         parts = [run.extra.get(k, 0.0) for k in ("detect_s", "replace_s", "regroup_s", "restore_s")]
@@ -90,6 +95,20 @@ def run_once(row: str, nproc: int, workdir: Path, args: argparse.Namespace, env:
     clean_shm(d / "run")
     shutil.rmtree(d, ignore_errors=True)
     return run
+
+
+def cpu_windows(sampler: CpuSampler, run: Run, lines: list[tuple[float, str]], events: list[dict],
+                lost_rank: int) -> list[str]:
+    """CPU by role in three windows: the second before the fault (steady state), fault -> resumed
+    (the controller's recovered_in_flight), resumed -> back at the fault's step (redo)."""
+    fault_t = next((t for t, line in lines if FAULT_RE.search(line)), None)
+    resumed_t = next((float(ev["t"]) for ev in events if ev.get("event") == "recovered_in_flight"), None)
+    if fault_t is None or resumed_t is None or run.recover_s is None:
+        return ["cpu: no fault, resume or recovery seen"]
+    back_t = fault_t + run.recover_s
+    windows = [("cpu steady (1 s before the fault)", fault_t - 1.0, fault_t), ("cpu fault -> resumed", fault_t, resumed_t),
+               ("cpu resumed -> back at step", resumed_t, back_t)]
+    return [format_cpu(label, cpu_by_role(sampler, t0, t1, fault_t, lost_rank)) for label, t0, t1 in windows]
 
 
 def summarize(runs: list[Run]) -> dict[str, float]:
@@ -167,6 +186,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown", default=None, metavar="MD", help="write the table here")
     p.add_argument("--json", default=None)
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--cpu", action="store_true",
+                   help="sample every process's CPU time and print it by role around the fault (benchmarks/cpu_window.py)")
     args = p.parse_args(argv)
     if args.repeats < 1 or not 0 < args.kill_step < args.steps:
         p.error(f"--repeats must be >= 1 and --kill-step in [1, {args.steps - 1}]")
@@ -192,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                     run = run_once(row, nproc, workdir, args, env)
                     runs[row].append(run)
                     print(f"  recover_s {run.recover_s}, {json.dumps({k: round(v, 3) for k, v in run.extra.items()})}"
-                          + "".join(f"  ({note})" for note in run.notes)
+                          + "".join(f"  ({note})" for note in run.notes if not note.startswith("cpu"))
                           + (f"  PROBLEM: {'; '.join(run.problems)}" if run.problems else ""), flush=True)
-                    for line in run.tail:
+                    for line in [*(n for n in run.notes if n.startswith("cpu")), *run.tail]:
                         print(f"    {line}", flush=True)
             results[nproc] = {row: summarize(rs) for row, rs in runs.items()}
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ process group is never touched).
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -196,3 +197,29 @@ def test_a_meta_naming_other_pieces_is_refused():
     incoming.meta = torch.frombuffer(bytearray(b'{"pieces": [{"key": 1}]}'), dtype=torch.uint8)
     with pytest.raises(CheckpointCorrupt, match="does not list each piece's key"):
         incoming.plan(torch.device("cpu"))
+
+
+def test_a_send_to_a_lazily_connected_peer_that_never_came_still_aborts():
+    """--lazy-connect: a send connects its pair (a store get of the peer's address, then TCP). A
+    peer lost before it published its address holds that call until the group's timeout, so the
+    sends are posted in the exchange's thread and the abort order still ends the exchange at once."""
+    from unbroken.comm.groups import gloo_group
+    from unbroken.comm.wait import AbortWatch
+    from unbroken.errors import CollectiveAborted
+
+    group = gloo_group(dist.HashStore(), 0, 2, timedelta(seconds=30), lazy_connect=True)  # rank 1 never comes
+    fired = threading.Event()
+    watch = AbortWatch(fired.is_set)
+
+    def abort_later() -> None:
+        fired.wait(0.5)
+        fired.set()
+        watch.wake()
+    threading.Thread(target=abort_later, daemon=True).start()
+    graveyard: list = []
+    started = time.monotonic()
+    with pytest.raises(CollectiveAborted):
+        exchange_states([("model", 0, 1)], group, state_of=lambda key: {"w": torch.ones(3)}, local_of=lambda key: None,
+                        device=torch.device("cpu"), should_abort=watch, graveyard=graveyard, what="test transfer")
+    assert time.monotonic() - started < 10  # not the group's 30 s timeout
+    assert len(graveyard) == 1  # the exchange's thread, still in its connect, stays referenced

@@ -23,8 +23,8 @@ tensors are raw bytes. Bundles from different holders run in parallel.
 parameter range of a flat buffer). Runs in the training thread of each rank. gloo's send and
 recv works complete only inside ``wait()`` (``is_completed()`` stays False until then:
 checked here), so one daemon thread per call runs the blocking part (the receive rounds, then
-the waits on the sends) while the training thread polls it with the abort check
-(:class:`_InThread`).
+the waits on the sends) while the training thread waits for it with the abort check
+(:class:`_InThread`: blocked until it ends or the abort wakes it, with an ``AbortWatch``).
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class _InThread:
     def __init__(self, body: Callable[[], Any]) -> None:
         self._body, self._error, self.result = body, None, None
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
         threading.Thread(target=self._run, daemon=True, name="unbroken-p2p-wait").start()
 
     def _run(self) -> None:
@@ -101,7 +103,19 @@ class _InThread:
         except Exception as exc:  # noqa: BLE001 - re-raised in the training thread by wait()
             self._error = exc
         finally:
-            self._done.set()
+            with self._lock:
+                self._done.set()
+                callbacks, self._callbacks = self._callbacks, []
+            for fn in callbacks:
+                fn()
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """``fn()`` once the body ended (at once if it has): lets ``wait_all`` block (comm/wait.py)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -125,7 +139,7 @@ def exchange_states(moves: Sequence[Move], group: dist.ProcessGroup, *, state_of
 
     ``state_of(key)``: this rank's tree of a piece it sends. ``local_of(key)``: its own
     current tree of a piece it receives (or None): tensors land in it where they fit.
-    ``timings`` (optional) gets the seconds of each sub-phase (``post_s``, ``headers_s``,
+    ``timings`` (optional) gets the seconds of each sub-phase (``pack_s``, ``post_s``, ``headers_s``,
     ``bodies_s``, ``large_s``, ``sends_s``, ``unpack_s``).
     """
     rank = group.rank()
@@ -134,19 +148,24 @@ def exchange_states(moves: Sequence[Move], group: dist.ProcessGroup, *, state_of
         return {}
     laps = timings if timings is not None else {}
     t0 = time.monotonic()
-    sends, keep = [], []  # buffers of sends in flight stay referenced (by the thread) until they complete
+    outgoing = []  # (bundle, its messages): packed here, posted by the exchange's thread
     for b in bundles:
         if b.src == rank:
-            sends += _post_bundle(b, state_of, group, device, keep)
+            outgoing.append((b, _pack_bundle(b, state_of, device)))
     incoming = [_Incoming(b, {k: local_of(k) for k in b.keys}) for b in bundles if b.dst == rank]
-    laps["post_s"] = time.monotonic() - t0
+    laps["pack_s"] = time.monotonic() - t0
 
     def body() -> None:
+        # Posted here, not in the training thread: a send is where a lazily connected pair
+        # (--lazy-connect) connects (a store get of the peer's address, then TCP, retried), and a
+        # peer lost meanwhile would hold that call until the group's timeout, past any abort order.
+        t = time.monotonic()
+        sends = [group.send([msg], b.dst, b.tag + k) for b, msgs in outgoing for k, msg in enumerate(msgs) if msg.numel()]
+        laps["post_s"] = time.monotonic() - t
         _receive(incoming, group, device, should_abort, laps)
         t = time.monotonic()
-        _wait_works(sends)
+        _wait_works(sends)  # the messages stay referenced (``outgoing``) until their sends complete
         laps["sends_s"] = time.monotonic() - t
-        keep.clear()
 
     wait_all([_InThread(body)], should_abort, graveyard, what)
     t = time.monotonic()
@@ -159,19 +178,19 @@ def send_recv_tensors(ops: Sequence[tuple[int, int, torch.Tensor]], group: dist.
                       should_abort: Callable[[], bool], graveyard: list, what: str) -> None:
     """Each ``(src, dst, tensor)``: ``src`` sends its tensor into ``dst``'s (same shape on both; both
     list the same ops in the same order). A rank in no op issues nothing."""
-    rank, works = group.rank(), []
-    for i, (src, dst, tensor) in enumerate(ops):
-        if src == rank:
-            works.append(group.send([tensor], dst, i))
-        elif dst == rank:
-            works.append(group.recv([tensor], src, i))
-    if works:
-        wait_all([_InThread(lambda: _wait_works(works))], should_abort, graveyard, what)
+    rank = group.rank()
+    mine = [(i, src, dst, tensor) for i, (src, dst, tensor) in enumerate(ops) if rank in (src, dst)]
+
+    def body() -> None:  # posted in the thread: a lazily connected pair connects there (exchange_states)
+        _wait_works([group.send([tensor], dst, i) if src == rank else group.recv([tensor], src, i)
+                     for i, src, dst, tensor in mine])
+    if mine:
+        wait_all([_InThread(body)], should_abort, graveyard, what)
 
 
-def _post_bundle(b: _Bundle, state_of: Callable[[str], Any], group: dist.ProcessGroup, device: torch.device,
-                 keep: list[torch.Tensor]) -> list:
-    """The sender's side of one bundle: every message posted at once (see the module docstring)."""
+def _pack_bundle(b: _Bundle, state_of: Callable[[str], Any], device: torch.device) -> list[torch.Tensor]:
+    """The sender's side of one bundle: its messages, in message order, all posted at once (see the
+    module docstring)."""
     pieces, small, large = [], [], []
     for key in b.keys:
         tensors, spec = flatten_state(state_of(key))
@@ -185,9 +204,7 @@ def _post_bundle(b: _Bundle, state_of: Callable[[str], Any], group: dist.Process
         flat[offset:offset + t.numel() * t.element_size()].copy_(_as_bytes(t.contiguous()))
     meta = torch.frombuffer(bytearray(json.dumps({"pieces": pieces}).encode()), dtype=torch.uint8)
     header = torch.tensor([meta.numel(), total], dtype=torch.int64)
-    msgs = [header.to(device), meta.to(device), flat.to(device)] + [t.to(device).contiguous() for t in large]
-    keep += msgs
-    return [group.send([t], b.dst, b.tag + k) for k, t in enumerate(msgs) if t.numel()]
+    return [header.to(device), meta.to(device), flat.to(device)] + [t.to(device).contiguous() for t in large]
 
 
 class _Incoming:

@@ -2,17 +2,26 @@
 
 Nothing in torch cancels an in-flight gloo op (FACTS.md): a blocked ``work.wait()`` only
 ends at the process-group timeout. So collectives are issued with ``async_op=True`` and
-the training thread polls ``work.is_completed()`` while also asking the caller's abort
-check. On abort the pending work objects are handed to a graveyard list that the caller
-owns: dropping them early would block in their destructor until the timeout.
+the training thread waits for ``work`` while also asking the caller's abort check. With an
+:class:`AbortWatch` (a check that the thread learning of an abort also *wakes*) and works that
+say when they end (a gloo collective's future, :class:`Completion`), the wait blocks: it
+wakes on a work's end or on the abort, never on a timer (a backstop of ``BACKSTOP_S``
+only). Otherwise it polls ``work.is_completed()`` with short sleeps. Why blocking matters:
+during a recovery the survivors wait for the replacement; N - 1 ranks polling every 2 ms
+took CPU from the few ranks doing the work (docs/scale.md). On abort the pending work
+objects are handed to a graveyard list that the caller owns: dropping them early would
+block in their destructor until the timeout.
 
-Runs in the training thread of one rank.
+Runs in the training thread of one rank; :meth:`AbortWatch.wake` and the works' callbacks run
+in other threads (the control reader, gloo's worker threads).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from torch.distributed import Work
 
@@ -22,6 +31,63 @@ AbortCheck = Callable[[], bool]
 
 _FIRST_SLEEP_S = 50e-6  # short first: a small bucket is done in ~0.3 ms
 _MAX_SLEEP_S = 2e-3     # the abort latency bound; polling faster only burns a core gloo needs
+BACKSTOP_S = 0.1        # a blocked wait re-checks everything this often even if nothing woke it
+
+
+class AbortWatch:
+    """An abort check that can also wake the waits blocked on it.
+
+    Owned by one rank's in-flight state (:class:`~unbroken.worker.inflight.InFlight`).
+    ``watch()`` asks the check (the training thread); :meth:`wake` is called by whichever thread
+    learns of an abort (the control reader thread) *after* the check would return True, and
+    wakes every wait registered now.
+    """
+
+    def __init__(self, check: AbortCheck) -> None:
+        self._check = check
+        self._lock = threading.Lock()
+        self._waiters: set[threading.Event] = set()
+
+    def __call__(self) -> bool:
+        return self._check()
+
+    def wake(self) -> None:
+        with self._lock:
+            waiters = list(self._waiters)
+        for event in waiters:
+            event.set()
+
+    def _add(self, event: threading.Event) -> None:
+        with self._lock:
+            self._waiters.add(event)
+
+    def _discard(self, event: threading.Event) -> None:
+        with self._lock:
+            self._waiters.discard(event)
+
+
+class Completion(Protocol):
+    """A work that calls ``fn()`` (from any thread) once it ended, successfully or not."""
+
+    def on_done(self, fn: Callable[[], None]) -> None: ...
+
+
+def _hook(work: object, fn: Callable[[], None]) -> bool:
+    """Make ``fn()`` run when ``work`` ends; False if it cannot say (then the wait polls). A plain
+    torch work tells through its future (gloo completes it, error or not, a moment *before*
+    ``is_completed()`` turns True: so the hook, not ``is_completed``, says it ended); gloo's
+    reduce-scatter and send/recv works have none."""
+    if hasattr(work, "on_done"):
+        work.on_done(fn)
+        return True
+    if type(work) is not Work:  # a Python subclass (parallel/work.py) may complete only in wait()
+        return False
+    try:
+        future = work.get_future()
+    except RuntimeError:
+        return False
+    future.add_done_callback(lambda _f: fn())
+    return True
 
 
 def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: list[Work],
@@ -39,6 +105,8 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
     if should_abort is None:
         _wait_blocking(works, graveyard, what)
         return
+    if isinstance(should_abort, AbortWatch) and _wait_woken(works, should_abort, graveyard, what):
+        return
     pending = list(works)
     sleep_s = _FIRST_SLEEP_S
     while pending:
@@ -46,10 +114,7 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
         # step, even where its own ops happened to finish.
         if should_abort():
             graveyard.extend(w for w in pending if not w.is_completed())
-            raise CollectiveAborted(
-                f"{what} aborted on the abort order with {len(pending)} of {len(works)} collective "
-                "op(s) not yet seen complete; pending ones stay referenced in `abandoned_work` "
-                "until they end (at the latest at the process-group timeout)")
+            raise _aborted(what, len(pending), len(works))
         still = []
         for index, work in enumerate(pending):
             if not work.is_completed():
@@ -69,6 +134,53 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
         if pending:
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)
+
+
+def _aborted(what: str, pending: int, total: int) -> CollectiveAborted:
+    return CollectiveAborted(
+        f"{what} aborted on the abort order with {pending} of {total} collective "
+        "op(s) not yet seen complete; pending ones stay referenced in `abandoned_work` "
+        "until they end (at the latest at the process-group timeout)")
+
+
+def _wait_woken(works: Sequence[Work], watch: AbortWatch, graveyard: list[Work], what: str) -> bool:
+    """:func:`wait_all` blocking on ``wake`` (see the module docstring); False, having waited for
+    nothing, when a work cannot say when it ends (the caller then polls)."""
+    wake = threading.Event()
+    ended = [threading.Event() for _ in works]
+
+    def done(event: threading.Event) -> Callable[[], None]:
+        return lambda: (event.set(), wake.set())
+
+    if not all(_hook(work, done(event)) for work, event in zip(works, ended)):
+        return False  # the hooks already set stay harmless: they set events nobody waits on
+    watch._add(wake)
+    try:
+        pending = list(range(len(works)))
+        while pending:
+            wake.clear()  # cleared before the checks: a wake after them is never lost
+            if watch():  # first, as in the polling loop: every rank that saw the order aborts the same step
+                graveyard.extend(works[i] for i in pending if not works[i].is_completed())
+                raise _aborted(what, len(pending), len(works))
+            still = []
+            for n, i in enumerate(pending):
+                if not ended[i].is_set():
+                    still.append(i)
+                    continue
+                try:
+                    works[i].wait()  # it ended: returns at once, or raises the op's error
+                except Exception as err:  # noqa: BLE001 - any backend error ends the op
+                    graveyard.extend(works[j] for j in [*still, *pending[n + 1:]] if not works[j].is_completed())
+                    if watch():
+                        raise CollectiveAborted(f"{what} aborted on the abort order; it had failed: {err}") from err
+                    err.add_note(f"unbroken: during the {what}")
+                    raise
+            pending = still
+            if pending:
+                wake.wait(BACKSTOP_S)
+    finally:
+        watch._discard(wake)
+    return True
 
 
 def _wait_blocking(works: Sequence[Work], graveyard: list[Work], what: str) -> None:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.comm import generation_group, wait_all
+from unbroken.comm.wait import AbortWatch
 from unbroken.comm.p2p import exchange_states
 from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
@@ -97,20 +98,24 @@ class InFlight:
         self._joined_t: float | None = None  # a replacement: when it joined its generation (in init())
         self.replica_map: MeshReplicaMap | None = None  # the job's mesh (job.mesh): who holds whose objects
         self.after_transfer: list[Callable[[], None]] = []  # run by every rank last in each transfer
+        # True once the controller ordered this generation's collectives abandoned; the waits
+        # blocked on it (comm/wait.py) are woken by the control reader thread's abort (_fire_abort).
+        self.should_abort = AbortWatch(self._abort_due)
         if fabric is not None:
             self.graveyard = fabric.graveyard  # one graveyard (the groups hold it): close() checks it
-            if control is not None:
-                control.on_abort = self._fire_abort
+        if control is not None:
+            control.on_abort = self._fire_abort
 
     def _fire_abort(self, abort_gen: int, reason: str) -> None:
-        """The control reader thread: an abort order for the fabric's generation fails its collectives
-        (a stock DDP's all-reduce among them) at once."""
-        if abort_gen > self._fabric.generation:
+        """The control reader thread, on each abort order (and when the controller is lost): wake
+        every wait blocked on ``should_abort``; an order for the fabric's generation also fails its
+        collectives (a stock DDP's all-reduce among them) at once."""
+        self.should_abort.wake()
+        if self._fabric is not None and abort_gen > self._fabric.generation:
             self._fabric.signal.fire(reason or f"abort order for generation {abort_gen}")
 
     # -- is a recovery due? -------------------------------------------------------------
-    def should_abort(self) -> bool:
-        """True once the controller ordered this generation's collectives abandoned."""
+    def _abort_due(self) -> bool:
         return self._control is not None and self._control.abort_gen > self.gen
 
     @property

@@ -174,9 +174,18 @@ class FakeController:
             self.got.put(conn.recv())
 
 
-def _client(ctl: FakeController, node: NodeRelay) -> ControlClient:
-    return ControlClient(f"127.0.0.1:{ctl.server.port}", SECRET.decode(), rank=0, pid=1000, attempt=0,
-                         relay=node.address)
+@pytest.fixture
+def relayed(relay):
+    """(node relay, its sent batches, a fake controller, a worker's ControlClient relayed through the node)."""
+    node, sent = relay
+    ctl = FakeController()
+    client = ControlClient(f"127.0.0.1:{ctl.server.port}", SECRET.decode(), rank=0, pid=1000, attempt=0,
+                           relay=node.address)
+    try:
+        yield node, sent, ctl, client
+    finally:
+        client.close()
+        ctl.server.close()
 
 
 def _wait_commit(client: ControlClient, step: int) -> list:
@@ -186,53 +195,35 @@ def _wait_commit(client: ControlClient, step: int) -> list:
     return [t, out]
 
 
-def test_a_relayed_worker_registers_so_reports_through_its_agent_and_gets_the_fanned_out_commit(relay):
-    node, sent = relay
-    ctl = FakeController()
-    client = _client(ctl, node)
-    try:
-        assert ctl.got.get(timeout=5) == m.WorkerRegister(rank=0, pid=1000, attempt=0, relay=True)
-        client.progress(4, "compute")
-        t, out = _wait_commit(client, 4)
-        sent.wait(2)  # the compute report, then StepSynced: each a complete batch of this one-rank node
-        assert [type(e).__name__ for i in range(2) for _, e in sent.entries(i)] == ["Progress", "StepSynced"]
-        node.fan_out(m.CommitStep(gen=0, step=4))
-        t.join(5)
-        assert out == [True]
-    finally:
-        client.close()
-        ctl.server.close()
+def test_a_relayed_worker_registers_so_reports_through_its_agent_and_gets_the_fanned_out_commit(relayed):
+    node, sent, ctl, client = relayed
+    assert ctl.got.get(timeout=5) == m.WorkerRegister(rank=0, pid=1000, attempt=0, relay=True)
+    client.progress(4, "compute")
+    t, out = _wait_commit(client, 4)
+    sent.wait(2)  # the compute report, then StepSynced: each a complete batch of this one-rank node
+    assert [type(e).__name__ for i in range(2) for _, e in sent.entries(i)] == ["Progress", "StepSynced"]
+    node.fan_out(m.CommitStep(gen=0, step=4))
+    t.join(5)
+    assert out == [True]
 
 
-def test_an_abort_carries_the_commit_that_may_still_be_on_its_way_through_the_agent(relay):
-    node, sent = relay
-    ctl = FakeController()
-    client = _client(ctl, node)
-    try:
-        ctl.ready.wait(5)
-        t4, out4 = _wait_commit(client, 4)
-        ctl.conn.send(m.Abort(gen=1, reason="rank 3 died", committed_step=4))  # step 4 committed before the fault
-        t4.join(5)
-        assert out4 == [True]  # it updates step 4, as every rank that got the commit does
-        t5, out5 = _wait_commit(client, 5)
-        t5.join(5)
-        assert out5 == [False]  # step 5 was not committed: it rolls back
-    finally:
-        client.close()
-        ctl.server.close()
+def test_an_abort_carries_the_commit_that_may_still_be_on_its_way_through_the_agent(relayed):
+    node, sent, ctl, client = relayed
+    ctl.ready.wait(5)
+    t4, out4 = _wait_commit(client, 4)
+    ctl.conn.send(m.Abort(gen=1, reason="rank 3 died", committed_step=4))  # step 4 committed before the fault
+    t4.join(5)
+    assert out4 == [True]  # it updates step 4, as every rank that got the commit does
+    t5, out5 = _wait_commit(client, 5)
+    t5.join(5)
+    assert out5 == [False]  # step 5 was not committed: it rolls back
 
 
-def test_a_dead_agent_ends_a_wait_for_the_commit(relay):
-    node, sent = relay
-    ctl = FakeController()
-    client = _client(ctl, node)
-    try:
-        ctl.ready.wait(5)
-        t, out = _wait_commit(client, 2)
-        node.close()  # the agent is gone: its relay connections end
-        t.join(5)
-        assert out == [False] and client.abort_gen == LOST_CONTROLLER_GEN
-        assert "agent" in client.abort_reason
-    finally:
-        client.close()
-        ctl.server.close()
+def test_a_dead_agent_ends_a_wait_for_the_commit(relayed):
+    node, sent, ctl, client = relayed
+    ctl.ready.wait(5)
+    t, out = _wait_commit(client, 2)
+    node.close()  # the agent is gone: its relay connections end
+    t.join(5)
+    assert out == [False] and client.abort_gen == LOST_CONTROLLER_GEN
+    assert "agent" in client.abort_reason

@@ -4,6 +4,7 @@ controller connection, a stand-in controller socket. Milliseconds per test, no p
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -64,58 +65,61 @@ def _connected(node: NodeRelay, count: int) -> None:
         time.sleep(0.005)
 
 
+@contextlib.contextmanager
+def _workers(node: NodeRelay, count: int):
+    """``count`` ranks connected to the relay (ranks 0..count-1), closed on the way out, failing or not."""
+    conns = [_worker(node, r) for r in range(count)]
+    try:
+        _connected(node, count)
+        yield conns
+    finally:
+        for c in conns:
+            c.close()
+
+
 def _compute(rank: int, step: int) -> m.Progress:
     return m.Progress(rank=rank, attempt=0, step=step, phase="compute", metrics={}, state=b"own%d" % rank)
 
 
 def test_a_nodes_batch_goes_once_it_carries_every_local_rank(relay):
     node, sent = relay
-    conns = [_worker(node, r) for r in range(3)]
-    _connected(node, 3)
-    for r in (2, 0):
-        conns[r].send(_compute(r, 5))
-    time.sleep(0.05)
-    assert sent.msgs == []  # rank 1 has not reported step 5 yet
-    conns[1].send(_compute(1, 5))
-    sent.wait(1)
-    assert sorted((pid, e.rank, e.step, e.state) for pid, e in sent.entries(0)) == [
-        (1000, 0, 5, b"own0"), (1001, 1, 5, b"own1"), (1002, 2, 5, b"own2")]  # one batch, states kept
-    for r in range(3):
-        conns[r].send(m.StepSynced(rank=r, attempt=0, gen=0, step=5))
-    sent.wait(2)
-    assert sorted(e.rank for _, e in sent.entries(1)) == [0, 1, 2] and node.batches_sent == 2
-    for c in conns:
-        c.close()
+    with _workers(node, 3) as conns:
+        for r in (2, 0):
+            conns[r].send(_compute(r, 5))
+        time.sleep(0.05)
+        assert sent.msgs == []  # rank 1 has not reported step 5 yet
+        conns[1].send(_compute(1, 5))
+        sent.wait(1)
+        assert sorted((pid, e.rank, e.step, e.state) for pid, e in sent.entries(0)) == [
+            (1000, 0, 5, b"own0"), (1001, 1, 5, b"own1"), (1002, 2, 5, b"own2")]  # one batch, states kept
+        for r in range(3):
+            conns[r].send(m.StepSynced(rank=r, attempt=0, gen=0, step=5))
+        sent.wait(2)
+        assert sorted(e.rank for _, e in sent.entries(1)) == [0, 1, 2] and node.batches_sent == 2
 
 
 def test_a_missing_rank_holds_the_batch_until_the_delay_then_the_others_go(relay):
     node, sent = relay
-    conns = [_worker(node, r) for r in range(3)]
-    _connected(node, 3)
-    for r in (0, 1):
-        conns[r].send(m.StepSynced(rank=r, attempt=0, gen=0, step=7))
-    deadline = time.monotonic() + 5
-    while len(node._buffer) < 2:  # both taken in (the relay's threads)
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    node.flush_due(time.monotonic())
-    assert sent.msgs == []  # rank 2 missing, the delay not over: the controller cannot commit step 7 yet
-    node.flush_due(time.monotonic() + DELAY_S)  # the agent's watcher does this every 50 ms
-    assert sorted(e.rank for _, e in sent.entries(0)) == [0, 1]  # the hang rule sees them in sync within the delay
-    for c in conns:
-        c.close()
+    with _workers(node, 3) as conns:
+        for r in (0, 1):
+            conns[r].send(m.StepSynced(rank=r, attempt=0, gen=0, step=7))
+        deadline = time.monotonic() + 5
+        while len(node._buffer) < 2:  # both taken in (the relay's threads)
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        node.flush_due(time.monotonic())
+        assert sent.msgs == []  # rank 2 missing, the delay not over: the controller cannot commit step 7 yet
+        node.flush_due(time.monotonic() + DELAY_S)  # the agent's watcher does this every 50 ms
+        assert sorted(e.rank for _, e in sent.entries(0)) == [0, 1]  # the hang rule sees them in sync within the delay
 
 
 def test_a_pause_and_a_lone_mark_go_at_once_after_what_came_before(relay):
     node, sent = relay
-    conns = [_worker(node, r) for r in range(2)]
-    _connected(node, 2)
-    conns[0].send(_compute(0, 3))
-    conns[0].send(m.Paused(rank=0, attempt=0, gen=1, step=3, phase="compute"))
-    sent.wait(1)
-    assert [type(e).__name__ for _, e in sent.entries(0)] == ["Progress", "Paused"]
-    for c in conns:
-        c.close()
+    with _workers(node, 2) as conns:
+        conns[0].send(_compute(0, 3))
+        conns[0].send(m.Paused(rank=0, attempt=0, gen=1, step=3, phase="compute"))
+        sent.wait(1)
+        assert [type(e).__name__ for _, e in sent.entries(0)] == ["Progress", "Paused"]
 
 
 def test_a_dead_ranks_last_reports_go_before_its_exit_is_reported(relay):

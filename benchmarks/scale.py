@@ -45,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_window import CpuSampler, cpu_by_role, format_cpu  # noqa: E402
-from recovery import FAULT_RE, Run, add_event_figures, analyze, prerun_note  # noqa: E402 - the same measurement as recovery.py
+from recovery_run import FAULT_RE, Run, add_event_figures, analyze, prerun_note  # noqa: E402 - the same measurement as recovery.py
 from runlib import REPO, clean_shm, in_flight, kill_tree, launch, median, read_events, unbroken_cmd  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_gpt.py"

@@ -8,8 +8,13 @@ source of the goodput breakdown and the timeline), each rank's last fault, the
 0600) and, with ``--metrics-port``, the HTTP server (:mod:`unbroken.ops.web`).
 
 Threads: :meth:`on_record` and :meth:`on_step` run in the controller's threads (under its
-lock: they only update counters); the status thread calls the controller's ``snapshot``
-(which takes that lock) and never holds the monitor's lock while doing so.
+lock: they update counters); the status thread calls the controller's ``snapshot``
+(which takes that lock) and never holds the monitor's lock while doing so. A fault record
+also rewrites ``status.json`` at once, in the thread that records it, so the file shows a
+fault before the controller acts on it (an operator's `unbroken status` right after a fault
+sees it; the periodic rewrite alone left it up to a second behind a recovery that takes less).
+Writes are ordered: a status taken before a newer one was written is dropped, and nothing
+replaces the final one.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class JobMonitor:
         self._last_fault: dict[int, str] = {}
         self._goodput_t = 0.0
         self._goodput_ratio = 0.0
+        self._status_seq = 0  # counts the statuses taken (under _lock): orders the writes
+        self._write_lock = threading.Lock()  # held only while writing the file, never while taking a lock
+        self._written_seq, self._final_written = 0, False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._status_loop, name="unbroken-status", daemon=True)
         self._server = None
@@ -91,8 +99,10 @@ class JobMonitor:
                 self._rank_steps = {r: min(s, resume) for r, s in self._rank_steps.items()}
             elif name == "attempt_started":
                 self._rank_steps, self._job_step = {}, -1
-            self._note_fault(record)
+            fault = self._note_fault(record)
         self.metrics.observe(record, self.events.records)
+        if fault:
+            self._rewrite(goodput=False)  # the fault is in status.json before anyone acts on it
 
     def on_step(self, rank: int, step: int, metrics: dict[str, Any]) -> None:
         """A rank completed ``step`` steps; logs a ``step`` record when every rank has."""
@@ -112,17 +122,19 @@ class JobMonitor:
                 fields["shm_bytes"] = sum(int(m.get("shm_bytes") or 0) for m in ms)
         self.events.emit("step", **fields)
 
-    def _note_fault(self, r: dict[str, Any]) -> None:
+    def _note_fault(self, r: dict[str, Any]) -> bool:
+        """Keep a rank's last fault; True when ``r`` is one."""
         name, rank = r.get("event"), r.get("rank")
         if rank is None:
-            return
+            return False
         if name in _FAULTS:
             what = _FAULTS[name]
         elif name == "worker_exited" and (r.get("signal") or r.get("exit_code") not in (0, None)):
             what = f"signal {r['signal']}" if r.get("signal") else f"exit {r.get('exit_code')}"
         else:
-            return
+            return False
         self._last_fault[rank] = f"{what} at step {r.get('step')} ({time.strftime('%H:%M:%S', time.localtime(r['t']))})"
+        return True
 
     # -- views -------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -150,10 +162,13 @@ class JobMonitor:
     # -- the status thread ----------------------------------------------------------------------
     def _status_loop(self) -> None:
         while not self._stop.wait(STATUS_INTERVAL_S):
-            try:
-                self._write_status()
-            except Exception as exc:  # noqa: BLE001  (a status write must never stop the job)
-                log.warning("status: could not write %s: %s", self.run_dir / STATUS_FILE, exc)
+            self._rewrite()
+
+    def _rewrite(self, goodput: bool = True) -> None:
+        try:
+            self._write_status(goodput=goodput)
+        except Exception as exc:  # noqa: BLE001  (a status write must never stop the job)
+            log.warning("status: could not write %s: %s", self.run_dir / STATUS_FILE, exc)
 
     def _update_goodput(self, force: bool = False) -> None:
         now = time.time()
@@ -162,13 +177,22 @@ class JobMonitor:
             self._goodput_ratio = goodput.breakdown(self.events.records(), now_t=now).goodput
             self.metrics.goodput.set(self._goodput_ratio)
 
-    def _write_status(self, final: bool = False) -> None:
-        self._update_goodput(force=final)
+    def _write_status(self, final: bool = False, goodput: bool = True) -> None:
+        """Rewrite status.json (``goodput``: refresh the ratio first, every GOODPUT_INTERVAL_S)."""
+        if goodput:
+            self._update_goodput(force=final)
+        with self._lock:  # taken before the status is: a later seq has seen every fault an earlier one saw
+            self._status_seq += 1
+            seq = self._status_seq
         status = self.status()
         status["final"] = final
         path = self.run_dir / STATUS_FILE
         tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(status, f, default=str)
-        os.replace(tmp, path)
+        with self._write_lock:
+            if seq < self._written_seq or self._final_written:
+                return  # a newer status (or the final one) is already there
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(status, f, default=str)
+            os.replace(tmp, path)
+            self._written_seq, self._final_written = seq, final

@@ -1,0 +1,70 @@
+"""status.json follows a fault at once: `unbroken status RUN_DIR` right after a fault shows it.
+
+A real JobMonitor (its status thread running) over a real EventLog, fed as the controller
+feeds it; the controller's snapshot is a fixed table. The periodic rewrite (every
+STATUS_INTERVAL_S) alone left the file up to a second behind a recovery that takes less.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from unbroken.cli.ops import live_status
+from unbroken.controller.eventlog import EventLog
+from unbroken.ops.monitor import STATUS_FILE, STATUS_INTERVAL_S, JobMonitor
+
+WORLD = 4
+
+
+def _snapshot() -> dict:
+    return {"phase": "running", "attempt": 0, "restarts_used": 0, "median_step_s": 0.05,
+            "workers": [{"rank": r, "pid": 1000 + r, "step": 12, "phase": "compute", "state": "running",
+                         "metrics": {"loss": 1.0, "step_s": 0.05}} for r in range(WORLD)]}
+
+
+def _monitor(tmp_path) -> tuple[EventLog, JobMonitor]:
+    events = EventLog(tmp_path)
+    monitor = JobMonitor(run_dir=tmp_path, job_id="statustest", world_size=WORLD, events=events,
+                         snapshot=_snapshot)
+    events.listeners.append(monitor.on_record)
+    return events, monitor
+
+
+def _faults(tmp_path) -> dict[int, str]:
+    status = json.loads((tmp_path / STATUS_FILE).read_text())
+    return {r["rank"]: r["last_fault"] for r in status["ranks"]}
+
+
+def test_a_recorded_fault_is_in_status_json_before_emit_returns(tmp_path):
+    events, monitor = _monitor(tmp_path)
+    monitor.start()
+    try:
+        deadline = time.monotonic() + 10 * STATUS_INTERVAL_S
+        while not (tmp_path / STATUS_FILE).exists():  # the status thread's first periodic write
+            assert time.monotonic() < deadline, "the status thread never wrote status.json"
+            time.sleep(0.02)
+        assert _faults(tmp_path)[2] == ""
+        events.emit("worker_exited", rank=2, pid=1002, attempt=0, exit_code=None, signal=9, step=12)
+        assert _faults(tmp_path)[2].startswith("signal 9 at step 12 ("), _faults(tmp_path)
+        live = live_status(str(tmp_path), None)  # what `unbroken status RUN_DIR` reads
+        assert live is not None and "signal 9 at step 12" in live["ranks"][2]["last_fault"]
+        events.emit("worker_exited", rank=1, pid=1001, attempt=0, exit_code=0, signal=None, step=12)
+        events.emit("hang_detected", rank=3, step=12, phase="compute")
+        faults = _faults(tmp_path)
+        assert faults[1] == "" and faults[3].startswith("hang at step 12 (") and faults[2].startswith("signal 9")
+    finally:
+        monitor.close()
+        events.close()
+
+
+def test_a_fault_recorded_after_close_does_not_replace_the_final_status(tmp_path):
+    events, monitor = _monitor(tmp_path)
+    monitor.start()
+    monitor.close()
+    final = (tmp_path / STATUS_FILE).read_text()
+    assert json.loads(final)["final"] is True
+    events.emit("worker_exited", rank=2, pid=1002, attempt=0, exit_code=1, signal=None, step=12)
+    events.close()
+    assert (tmp_path / STATUS_FILE).read_text() == final
+    assert live_status(str(tmp_path), None) is None  # a finished job: `unbroken status` gives the summary

@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 
 from unbroken.cli.main import build_parser, launch_config
-from unbroken.config import LaunchConfig, WorkerSettings, setting_env, setting_flag, worker_config_from_env, worker_env
+from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConfigError
+from unbroken.worker_config import WorkerSettings, setting_env, setting_flag, worker_config_from_env
 
 FIELDS = dataclasses.fields(WorkerSettings)
 

@@ -1,7 +1,7 @@
 """Ranges of user-given values that several settings share: timeouts, recovery strategies,
-``HOST:PORT`` addresses. Pure checks for :mod:`unbroken.config`; each raises a
-:class:`~unbroken.errors.ConfigError` naming the setting (flag, environment variable or
-keyword) the value came from and what is allowed.
+``HOST:PORT`` addresses. Pure checks for :mod:`unbroken.config` and :mod:`unbroken.worker_config`;
+each raises a :class:`~unbroken.errors.ConfigError` naming the setting (flag, environment
+variable or keyword) the value came from and what is allowed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ IMPLEMENTED_RUNGS: tuple[Rung, ...] = tuple(r for r in RUNGS if r is not Rung.EL
 #: The longest timeout any ``*_timeout_s`` setting takes: one day (a timedelta of 1e300 s
 #: overflows in torch, ``inf`` never fires).
 MAX_TIMEOUT_S = 86400.0
+
+
+def require(ok: bool, message: str) -> None:
+    """A ConfigError with ``message`` (what is wrong, what is allowed) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
 
 
 def require_timeout(value: float | None, name: str, *, optional: bool = False) -> None:

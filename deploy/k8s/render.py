@@ -283,8 +283,8 @@ def check_command(args: list[str], *, warn: Callable[[str], None] = _warn) -> No
     """Parse ``args`` (``unbroken run ...``) with unbroken's own flags and config checks, as
     node 0 would see them; RenderError on a usage error. Only `warn` is told anything."""
     from unbroken.cli.main import _add_run_flags, launch_config
-    from unbroken.config import ENV_SECRET
     from unbroken.errors import ConfigError
+    from unbroken.worker_config import ENV_SECRET
 
     parser = _RaisingParser(prog="unbroken run")
     _add_run_flags(parser)

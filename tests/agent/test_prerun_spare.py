@@ -14,8 +14,9 @@ import pytest
 
 from unbroken.agent import prerun
 from unbroken.agent.agent import Agent
-from unbroken.config import ENV_GEN, ENV_PRERUN, LaunchConfig
+from unbroken.config import LaunchConfig
 from unbroken.protocol import messages as m
+from unbroken.worker_config import ENV_GEN, ENV_PRERUN
 
 READY_CHILD = """
 import json, os, sys

@@ -138,8 +138,8 @@ def test_a_step_without_an_update_abandons_its_snapshot_and_turns_the_overlap_of
     ends without one (parameters changed outside a tracked optimizer, say) never commits its."""
     import dataclasses
 
-    from unbroken.config import ENV_JOB_ID, worker_config_from_env
     from unbroken.worker.checkpointing import Checkpointer
+    from unbroken.worker_config import ENV_JOB_ID, worker_config_from_env
 
     job_id = f"t{uuid.uuid4().hex[:12]}"
     cfg = worker_config_from_env({ENV_JOB_ID: job_id}, every_steps=1, save_dir=str(tmp_path / "save"))

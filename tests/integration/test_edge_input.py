@@ -15,8 +15,9 @@ import sys
 import pytest
 
 from tests.conftest import EXAMPLE, REPO, run_cli
-from unbroken.config import LaunchConfig, WorkerSettings, check_secret_strength, worker_config_from_env
+from unbroken.config import LaunchConfig, check_secret_strength
 from unbroken.errors import EXIT_FATAL, ConfigError
+from unbroken.worker_config import WorkerSettings, worker_config_from_env
 
 STRONG = "0123456789abcdef" * 2  # 32 characters, 16 distinct
 WORKER_SETTINGS = {f.name for f in dataclasses.fields(WorkerSettings)}

@@ -10,11 +10,11 @@ from collections import namedtuple
 import pytest
 import torch
 
-from unbroken.config import ENV_JOB_ID, worker_config_from_env
 from unbroken.errors import ShmCapacityError
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.tracked import TrackedState
+from unbroken.worker_config import ENV_JOB_ID, worker_config_from_env
 
 
 def _checkpointer(tmp_path, attempt: int, events: list) -> Checkpointer:

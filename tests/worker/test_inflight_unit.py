@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, CollectiveAborted, StateDamaged
 from unbroken.faults.inject import FaultInjector
 from unbroken.protocol import messages as m
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.inflight import InFlight
 from unbroken.worker.tracked import TrackedState
+from unbroken.worker_config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from unbroken.config import prerun_from_env
 from unbroken.worker.prerun import AT_STEPS, PrerunJob, StdioOrders
+from unbroken.worker_config import prerun_from_env
 
 ORDER = {"env": {"RANK": "3"}, "argv": ["train.py"]}
 

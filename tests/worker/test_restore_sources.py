@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from unbroken.checkpoint.storage import StorageTier
-from unbroken.config import worker_config_from_env
 from unbroken.worker import restore
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.tracked import TrackedState
+from unbroken.worker_config import worker_config_from_env
 
 
 def _tracked(w: torch.Tensor) -> TrackedState:

@@ -84,8 +84,8 @@ def test_a_spare_logs_an_import_that_fails_and_goes_on(caplog):
 
 
 def test_rank_0_of_a_launch_reports_once_unless_turned_off():
-    from unbroken.config import WorkerConfig, WorkerSettings
     from unbroken.worker.script_imports import report
+    from unbroken.worker_config import WorkerConfig, WorkerSettings
 
     class Control:
         def __init__(self) -> None:

@@ -28,8 +28,8 @@ from typing import Any, Callable
 from unbroken.checkpoint import shm_files
 from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.storage import StorageTier
-from unbroken.config import CheckpointConfig
 from unbroken.errors import CheckpointError, NoCheckpoint
+from unbroken.worker_config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.config import ENV_GEN, ENV_PRERUN, ENV_STORE_PREFIX
+from unbroken.worker_config import ENV_GEN, ENV_PRERUN, ENV_STORE_PREFIX
 
 #: Rank-dependent: never in a pre-run spare's environment.
 RANK_KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")

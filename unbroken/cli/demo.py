@@ -24,9 +24,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from unbroken.agent.launcher import JobResult, resolve, run_job
-from unbroken.config import CheckpointConfig, LaunchConfig
+from unbroken.config import LaunchConfig
 from unbroken.controller.eventlog import read_events
 from unbroken.controller.server import Controller
+from unbroken.worker_config import CheckpointConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = {"gpt": "train_gpt.py", "ddp": "train_ddp.py"}  # --script of `unbroken demo`

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from unbroken.config import (CheckpointConfig, HangConfig, LaunchConfig, WorkerSettings, parse_strategies,
-                             secret_from_env, setting_flag)
+from unbroken.config import HangConfig, LaunchConfig, parse_strategies, secret_from_env
 from unbroken.errors import ConfigError, UnbrokenError
+from unbroken.worker_config import CheckpointConfig, WorkerSettings, setting_flag
 
 
 class _Parser(argparse.ArgumentParser):

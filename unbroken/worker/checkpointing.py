@@ -38,12 +38,12 @@ from unbroken.checkpoint.capacity import check_shm_capacity, estimate_snapshot_b
 from unbroken.checkpoint.memory import SnapshotWriter
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.checkpoint.storage import StorageTier
-from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, ShmCapacityError
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
 from unbroken.worker.state_blob import decode_tree
 from unbroken.worker.tracked import TrackedState
+from unbroken.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from unbroken.config import WorkerConfig
 from unbroken.parallel.fabric import Fabric
 from unbroken.worker import store_client
+from unbroken.worker_config import WorkerConfig
 
 FABRIC_PREFIX = "fabric/"  # the fabric's keys on the attempt's store: fabric/gen<g>/<group>/
 

@@ -43,7 +43,6 @@ import torch.distributed as dist
 from unbroken.comm import generation_group, wait_all
 from unbroken.comm.wait import AbortWatch
 from unbroken.comm.p2p import exchange_states
-from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
@@ -58,6 +57,7 @@ from unbroken.worker import wrappers
 from unbroken.worker.control import ControlClient
 from unbroken.worker.state_blob import decode_tree
 from unbroken.worker.tracked import TrackedState
+from unbroken.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 _PER_RANK = "per-rank state"  # the transfer's key for a fallback rank's per-rank state

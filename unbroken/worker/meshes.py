@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from unbroken.config import WorkerConfig
 from unbroken.errors import ConfigError
 from unbroken.parallel import mesh as job_mesh
 from unbroken.parallel.mesh import JobMesh
@@ -24,6 +23,7 @@ from unbroken.parallel.fabric import Fabric
 from unbroken.worker import wrappers
 from unbroken.worker.inflight import InFlight
 from unbroken.worker.tracked import TrackedState
+from unbroken.worker_config import WorkerConfig
 
 __all__ = ["JobMesh", "attach", "ready_fields"]
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from unbroken.config import ENV_PRERUN
+from unbroken.worker_config import ENV_PRERUN
 
 #: ``where`` of a block at ``job.steps()``: all of the script before its loop ran ahead.
 AT_STEPS = "job.steps()"

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 from unbroken.checkpoint.memory_reader import SnapshotReader
 from unbroken.checkpoint.storage import StorageTier
-from unbroken.config import WorkerConfig
 from unbroken.errors import CheckpointError, FatalError, JobFailed, NoCheckpoint
 from unbroken.worker.control import ControlClient
 from unbroken.worker.tracked import TrackedState
+from unbroken.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 

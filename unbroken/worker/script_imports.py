@@ -27,10 +27,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 
-from unbroken.config import WorkerConfig
 from unbroken.names import SCRIPT_IMPORTS_EVENT
 from unbroken.protocol.messages import MAX_SPARE_IMPORTS, spare_import_names
 from unbroken.worker.control import ControlClient
+from unbroken.worker_config import WorkerConfig
 
 MAX_DEPTH = 3  # dotted parts of a subpackage reported (torch.distributed.fsdp)
 _NOT_SCRIPT = frozenset({"__main__", "__mp_main__"})

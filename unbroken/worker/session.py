@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from unbroken.comm import wait_all
-from unbroken.config import WorkerConfig, managed_from_env, prerun_from_env, worker_config_from_env
 from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
@@ -37,6 +36,7 @@ from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
 from unbroken.worker.inflight import InFlight
 from unbroken.worker.tracked import TrackedState
+from unbroken.worker_config import WorkerConfig, managed_from_env, prerun_from_env, worker_config_from_env
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +419,7 @@ def init(**overrides: Any) -> Job:
 
     Works under `unbroken run`, under plain `torchrun`, and in a plain ``python`` process (world size 1).
     Keyword arguments override the environment: ``save_dir``, ``load_dir``, ``every_steps``, ``keep``,
-    ``run_dir``, ``inject``, and every field of :class:`unbroken.config.WorkerSettings` (``pg_timeout_s``,
+    ``run_dir``, ``inject``, and every field of :class:`unbroken.worker_config.WorkerSettings` (``pg_timeout_s``,
     ...); ``device`` and ``backend`` choose the device and the process-group backend. In a pre-run spare
     (``--prerun-spares``) the session is unassigned until the agent gives it a rank (worker/prerun.py).
 

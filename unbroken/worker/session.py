@@ -5,8 +5,9 @@ joins the job (process group, controller link), knows which objects are training
 (:meth:`Job.track`), resumes the loop at the right step (:meth:`Job.steps`), marks the
 fault boundary of each step (:meth:`Job.step`), reports step and phase and fires injected
 faults. It delegates, each piece owning its own state: the tracked objects (``TrackedState``),
-in-flight recovery with the groups of the current generation (``InFlight``), checkpoint writing
-(``Checkpointer``) and the restore at a (re)start (:func:`unbroken.worker.restore.restore`).
+the step in flight and what runs at its boundaries: capture, phases, commit wait, reports
+(``StepBoundary``), in-flight recovery with the groups of the current generation (``InFlight``),
+checkpoint writing (``Checkpointer``) and the restore at a (re)start (:func:`unbroken.worker.restore.restore`).
 
 Phases of a step, in order: ``compute`` -> ``sync`` -> ``update`` -> ``done`` (the optimizer,
 ``job.all_reduce`` or a DDP's all-reduce report ``sync``/``update``/``done``).
@@ -26,15 +27,16 @@ import torch
 import torch.distributed as dist
 
 from unbroken.comm import wait_all
-from unbroken.errors import EXIT_FATAL, CollectiveAborted, ConfigError, FatalError
+from unbroken.errors import EXIT_FATAL, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
-from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import first_group, integrity, meshes, restore, rollback, script_imports, wrappers
+from unbroken.names import Phase
+from unbroken.worker import first_group, integrity, meshes, restore, script_imports, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
 from unbroken.worker.inflight import InFlight
+from unbroken.worker.step_boundary import StepBoundary
 from unbroken.worker.tracked import TrackedState
 from unbroken.worker_config import WorkerConfig, managed_from_env, prerun_from_env, worker_config_from_env
 
@@ -48,8 +50,7 @@ def _default_backend(device: torch.device) -> str:
 class Job:
     """One rank's session of a training job. Create it with :func:`unbroken.init`.
 
-    Lives in the training thread of one process. Owns the step loop's state (the step in
-    flight, its phase, the RNG at its start, whether it committed), the controller link and
+    Lives in the training thread of one process. Owns the step loop, the controller link and
     the fault injector; see the module docstring for what it delegates.
     """
 
@@ -59,12 +60,7 @@ class Job:
         self.rank, self.world_size, self.local_rank, self.attempt = cfg.rank, cfg.world_size, cfg.local_rank, cfg.attempt
         self.device = device or self._build_device()
         self._tracked, self._metrics = TrackedState(), {}  # the tracked objects; this step's progress metrics
-        self._step, self._phase = 0, Phase.DONE  # the step in flight (== number of completed steps), its phase
-        self._step_started, self._last_step_s = time.monotonic(), 0.0
-        self._restored = self._in_step = False
-        self._step_states = rollback.StepStates(self.rank)  # the step start, under `unbroken run`
-        self._committed_this_step = self._announced_ready = False
-        self._step_completed = False  # the last step yielded by steps() completed (its block ended)
+        self._restored = False
         self._mesh: meshes.JobMesh | None = None  # job.mesh()
         self._control = self._build_control()
         script_imports.report(self._control, cfg)  # for the warm spares: what the script imported
@@ -72,9 +68,13 @@ class Job:
         self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
                                   injector=self._injector, all_min=self._all_min, event=self._event,
                                   metrics=self._metrics)
+        self._boundary = StepBoundary(
+            self.rank, finite_check=cfg.worker.finite_check, control=lambda: self._control,
+            generation=lambda: self._inflight.gen, tracked=self._tracked, injector=self._injector, ckpt=self._ckpt,
+            ready_fields=lambda: meshes.ready_fields(self._mesh, self._tracked, self.world_size), metrics=self._metrics)
         backend = backend or _default_backend(self.device)
         start = first_group.build(cfg, backend, self.device,  # DDP's all-reduce marks 'sync':
-                                  before_reduce=functools.partial(self._advance, Phase.SYNC))
+                                  before_reduce=functools.partial(self._boundary.advance, Phase.SYNC))
         self._owns_default_group, self._fabric = start.owns_default_group, start.fabric
         self._inflight = InFlight(cfg, device=self.device, control=self._control, store=start.store,
                                   group=start.group, tracked=self._tracked, injector=self._injector,
@@ -115,13 +115,13 @@ class Job:
         Replicated or per rank: see :mod:`unbroken.worker.tracked`; ``per_rank``/``replicated``
         name tracked objects whose class differs from the default. Recoverable objects
         (:class:`unbroken.worker.api.RecoverableState`) are wired to this session."""
-        hooks = SessionHooks(on_phase=self._on_optimizer_phase, should_abort=self._inflight.should_abort,
+        hooks = SessionHooks(on_phase=self._boundary.on_optimizer_phase, should_abort=self._inflight.should_abort,
                              defer_completion=self.cfg.mode == "managed")
         with self._fatal_exits():
             for name, obj in objects.items():
                 if obj is not None:
                     self._tracked.add(name, obj, hooks)
-                    wrappers.prepare(obj, functools.partial(self._advance, Phase.UPDATE))
+                    wrappers.prepare(obj, functools.partial(self._boundary.advance, Phase.UPDATE))
             self._tracked.classify(per_rank, replicated)
 
     def mesh(self, *dims: tuple[str, int], replicate: str = "dp") -> meshes.JobMesh:
@@ -143,15 +143,16 @@ class Job:
     def _steps(self, total: int) -> Iterator[int]:
         if total < 0:
             raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
-        self._step = self._inflight.join() if self._inflight.needs_state else self._restore()
+        boundary = self._boundary
+        boundary.step = self._inflight.join() if self._inflight.needs_state else self._restore()
         self._restored = self._tracked.frozen = True
-        self._ckpt.check_capacity(self._step)
-        while self._step < total:
+        self._ckpt.check_capacity(boundary.step)
+        while boundary.step < total:
             if self._control is not None and self._inflight.pending:
-                self._step = self._survive()
+                boundary.step = self._survive()
                 continue
-            index = self._step
-            self._begin_step()
+            index = boundary.step
+            boundary.begin()
             try:
                 self.phase(Phase.COMPUTE)  # faults planned for 'compute' fire here, as the step starts
             except Exception as exc:
@@ -165,24 +166,24 @@ class Job:
                 raise
             if self._inflight.fault_noted:
                 continue
-            if self._step == index:  # the loop body did not use `with job.step():`
-                self._end_step(index)
+            if boundary.step == index:  # the loop body did not use `with job.step():`
+                boundary.end(index)
             try:
                 ckpt_started = time.monotonic()
                 self._check_replicas()
-                self._ckpt.after_step(self._step)
+                self._ckpt.after_step(boundary.step)
                 self._metrics["ckpt_s"] = time.monotonic() - ckpt_started  # the step's checkpoint stall
             except Exception as exc:  # a peer lost during the check or checkpoint, or an odd copy: recover
                 if not self._inflight.note_fault(index, exc):
                     raise
                 continue
-            self._report_progress()
+            boundary.report_progress()
         self._report_finished()
 
     def _report_finished(self) -> None:  # past the loop: no step progress to expect any more
         self._ckpt.settle()  # the script may change its state from here on
         if self._control is not None:
-            self._control.progress(self._step, Phase.FINISHED)
+            self._control.progress(self._boundary.step, Phase.FINISHED)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[int]:
@@ -192,7 +193,7 @@ class Job:
         not propagate: the step is dropped and :meth:`steps` recovers in flight and
         yields the step to redo. A FatalError ends the process with EXIT_FATAL there.
         """
-        index = self._step
+        index = self._boundary.step
         try:
             yield index
         except Exception as exc:
@@ -200,7 +201,7 @@ class Job:
                 self._exit_if_fatal(exc)
                 raise
             return
-        self._end_step(index)
+        self._boundary.end(index)
 
     @contextlib.contextmanager
     def _fatal_exits(self) -> Iterator[None]:
@@ -227,41 +228,7 @@ class Job:
 
     def phase(self, name: str, step: int | None = None) -> None:
         """Record the phase of the step in flight; fires injected faults planned for it."""
-        if name not in STEP_PHASES and name != Phase.CHECKPOINT:
-            raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(STEP_PHASES)}, checkpoint)")
-        if self._in_step and name in (Phase.SYNC, Phase.UPDATE) and self._phase == name:
-            return  # already there: job.all_reduce or the optimizer's step hook marked it
-        if name == Phase.UPDATE:
-            self._commit()  # before anything changes; only then is this rank in 'update' (it vouches for the commit)
-        self._phase = name
-        if self._control is not None:  # where each rank is (and, at 'compute', its own step-start state)
-            own = self._step_states.start_report if name == Phase.COMPUTE else rollback.NO_REPORT
-            self._control.progress(self._step, name, state=own.state, state_same=own.same)
-        if name == Phase.SYNC and self._control is not None and self.cfg.worker.finite_check:
-            integrity.check_finite(self._tracked.objects, self.rank, self._step)  # before the reduction spreads it
-        self._injector.at(self._step if step is None else step, name)
-
-    def _advance(self, name: str, *_hook_args: Any) -> None:
-        """Move the step in flight on to ``name`` unless it is there or past it: 'sync' when a
-        collective starts, 'update' (the commit first) from a tracked torch optimizer's step
-        pre-hook, the first state change of a step. The manual path needs no job.phase calls."""
-        if self._in_step and self._phase in STEP_PHASES and STEP_PHASES.index(self._phase) < STEP_PHASES.index(name):
-            self.phase(name)
-
-    def _on_optimizer_phase(self, name: str, step: int) -> None:
-        if name != Phase.DONE:  # 'done' is recorded at the end of the step by the boundary
-            self.phase(name)
-
-    def _commit(self) -> None:
-        """Entering ``update``: the reduction is done; wait until the controller commits the step."""
-        if self._control is None or self._committed_this_step:
-            return
-        own = self._step_states.after_compute(self._tracked.per_rank_tree())  # a roll forward resumes here
-        if not self._control.wait_commit(self._inflight.gen, self._step, state=own.state, state_same=own.same):
-            raise CollectiveAborted(f"rank {self.rank}: step {self._step} was not committed (abort order for "
-                                    f"generation {self._control.abort_gen}: {self._control.abort_reason})")
-        self._committed_this_step = True
-        self._metrics["snapshot_wait_s"] = self._ckpt.settle()  # the update may change what it still copies
+        self._boundary.enter(name, step)
 
     # -- collectives that can be abandoned ----------------------------------------------
     @property
@@ -271,21 +238,21 @@ class Job:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """``dist.all_reduce`` on the current generation, abandoned promptly on an abort order."""
-        self._advance(Phase.SYNC)
+        self._boundary.advance(Phase.SYNC)
         if self.world_size > 1:
             work = dist.all_reduce(tensor, op=op, group=self._inflight.group, async_op=True)
-            self._wait(work, f"all-reduce of step {self._step}")
+            self._wait(work, f"all-reduce of step {self._boundary.step}")
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """``dist.all_gather`` of ``tensor`` on the current generation, abandoned promptly on an abort order."""
-        self._advance(Phase.SYNC)
+        self._boundary.advance(Phase.SYNC)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         if self.world_size == 1:
             out[0].copy_(tensor)
             return out
         work = dist.all_gather(out, tensor, group=self._inflight.group, async_op=True)
-        self._wait(work, f"all-gather of step {self._step}")
+        self._wait(work, f"all-gather of step {self._boundary.step}")
         return out
 
     def _wait(self, work: dist.Work, what: str) -> None:
@@ -294,53 +261,23 @@ class Job:
     def _check_replicas(self) -> None:
         """Every ``--sdc-check-every-steps`` steps: compare the replicated state across ranks."""
         every = self.cfg.worker.sdc_check_every_steps
-        if self._control is not None and every and not self._step % every:
+        step = self._boundary.step
+        if self._control is not None and every and not step % every:
             integrity.check_replicas(self._tracked.objects, rank=self.rank, world_size=self.world_size,
-                                     step=self._step - 1, device=self.device, gather=self.all_gather)
+                                     step=step - 1, device=self.device, gather=self.all_gather)
 
     # -- the step in flight ---------------------------------------------------------------
-    def _begin_step(self) -> None:
-        self._step_started = time.monotonic()
-        if self._control is not None:  # to redo this step exactly if it is dropped
-            self._step_states.begin(self._step, *self._tracked.step_start())
-        self._in_step, self._committed_this_step = True, False
-        self._step_completed = False
-
     def _survive(self) -> int:
         """Drop the step in flight (gradients, what it changed before its commit), recover; the step to resume at."""
-        pause_phase = self._phase if self._in_step else Phase.COMPUTE  # between steps: the next one's start
-        self._ckpt.settle()  # before recovery writes into the state (a dropped step changed none of it)
-        self._tracked.drop_grads()
-        capture = self._step_states.capture
-        if self._in_step and capture is not None and not self._committed_this_step:
-            self._tracked.load_rollback(capture.local(), capture.per_rank_tree())
-        self._in_step = False
-        return self._inflight.survive(self._step, pause_phase)
-
-    def _end_step(self, index: int) -> None:
-        self._step_completed = True
-        self._phase = Phase.DONE
-        self._in_step = False
-        self._announce_ready()
-        self._step = index + 1
-        self._last_step_s = time.monotonic() - self._step_started
-
-    def _announce_ready(self) -> None:
-        if self._control is None or self._announced_ready or not self._committed_this_step:
-            return
-        self._announced_ready = True
-        self._control.session_ready(**meshes.ready_fields(self._mesh, self._tracked, self.world_size))
-
-    def _report_progress(self) -> None:
-        if self._control is not None:
-            self._control.step_done(self._step, dict(self._metrics, step_s=self._last_step_s))
+        pause_phase = self._boundary.drop()
+        return self._inflight.survive(self._boundary.step, pause_phase)
 
     # -- reports, checkpoints, the end ---------------------------------------------------
     def report_degraded(self, reason: str) -> None:
         """Report this rank degraded (sub-health: e.g. a device health monitor's warning). Under
         ``--sub-health-policy grace-exit`` the job dumps its state at once and restarts cleanly from it;
         under ``ignore`` (the default) the report is only logged."""
-        log.warning("rank %d: reported degraded at step %d: %s", self.rank, self._step, reason)
+        log.warning("rank %d: reported degraded at step %d: %s", self.rank, self._boundary.step, reason)
         if self._control is not None:
             self._control.degraded(reason)
 
@@ -353,24 +290,25 @@ class Job:
         """Checkpoint the state now (after the last completed step), to storage too; not after a dropped step."""
         if self._step_dropped("job.checkpoint"):
             return
-        self._ckpt.checkpoint_now(self._step, in_step=self._in_step)
+        self._ckpt.checkpoint_now(self._boundary.step, in_step=self._boundary.in_step)
 
     @property
     def step_completed(self) -> bool:
         """True after the ``with job.step():`` block of a completed step; False while a step runs and
         after a dropped one (:meth:`steps` yields it again): guard post-block code with it."""
-        return self._step_completed
+        return self._boundary.completed
 
     def _step_dropped(self, what: str) -> bool:
         if not self._inflight.fault_noted:
             return False
-        log.debug("rank %d: %s after dropped step %d ignored (the step is redone)", self.rank, what, self._step)
+        log.debug("rank %d: %s after dropped step %d ignored (the step is redone)", self.rank, what,
+                  self._boundary.step)
         return True
 
     @property
     def step_index(self) -> int:
         """The index of the step in flight (equals the number of completed steps)."""
-        return self._step
+        return self._boundary.step
 
     def close(self) -> None:
         """Leave the job: closes the controller link and the process group. Safe to call twice."""
@@ -407,7 +345,7 @@ class Job:
         """Agree with every rank on the newest step all can load (restore.build_sources), load it; return the
         step. Under `unbroken run` the controller decides the step, elsewhere an all-reduce (see restore.py)."""
         if self._restored:
-            return self._step
+            return self._boundary.step
         self._restored = True
         sources = restore.build_sources(self.cfg, own_storage=self._ckpt.storage, control=self._control,
                                         all_min=self._all_min)

@@ -1,0 +1,134 @@
+"""The step in flight of one rank's session, and what runs at its boundaries.
+
+A :class:`StepBoundary` owns the step in flight: its index (== the number of completed
+steps), its phase, whether it committed and whether it completed. In order, it carries out:
+
+* at the start (:meth:`StepBoundary.begin`): under `unbroken run`, the step-start capture a
+  dropped step is redone from (:class:`~unbroken.worker.rollback.StepStates`);
+* at each phase (:meth:`StepBoundary.enter`): the progress report (``compute`` carries this
+  rank's own step-start state), the NaN/Inf check entering ``sync``, the injected faults
+  planned for it; entering ``update``, first the wait for the controller's commit of the step,
+  before anything changes (the commit report carries the state after compute);
+* at the end (:meth:`StepBoundary.end`): ``done``, the ready announcement after the first
+  committed step, the step's time; then (:meth:`StepBoundary.report_progress`) the step report
+  with its metrics;
+* when the step is dropped (:meth:`StepBoundary.drop`): its start loaded back, unless it
+  committed.
+
+Phases of a step, in order: ``compute`` -> ``sync`` -> ``update`` -> ``done``. Lives in the
+training thread of one process, owned by its :class:`~unbroken.worker.session.Job`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from unbroken.errors import CollectiveAborted, ConfigError
+from unbroken.faults.inject import FaultInjector
+from unbroken.names import STEP_PHASES, Phase
+from unbroken.worker import integrity, rollback
+from unbroken.worker.checkpointing import Checkpointer
+from unbroken.worker.control import ControlClient
+from unbroken.worker.tracked import TrackedState
+
+
+class StepBoundary:
+    """The step in flight of one rank (see the module docstring).
+
+    ``control`` gives the controller link (None: not under `unbroken run`, or closed), ``generation``
+    the current generation, ``ready_fields`` what the ready announcement carries; ``metrics`` is the
+    session's dict of this step's progress metrics (shared with the checkpointer).
+    """
+
+    def __init__(self, rank: int, *, finite_check: bool, control: Callable[[], ControlClient | None],
+                 generation: Callable[[], int], ready_fields: Callable[[], dict[str, Any]],
+                 tracked: TrackedState, injector: FaultInjector, ckpt: Checkpointer,
+                 metrics: dict[str, Any]) -> None:
+        self.rank, self._finite_check = rank, finite_check
+        self._control, self._generation, self._ready_fields = control, generation, ready_fields
+        self._tracked, self._injector, self._ckpt, self._metrics = tracked, injector, ckpt, metrics
+        self.step, self.phase = 0, Phase.DONE  # the step in flight (== number of completed steps), its phase
+        self.in_step = False
+        self.completed = False  # the last step yielded by steps() completed (its block ended)
+        self._started_t, self._last_step_s = time.monotonic(), 0.0
+        self._states = rollback.StepStates(rank)  # the step start, under `unbroken run`
+        self._committed = self._announced_ready = False
+
+    def begin(self) -> None:
+        self._started_t = time.monotonic()
+        if self._control() is not None:  # to redo this step exactly if it is dropped
+            self._states.begin(self.step, *self._tracked.step_start())
+        self.in_step, self._committed = True, False
+        self.completed = False
+
+    def enter(self, name: str, step: int | None = None) -> None:
+        """Record the phase of the step in flight; fires injected faults planned for it."""
+        if name not in STEP_PHASES and name != Phase.CHECKPOINT:
+            raise ConfigError(f"unknown phase {name!r} (allowed: {', '.join(STEP_PHASES)}, checkpoint)")
+        if self.in_step and name in (Phase.SYNC, Phase.UPDATE) and self.phase == name:
+            return  # already there: job.all_reduce or the optimizer's step hook marked it
+        if name == Phase.UPDATE:
+            self._commit()  # before anything changes; only then is this rank in 'update' (it vouches for the commit)
+        self.phase = name
+        control = self._control()
+        if control is not None:  # where each rank is (and, at 'compute', its own step-start state)
+            own = self._states.start_report if name == Phase.COMPUTE else rollback.NO_REPORT
+            control.progress(self.step, name, state=own.state, state_same=own.same)
+        if name == Phase.SYNC and control is not None and self._finite_check:
+            integrity.check_finite(self._tracked.objects, self.rank, self.step)  # before the reduction spreads it
+        self._injector.at(self.step if step is None else step, name)
+
+    def advance(self, name: str, *_hook_args: Any) -> None:
+        """Move the step in flight on to ``name`` unless it is there or past it: 'sync' when a
+        collective starts, 'update' (the commit first) from a tracked torch optimizer's step
+        pre-hook, the first state change of a step. The manual path needs no job.phase calls."""
+        if self.in_step and self.phase in STEP_PHASES and STEP_PHASES.index(self.phase) < STEP_PHASES.index(name):
+            self.enter(name)
+
+    def on_optimizer_phase(self, name: str, step: int) -> None:
+        if name != Phase.DONE:  # 'done' is recorded at the end of the step by the boundary
+            self.enter(name)
+
+    def _commit(self) -> None:
+        """Entering ``update``: the reduction is done; wait until the controller commits the step."""
+        control = self._control()
+        if control is None or self._committed:
+            return
+        own = self._states.after_compute(self._tracked.per_rank_tree())  # a roll forward resumes here
+        if not control.wait_commit(self._generation(), self.step, state=own.state, state_same=own.same):
+            raise CollectiveAborted(f"rank {self.rank}: step {self.step} was not committed (abort order for "
+                                    f"generation {control.abort_gen}: {control.abort_reason})")
+        self._committed = True
+        self._metrics["snapshot_wait_s"] = self._ckpt.settle()  # the update may change what it still copies
+
+    def drop(self) -> str:
+        """Drop the step in flight (gradients, what it changed before its commit); the phase it paused in."""
+        pause_phase = self.phase if self.in_step else Phase.COMPUTE  # between steps: the next one's start
+        self._ckpt.settle()  # before recovery writes into the state (a dropped step changed none of it)
+        self._tracked.drop_grads()
+        capture = self._states.capture
+        if self.in_step and capture is not None and not self._committed:
+            self._tracked.load_rollback(capture.local(), capture.per_rank_tree())
+        self.in_step = False
+        return pause_phase
+
+    def end(self, index: int) -> None:
+        self.completed = True
+        self.phase = Phase.DONE
+        self.in_step = False
+        self._announce_ready()
+        self.step = index + 1
+        self._last_step_s = time.monotonic() - self._started_t
+
+    def _announce_ready(self) -> None:
+        control = self._control()
+        if control is None or self._announced_ready or not self._committed:
+            return
+        self._announced_ready = True
+        control.session_ready(**self._ready_fields())
+
+    def report_progress(self) -> None:
+        control = self._control()
+        if control is not None:
+            control.step_done(self.step, dict(self._metrics, step_s=self._last_step_s))

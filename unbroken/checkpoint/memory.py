@@ -302,6 +302,7 @@ class SnapshotWriter:
     def _commit(self, m: _Mapping, fd: int, slot: int, header: SlotHeader, pending: _Pending) -> None:
         """Commit thread: the deferred copies, COPIED, checksum table, checksummed header; once
         settled the state COMMITTED; unpin."""
+        _yield_to_training()
         try:
             try:
                 for dst, src in pending.later:
@@ -391,6 +392,16 @@ class SnapshotWriter:
 
 
 # ---- helpers -----------------------------------------------------------------------
+
+
+def _yield_to_training() -> None:
+    """The commit thread at the lowest CPU priority (nice 19, this thread only on Linux; else
+    unchanged): where training keeps the cores busy (a CPU job), the copy and checksums take the
+    gaps instead of a core the step's threads wait for (benchmarks/snapshot_overlap.py)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 class _Pending:

@@ -166,6 +166,10 @@ def print_result(r: dict, size_mb: int, steps: int, repeats: int) -> None:
     for what, value, limit, at_most in checks:
         met = value <= limit if at_most else value >= limit
         print(f"  {what:<42} {value:6.3f}x  {'met' if met else 'NOT met'}")
+    extra_s = r["overlap_step_s"] - r["none_step_s"]
+    if extra_s > 0:  # the snapshot's cost is per byte of state; a step with more compute per byte hides more of it
+        print(f"  a snapshot adds {extra_s * 1e3:.1f} ms to a {r['none_step_s'] * 1e3:.0f} ms step: a step of this state "
+              f"taking >= {extra_s / (1 / 0.97 - 1):.2f} s (more tokens per step) runs at >= 0.97 x by that cost")
 
 
 def exit_on_sigterm() -> None:

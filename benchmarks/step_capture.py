@@ -182,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         pairs = f"{r['pair_ratio']:.4f} [{r['pair_ratio_q1']:.3f}-{r['pair_ratio_q3']:.3f}]"
         print(f"{label:32} {r['step_ms']:8.3f} {r['step_with_capture_ms']:12.3f} {r['ratio']:7.4f} {pairs:>24} "
               f"{r['capture_us']:11.1f} {r['capture_own_ratio']:7.4f}  {met}")
+    costs = [r["capture_us"] for r in results.values()]
+    if costs:  # the capture's cost is per step, not per byte of model: it sets the shortest step that meets the target
+        print(f"the capture costs {min(costs):.0f}-{max(costs):.0f} us per step whatever the model: a loop whose step "
+              f"takes >= {max(costs) / (TARGET_RATIO - 1) / 1e3:.1f} ms meets <= {TARGET_RATIO} by that cost")
     print(f"ratio: median step with the capture / without (CPU time, blocks of {args.block} alternating); pairs: the "
           "same per pair of neighbouring blocks; own: (step + the capture's own time) / step (it includes the cold "
           "caches after backward, which the loop pays in part either way)")

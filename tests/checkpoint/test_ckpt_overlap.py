@@ -6,6 +6,7 @@ copy, so "the update begins while the copy is unfinished" happens every run, not
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from pathlib import Path
@@ -174,3 +175,25 @@ def test_a_step_without_an_update_abandons_its_snapshot_and_turns_the_overlap_of
 def ckpt_paths(job_id):
     from unbroken.checkpoint.shm_files import slot_path
     return [slot_path(SHM, job_id, 0, s) for s in (0, 1)]
+
+
+def test_the_commit_thread_of_a_cpu_job_yields_its_core_and_only_it(job, monkeypatch):
+    """The copy and checksums run at nice 19 in their own thread; the training thread keeps its priority."""
+    seen = []
+    real = memory._yield_to_training
+
+    def recording():
+        real()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    monkeypatch.setattr(memory, "_yield_to_training", recording)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    weights = torch.arange(1 << 12, dtype=torch.float32)
+    writer = SnapshotWriter(SHM, job, 0)
+    try:
+        writer.write(1, {"w": weights}, meta={"step": 1}, deferred={weights.data_ptr()})
+        assert writer.settle(timeout_s=30) and writer.flush(timeout_s=30) and writer.committed_step == 1
+    finally:
+        writer.close()
+    assert seen == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -29,6 +29,7 @@ unbroken.checkpoint.memory_reader.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fcntl
 import json
@@ -302,6 +303,8 @@ class SnapshotWriter:
     def _commit(self, m: _Mapping, fd: int, slot: int, header: SlotHeader, pending: _Pending) -> None:
         """Commit thread: the deferred copies, COPIED, checksum table, checksummed header; once
         settled the state COMMITTED; unpin."""
+        if all(src.is_cpu for _, src in pending.later):  # a CPU job: its step's threads own the cores
+            _yield_to_training()
         try:
             try:
                 for dst, src in pending.later:
@@ -391,6 +394,14 @@ class SnapshotWriter:
 
 
 # ---- helpers -----------------------------------------------------------------------
+
+
+def _yield_to_training() -> None:
+    """A CPU job's commit thread at nice 19 (this thread only; Linux): it takes the gaps of the cores
+    the step's threads keep busy (benchmarks/snapshot_overlap.py). Not a GPU job's: data loaders
+    would starve it while the update waits."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 class _Pending:

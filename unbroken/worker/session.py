@@ -61,6 +61,7 @@ class Job:
         self.device = device or self._build_device()
         self._tracked, self._metrics = TrackedState(), {}  # the tracked objects; this step's progress metrics
         self._restored = False
+        self._raised_in_step = False  # an exception left `with job.step():`: the loop crashed, it did not finish
         self._mesh: meshes.JobMesh | None = None  # job.mesh()
         self._control = self._build_control()
         script_imports.report(self._control, cfg)  # for the warm spares: what the script imported
@@ -161,8 +162,9 @@ class Job:
                 continue
             try:
                 yield index
-            except GeneratorExit:  # the script left the loop early (`break`): no more step progress
-                self._report_finished()
+            except GeneratorExit:  # the script left the loop early (`break`): no more step progress,
+                if not self._raised_in_step:  # unless a step's exception left it (a crash, not an end)
+                    self._report_finished()
                 raise
             if self._inflight.fault_noted:
                 continue
@@ -199,6 +201,7 @@ class Job:
         except Exception as exc:
             if not self._inflight.note_fault(index, exc):
                 self._exit_if_fatal(exc)
+                self._raised_in_step = True
                 raise
             return
         self._boundary.end(index)

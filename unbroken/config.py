@@ -47,8 +47,9 @@ def check_secret_strength(secret: str) -> None:
 class HangConfig:
     """How the controller decides that a live worker is hung (no step progress).
 
-    A rank that has not completed a step in the current attempt gets ``first_step_timeout_s`` (imports,
-    process-group setup, restore). After that the timeout is ``max(floor_s, factor * median step time)``,
+    A rank that has not completed a step in the current attempt, or since the last in-flight recovery, gets
+    ``first_step_timeout_s`` (imports, process-group setup, restore, a replacement's first step). After that the
+    timeout is ``max(floor_s, factor * median step time)``,
     calibrated from observed steps, unless ``timeout_s`` fixes it.
     """
 

@@ -119,7 +119,7 @@ def test_progress_done_moves_the_view_and_times_the_step():
     done = {"loss": 2.0, "compute_s": 0.25}
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="done", metrics=done))
     w = hub.workers[0]
-    assert (w.step, w.steps_in_attempt, w.metrics, w.phase) == (1, 1, done, Phase.DONE)
+    assert (w.step, w.steps_in_generation, w.metrics, w.phase) == (1, 1, done, Phase.DONE)
     assert hub.live.steps == [(0, 1, done)] and list(w.compute_s) == [0.25]
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="finished", metrics={}))
     assert w.state == WorkerState.FINISHING and hub.applied == [sm.LoopFinished(0, 0)]  # the machine learns it
@@ -131,7 +131,7 @@ def test_a_compute_report_with_the_previous_steps_done_folded_in_counts_both():
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="compute", metrics={"loss": 1.5},
                                   state=b"s1", done=True))
     w = hub.workers[0]
-    assert (w.step, w.steps_in_attempt, w.metrics, w.phase, w.in_step_loop) == (1, 1, {"loss": 1.5}, Phase.COMPUTE,
+    assert (w.step, w.steps_in_generation, w.metrics, w.phase, w.in_step_loop) == (1, 1, {"loss": 1.5}, Phase.COMPUTE,
                                                                                True)
     assert hub.live.steps == [(0, 1, {"loss": 1.5})]
     assert hub.rank_states.for_resume(0, 0, 1).state == b"s1"  # the step-start state of step 1 is kept
@@ -404,3 +404,19 @@ def test_an_abort_order_carries_the_committed_step():
     hub.state = dataclasses.replace(hub.state, committed_step=6)
     hub.executor.execute([sm.AbortGeneration(1, "rank 1 died")])
     assert conns[0].sent == [m.Abort(gen=1, reason="rank 1 died", committed_step=6)]
+
+
+def test_the_redo_step_after_an_in_flight_recovery_gets_the_first_step_timeout_on_every_rank():
+    """Survivors wait in the redo step's first collective for the replacement's first step: they must not
+    be blamed as hung at the calibrated timeout while the replacement is within its first-step allowance."""
+    hub = FakeHub(world_size=3)
+    hang = hub.cfg.hang
+    for w in hub.workers.values():
+        w.steps_in_generation = 7
+    calibrated = hub.monitor.hang_timeout_s(hub.workers[0])
+    assert calibrated == hang.floor_s < hang.first_step_timeout_s
+    hub.executor.execute([sm.Recovered(gen=1, resume_step=7, replaced=frozenset({2}))])
+    assert [hub.monitor.hang_timeout_s(w) for w in hub.workers.values()] == [hang.first_step_timeout_s] * 3
+    worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=8, phase="done", metrics={}))  # the redo step done
+    assert hub.monitor.hang_timeout_s(hub.workers[0]) == calibrated
+    assert hub.monitor.median_step_s() is None  # the redo step is not a steady step: not in the median

@@ -192,7 +192,7 @@ def _worker_started(self: Connections, agent: int, msg: m.WorkerStarted) -> None
     w = self._ctl.workers[msg.rank]
     now = time.monotonic()
     w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
-    w.step, w.phase, w.state, w.steps_in_attempt = None, Phase.STARTING, WorkerState.STARTING, 0
+    w.step, w.phase, w.state, w.steps_in_generation = None, Phase.STARTING, WorkerState.STARTING, 0
     w.process = "running"
     w.in_step_loop = w.relayed = False
     w.compute_s.clear()

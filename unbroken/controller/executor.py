@@ -65,7 +65,7 @@ class Executor:
         ctl.store_service.open_attempt(action.attempt)
         self.store, self.store_prefix = rendezvous.open_store(ctl.host), rendezvous.new_prefix()
         for w in ctl.workers.values():
-            w.state, w.steps_in_attempt = WorkerState.STARTING, 0
+            w.state, w.steps_in_generation = WorkerState.STARTING, 0
         ctl.events.emit("attempt_started", attempt=action.attempt, store_port=self.store.port)
         for agent in sorted(ctl.state.hosts()):
             ranks = [r for r in range(ctl.cfg.world_size) if ctl.state.agent_of(r) == agent]
@@ -173,8 +173,8 @@ class Executor:
         ctl = self._ctl
         now = time.monotonic()
         ctl.recovery_deadline = None
-        for w in ctl.workers.values():  # paused ranks made no progress on purpose
-            w.last_progress_t = now
+        for w in ctl.workers.values():  # paused ranks made no progress on purpose; the redo step is a first
+            w.last_progress_t, w.steps_in_generation = now, 0  # step (new connections, a cold replacement): monitor.py
         fields = ctl.timing.recovered_in_flight(action.resume_step, now)
         ctl.events.emit("recovered_in_flight", gen=action.gen, resume_step=action.resume_step,
                         replaced=sorted(action.replaced), **fields)

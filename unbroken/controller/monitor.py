@@ -35,8 +35,11 @@ class Monitor:
         return statistics.median(self._step_times) if self._step_times else None
 
     def hang_timeout_s(self, w: WorkerView) -> float:
+        """``--first-step-timeout-s`` for a rank's first step of its attempt and the first step after an
+        in-flight recovery (every rank of the new generation: its peers wait in the redo step's first
+        collective for the replacement's first step and its new connections); else the calibrated one."""
         hang = self._hang
-        if w.steps_in_attempt == 0:
+        if w.steps_in_generation == 0:
             return hang.first_step_timeout_s
         if hang.timeout_s is not None:
             return hang.timeout_s
@@ -48,10 +51,10 @@ class Monitor:
         compute_s = metrics.get("compute_s")
         if isinstance(compute_s, (int, float)) and not isinstance(compute_s, bool) and compute_s >= 0:
             w.compute_s.append(float(compute_s))
-        if w.steps_in_attempt:
+        if w.steps_in_generation:
             self._step_times.append(now - w.last_progress_t)
         w.last_progress_t = now
-        w.steps_in_attempt += 1
+        w.steps_in_generation += 1
 
     def progress(self, workers: Iterable[WorkerView], attempt: int, now: float,
                  since_t: float | None = None) -> list[hangs.RankProgress]:

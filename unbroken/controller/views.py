@@ -23,7 +23,7 @@ class WorkerView:
     last_progress_t: float = 0.0
     step: int | None = None  # steps completed, as last reported
     phase: str = Phase.STARTING
-    steps_in_attempt: int = 0
+    steps_in_generation: int = 0  # steps completed since its attempt began or the last in-flight recovery
     in_step_loop: bool = False  # it reported a phase of a step (entered job.steps()) in this attempt
     metrics: dict[str, Any] = field(default_factory=dict)
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=health.WINDOW))  # as it measured them

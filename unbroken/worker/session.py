@@ -144,7 +144,7 @@ class Job:
     def _steps(self, total: int) -> Iterator[int]:
         if total < 0:
             raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
-        boundary = self._boundary
+        boundary, self._raised_in_step = self._boundary, False  # (a loop begun again after a caught crash)
         boundary.step = self._inflight.join() if self._inflight.needs_state else self._restore()
         self._restored = self._tracked.frozen = True
         self._ckpt.check_capacity(boundary.step)

@@ -4,6 +4,8 @@ connections; gloo builds real groups over it."""
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -191,3 +193,41 @@ def test_gloo_builds_groups_over_the_store(service):
         t.join(timeout=50)
     assert all(torch.equal(results[(r, g)], torch.full((4,), 3.0 + 2 * g)) for r in range(2) for g in range(2))
     assert all(key.startswith("rdzv-test/gen") for key in service.keys_of(0))
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_connection_whose_client_went_away_ends_its_serving_thread(how):
+    """A lost rank's store connection: its thread ends. It used to loop on the closed socket,
+    answering each EOF as a malformed request, a core's worth of the controller's CPU for the
+    rest of the job after every lost rank."""
+    svc = StoreService()
+    svc.open_attempt(0)
+    ended, loops = threading.Event(), []
+    real_serve_one = svc._serve_one
+
+    def counting(conn, attempt):
+        loops.append(1)
+        real_serve_one(conn, attempt)
+
+    svc._serve_one = counting
+
+    def serve(conn):
+        try:
+            svc.serve(conn)
+        finally:
+            ended.set()
+
+    server = Server("127.0.0.1", 0, SECRET, serve)
+    server.start()
+    try:
+        conn = connect("127.0.0.1", server.port, SECRET, "store", {"rank": 0, "attempt": 0, "pid": 0})
+        conn.send(m.StoreRequest(id=1, op="set", keys=["k"], values=[b"v"]))
+        assert conn.recv(timeout_s=5).ok
+        if how == "reset":  # a SIGKILLed process's socket: RST instead of FIN
+            conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+        assert ended.wait(5), f"the serving thread still runs after the client left ({len(loops)} loops)"
+        assert len(loops) < 20
+    finally:
+        svc.close()
+        server.close()

@@ -145,6 +145,9 @@ class Connection:
             )
         try:
             return self._reader.read(timeout_s)
+        except ConnectionClosed:
+            self.close()  # the peer went away: `closed` says so from now on
+            raise
         except ProtocolError:
             if self._reader.out_of_step:
                 self.close()  # no way to find the next frame: give the connection up

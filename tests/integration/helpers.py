@@ -37,16 +37,19 @@ def events(run_dir: Path, name: str | None = None) -> list[dict]:
     return [e for e in read_events(run_dir) if name is None or e["event"] == name]
 
 
-def reference_run(tmp_path_factory, name: str = "reference", *, steps: int, train_args: list[str] = ()) -> Path:
-    """Final weights of a fault-free 4-rank run of the example (for a module-scoped fixture).
+def reference_run(tmp_path_factory, name: str = "reference", *, steps: int, train_args: list[str] = (),
+                  nproc: int = 4, flags: list[str] = ()) -> Path:
+    """Final weights of a fault-free run of the example on ``nproc`` ranks (for a module-scoped fixture).
 
-    Run once per test session for each (steps, train_args): test modules that compare with the
-    same fault-free run share it (a 4-rank run costs 15-50 s of the default run)."""
-    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join([str(steps), *train_args]))
+    Run once per test session for each (steps, train_args, nproc, flags): test modules that compare
+    with the same fault-free run share it (a 4-rank run costs 15-50 s of the default run)."""
+    parts = [str(steps), *train_args, *([f"n{nproc}"] if nproc != 4 else []), *flags]
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(parts))
     shared = tmp_path_factory.getbasetemp() / "references" / f"{key}.safetensors"
     if shared.exists():
         return shared
-    result, out, _ = train(tmp_path_factory.mktemp(name), "reference", steps=steps, train_args=train_args)
+    result, out, _ = train(tmp_path_factory.mktemp(name), "reference", steps=steps, train_args=train_args,
+                           nproc=nproc, flags=flags)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     shared.parent.mkdir(exist_ok=True)
     shutil.copyfile(out, shared)

@@ -63,10 +63,10 @@ def test_a_noted_fault_makes_a_recovery_pending_and_survive_moves_to_the_next_ge
     assert inflight.survive(5, "sync") == 5
     assert (inflight.gen, inflight.fault_noted, inflight.pause_phase) == (1, False, "sync")
     assert inflight.group is not None and inflight.group.size() == 1
-    assert [c[0] for c in control.calls] == ["paused", "paused", "resumed", "event"]
+    assert [c[0] for c in control.calls] == ["paused", "paused", "resumed"]
     assert control.calls[0] == ("paused", 0, 5, "sync")
-    name, fields = control.calls[3][1:]  # where the restore time went, per sub-phase
-    assert name == "restore_phases" and fields["role"] == "survivor" and fields["gen"] == 1
+    fields = control.calls[2][4]  # where the restore time went, per sub-phase (with the report)
+    assert fields["role"] == "survivor" and fields["gen"] == 1
     assert {"restore_s", "recoverable_s", "exchange_s", "load_s", "realign_s"} <= set(fields)
     assert "script_s" not in fields
 
@@ -117,8 +117,8 @@ def test_a_replacement_joins_at_init_and_receives_its_state_in_join():
     inflight.await_group()
     assert inflight.gen == 1 and control.calls == [("joined", 0)]
     assert inflight.join() == 8 and not inflight.needs_state
-    name, fields = control.calls[-1][1:]
-    assert name == "restore_phases" and fields["role"] == "replacement" and fields["script_s"] >= 0
+    name, fields = control.calls[-1][0], control.calls[-1][4]
+    assert name == "resumed" and fields["role"] == "replacement" and fields["script_s"] >= 0
 
 
 def test_a_dump_order_is_written_then_the_next_order_is_awaited():

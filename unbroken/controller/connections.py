@@ -349,6 +349,9 @@ def _resumed(self: Connections, rank: int, attempt: int, conn: Connection, msg: 
     ctl = self._ctl
     ctl.timing.resumed(msg.restore_s)
     ctl.events.emit("worker_resumed", rank=rank, gen=msg.gen, step=msg.step, restore_s=round(msg.restore_s, 4))
+    if msg.phases:  # (one report for both: N of them come at once at the end of a recovery)
+        ctl.events.emit("restore_phases", rank=rank, attempt=attempt, **{k: v for k, v in msg.phases.items()
+                                                                          if k not in ("rank", "attempt", "t", "event")})
     ctl.apply(sm.WorkerResumed(rank, attempt, msg.gen))
 
 

@@ -68,6 +68,7 @@ class Fabric:
         self.groups: list[SurvivingGroup] = []
         self.before_reduce: Callable[[], None] | None = None  # called before each reduction is issued
         self._gen = -1
+        self._prepared: tuple[int, list[Any]] | None = None  # (generation, backends built ahead: prepare())
         self._held = False
         self.backend_name = f"unbroken_{name or uuid.uuid4().hex[:12]}"
         dist.Backend.register_backend(self.backend_name, self._create, extended_api=True, devices=["cpu"])
@@ -121,19 +122,38 @@ class Fabric:
         store = dist.PrefixStore(f"gen{gen}/{group.key}/", self._store)
         return gloo_group(store, group.rank(), group.size(), self.timeout, lazy_connect=self.lazy_connect)
 
+    def prepare(self, gen: int) -> None:
+        """Build generation ``gen``'s backends ahead of :meth:`switch`, e.g. while this rank waits
+        for the regroup order. Only with lazy connections, whose build waits for no peer (it
+        publishes this rank's address); a full mesh connects every pair at the build. Backends
+        prepared for a generation the job does not switch to go to the graveyard."""
+        if not self.lazy_connect or gen <= self._gen or (self._prepared and self._prepared[0] == gen):
+            return
+        self._drop_prepared()
+        self._prepared = (gen, [self._backend_for(group, gen) for group in self.groups])
+
+    def _drop_prepared(self) -> None:
+        if self._prepared is not None:
+            self.graveyard.extend(self._prepared[1])  # never destroyed early: see FACTS.md
+            self._prepared = None
+
     def switch(self, gen: int) -> float:
         """Move every group to generation ``gen`` (a collective of every rank of the job).
 
         Blocks until every member of each group has connected (gloo builds its mesh), at most
-        the fabric's timeout. Clears the abort signal once the new backends are in place.
-        Returns the seconds it took.
+        the fabric's timeout; backends built by :meth:`prepare` for ``gen`` are used as they are.
+        Clears the abort signal once the new backends are in place. Returns the seconds it took.
         """
         if gen <= self._gen:
             raise ConfigError(f"generation {gen} is not newer than the current one ({self._gen}): "
                               "each generation's store prefix may be used once")
         started = time.monotonic()
-        for group in self.groups:
-            group._attach(gen, self._backend_for(group, gen))
+        ready = self._prepared[1] if self._prepared and self._prepared[0] == gen else []
+        if not ready:
+            self._drop_prepared()
+        self._prepared = None
+        for n, group in enumerate(self.groups):  # (a group created since prepare() is built now)
+            group._attach(gen, ready[n] if n < len(ready) else self._backend_for(group, gen))
         self._gen = gen
         self.signal.clear()
         return time.monotonic() - started

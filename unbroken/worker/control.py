@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
@@ -210,8 +211,9 @@ class ControlClient:
         self._send(m.WorkerRegister(rank=self.rank, pid=0, attempt=self.attempt, gen=gen, replacement=True,
                                     relay=self._relay is not None))
 
-    def resumed(self, gen: int, step: int, restore_s: float) -> None:
-        self._send(m.Resumed(rank=self.rank, attempt=self.attempt, gen=gen, step=step, restore_s=restore_s))
+    def resumed(self, gen: int, step: int, restore_s: float, phases: dict[str, Any] | None = None) -> None:
+        self._send(m.Resumed(rank=self.rank, attempt=self.attempt, gen=gen, step=step, restore_s=restore_s,
+                             phases=phases or {}))
 
     def wait_regroup(self, timeout_s: float, on_abort, reported_gen: int) -> m.Regroup | m.Dump | None:
         """Wait for the regroup order. ``on_abort(gen)`` runs when an abort newer than

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from unbroken.comm import generation_group, wait_all
+from unbroken.comm import generation_group, movers, wait_all
 from unbroken.comm.wait import AbortWatch
 from unbroken.comm.p2p import exchange_states
 from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
@@ -52,7 +52,7 @@ from unbroken.parallel.fabric import Fabric
 from unbroken.parallel.group import SurvivingGroup
 from unbroken.protocol.messages import Dump, Regroup
 from unbroken.recovery.mesh_map import MeshReplicaMap, object_moves
-from unbroken.recovery.transfer_plan import Move, plan_moves
+from unbroken.recovery.transfer_plan import Move, involved, plan_moves
 from unbroken.worker import wrappers
 from unbroken.worker.control import ControlClient
 from unbroken.worker.state_blob import decode_tree
@@ -195,8 +195,8 @@ class InFlight:
             control.damaged(str(self.damaged), self.damaged.kind)
             self.damaged, self.needs_state, self._keeps_own = None, True, True
         else:
-            control.paused(reported, step, phase)
-        return self._transfer_until_done(started, self._await_order(reported))
+            self._announce(reported)
+        return self._transfer_until_done(started, self._await_order(reported, adopt=False))
 
     def await_group(self) -> None:
         """A replacement, inside ``unbroken.init()``: wait for the regroup order and join its group.
@@ -233,14 +233,28 @@ class InFlight:
             self.graveyard.append(self.group)  # never destroyed early: see FACTS.md
         self.gen, self.group = gen, group
 
+    def _prepare_group(self, gen: int) -> None:
+        """A survivor paused for generation ``gen``'s order: build that generation's groups now
+        (Fabric.prepare, lazy connections only), after the report the order waits for, so that
+        after the order it needs no CPU for them. Best effort."""
+        if self._fabric is None or gen <= self.gen:
+            return
+        try:
+            self._fabric.prepare(gen)
+        except Exception as exc:  # noqa: BLE001 - the switch builds them after the order instead
+            log.debug("rank %d: groups not built ahead: %s", self._cfg.rank, exc)
+
     def _announce(self, gen: int) -> None:
         """Tell the controller this rank is ready for generation ``gen``."""
         if self.needs_state:
             self._control.joined(gen)
         else:
             self._control.paused(gen, self._paused_step, self.pause_phase)
+            self._prepare_group(gen)
 
-    def _await_order(self, reported: int) -> Regroup:  # a Dump order is carried out inside
+    def _await_order(self, reported: int, *, adopt: bool = True) -> Regroup:  # a Dump order is carried out inside
+        """The next regroup order; with ``adopt`` its group is joined at once (a replacement, in
+        ``init()``), otherwise in :meth:`_transfer` (a survivor in no move joins after the movers)."""
         timeout_s = self._cfg.worker.recovery_timeout_s
         order = self._control.wait_regroup(timeout_s, self._announce, reported)
         if order is None:
@@ -248,8 +262,9 @@ class InFlight:
                             f"{timeout_s:.0f} s (--recovery-timeout-s); giving up")
         if isinstance(order, Dump):
             self._dump(order)  # then wait: the agent stops this process for the job restart
-            return self._await_order(self._control.abort_gen)
-        self._adopt_group(order.gen)
+            return self._await_order(self._control.abort_gen, adopt=adopt)
+        if adopt:
+            self._adopt_group(order.gen)
         return order
 
     def _dump(self, order: Dump) -> None:
@@ -291,27 +306,16 @@ class InFlight:
                             self._cfg.rank, order.gen, exc)
                 reported = self._control.abort_gen
                 self._announce(reported)
-                order = self._await_order(reported)
+                order = self._await_order(reported, adopt=False)
                 continue
             restore_s = time.monotonic() - regroup_t
             role = "repaired" if self._keeps_own else "replacement" if self.needs_state else "survivor"
             self.needs_state = self._keeps_own = False
-            self._control.resumed(order.gen, order.resume_step, restore_s)
-            self._report_laps(order.gen, role, restore_s, script_s, laps)
+            self._control.resumed(order.gen, order.resume_step, restore_s,
+                                  _restore_phases(order.gen, role, restore_s, script_s, laps))
             log.info("rank %d: resumed at step %d in generation %d after %.3f s (restore %.3f s)",
                      self._cfg.rank, order.resume_step, order.gen, time.monotonic() - started, restore_s)
             return order.resume_step
-
-    def _report_laps(self, gen: int, role: str, restore_s: float, script_s: float | None,
-                     laps: dict[str, float]) -> None:
-        """Event ``restore_phases``: where this rank's restore time went (seconds per sub-phase;
-        ``script_s``: a replacement's own script between ``unbroken.init()`` and ``job.steps()``,
-        which the survivors wait for inside their ``x_sends_s``)."""
-        fields = {"gen": gen, "role": role, "restore_s": round(restore_s, 4),
-                  **{k: round(v, 4) for k, v in laps.items()}}
-        if script_s is not None:
-            fields["script_s"] = round(script_s, 4)
-        self._control.event("restore_phases", fields)
 
     def _recover_recoverable(self, replaced: set[int] | tuple[()]) -> None:
         """Each recoverable object (e.g. a sharded optimizer) rebuilds itself from live holders, a
@@ -330,13 +334,11 @@ class InFlight:
         """The transfer every rank runs after a regroup, from the same plan everywhere: recoverable
         state first (its own collectives), then each replicated plain object, and the per-rank
         state of ranks in ``fallback``, point to point from one live holder each (spread over
-        the survivors, in parallel) to the replaced ranks; a survivor in no move does nothing."""
+        the survivors, in parallel) to the replaced ranks; a survivor in no move does nothing, and
+        with lazily connected groups it builds its group only once the movers are done (comm/movers.py)."""
         rank, replaced = self._cfg.rank, set(order.replaced)
         alive = [r for r in range(self._cfg.world_size) if r not in replaced]
         receiving = rank in replaced and not self._keeps_own
-        t = time.monotonic()
-        self._recover_recoverable(replaced)
-        laps["recoverable_s"] = time.monotonic() - t
         if self.replica_map is None:  # every rank holds each object, or FSDP2's shard classes
             plain, holders, needs = self._plain_pieces(replaced, alive)
             moves, names = plan_moves(list(plain), holders, needs, alive), {key: key for key in plain}
@@ -345,6 +347,17 @@ class InFlight:
             moves, names = object_moves(list(plain), self.replica_map, replaced, alive)
         # The controller kept no per-rank state for the ranks in `fallback`: the lowest survivor's copy.
         moves += [Move(_PER_RANK, alive[0], r) for r in sorted(set(order.fallback) & replaced)]
+        moving = involved(moves, rank)
+        if self.gen < order.gen:  # a survivor: its group of this generation is built now
+            if moves and not moving and self._may_defer_group():
+                t = time.monotonic()
+                movers.wait_done(self._store, order.gen, moves, aborted=lambda: self._control.abort_gen > order.gen,
+                                 timeout_s=self._cfg.worker.recovery_timeout_s)
+                laps["deferred_s"] = time.monotonic() - t
+            self._adopt_group(order.gen)
+        t = time.monotonic()
+        self._recover_recoverable(replaced)
+        laps["recoverable_s"] = time.monotonic() - t
 
         def state_of(key: str) -> Any:
             return self._tracked.per_rank_tree() if key == _PER_RANK else self._tracked.state_of(plain[names[key]])
@@ -369,9 +382,17 @@ class InFlight:
             self._tracked.load_per_rank(decode_tree(order.rank_state, f"rank {rank}'s per-rank state of step "
                                                                       f"{order.resume_step} from the controller"))
         laps["load_s"] = time.monotonic() - t
+        if moving:
+            movers.mark_done(self._store, order.gen, rank)
         t = time.monotonic()
         self._realign_wrappers()
         laps["realign_s"] = time.monotonic() - t
+
+    def _may_defer_group(self) -> bool:
+        """Whether a survivor in no move may build its group after the movers (comm/movers.py):
+        only where building it waits for no peer (lazily connected gloo groups; a full mesh connects
+        every pair at the build) and no recoverable object needs it for a collective of its own."""
+        return self._cfg.worker.lazy_connect and self._device.type != "cuda" and not self._tracked.recoverable()
 
     def _plain_pieces(self, replaced: set[int], alive: list[int]
                       ) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, list[int]]]:
@@ -401,3 +422,15 @@ class InFlight:
             ddp_generations.realign_buckets(ddp)
         for hook in self.after_transfer:  # e.g. the mesh's pipeline schedules warm up again at the redo
             hook()
+
+
+def _restore_phases(gen: int, role: str, restore_s: float, script_s: float | None,
+                    laps: dict[str, float]) -> dict[str, Any]:
+    """Where this rank's restore time went, sent with its ``resumed`` report (the controller's event
+    ``restore_phases``): seconds per sub-phase; ``script_s``: a replacement's own script between
+    ``unbroken.init()`` and ``job.steps()``, which the survivors wait for inside their ``x_sends_s``;
+    ``deferred_s``: a survivor in no move waiting for the movers (comm/movers.py)."""
+    fields = {"gen": gen, "role": role, "restore_s": round(restore_s, 4), **{k: round(v, 4) for k, v in laps.items()}}
+    if script_s is not None:
+        fields["script_s"] = round(script_s, 4)
+    return fields

@@ -276,15 +276,12 @@ class Regroup(Message):
 
 @message("resumed")
 class Resumed(Message):
-    """Back at ``step`` in generation ``gen``; ``phases``: where the restore time went (the
-    ``restore_phases`` event's fields: seconds per sub-phase, the rank's role), one report for both."""
-
     rank: int
     attempt: int
     gen: int
     step: int
     restore_s: float
-    phases: dict[str, Any] = dataclasses.field(default_factory=dict)
+    phases: dict[str, Any] = dataclasses.field(default_factory=dict)  # the restore_phases event's fields
 
 
 @message("spare_imports")

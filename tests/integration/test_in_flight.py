@@ -57,9 +57,10 @@ def _check_in_flight(result, out, run_dir, reference, replaced: set[int]) -> dic
 
 @pytest.mark.timeout(300)  # with the reference run it compares with (the first user of it builds it)
 @pytest.mark.parametrize("phase,optimizer", [
-    # All six in the slow set (`pytest -m slow`); the default run's in-flight kill is
-    # test_lazy_in_flight.py's (6 ranks), its bit-exact ones the standby test below and the fault schedules.
-    pytest.param(phase, optimizer, marks=pytest.mark.slow, id=f"{phase}-{optimizer}")
+    # Two in the default run (a kill at sync with shards, at update with full replication); the
+    # other four in the slow set (`pytest -m slow`).
+    pytest.param(phase, optimizer, marks=() if (phase, optimizer) in {("update", "full-replication")}
+                 else pytest.mark.slow, id=f"{phase}-{optimizer}")
     for optimizer in ("full-replication", "sharded-n2") for phase in ("compute", "sync", "update")])
 def test_sigkill_recovered_in_place_bit_exact(tmp_path, request, phase, optimizer):
     sharded = optimizer == "sharded-n2"

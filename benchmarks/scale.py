@@ -9,8 +9,9 @@ on N ranks and the last rank is SIGKILLed entering step --kill-step. Rows, inter
   in_flight    `unbroken run` (recover-in-place): only the lost rank is replaced; components
                from the controller's `recovered_in_flight` event: detect_s (fault seen ->
                decided), replace_s (-> replacement joined), regroup_s (-> new group), restore_s
-               (state transfer, slowest rank), other_s (what total_s holds besides: each rank
-               building the new gloo group after the order, the last `resumed` report),
+               (state transfer, slowest rank; a survivor's switch to the new groups is in it, and
+               with --lazy-connect a survivor in no move waiting for the movers), other_s (what
+               total_s holds besides: the reports reaching the controller, the last `resumed`),
                total_s (fault seen -> resumed); redo_s =
                recover_s - total_s (the time from resuming until back at the fault's step, plus
                the kill -> detection gap)

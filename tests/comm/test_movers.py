@@ -14,10 +14,12 @@ from unbroken.comm import movers
 from unbroken.controller.store_service import StoreService
 from unbroken.errors import CollectiveAborted
 from unbroken.protocol.wire import Server
+from unbroken.recovery.transfer_plan import Move, movers as movers_in
 from unbroken.worker.store_client import ControlStore
 
 pytestmark = pytest.mark.timeout(30)
-MOVES = [("object 'model'", 0, 3), ("object 'optimizer'", 1, 3)]
+MOVES = [Move("object 'model'", 0, 3), Move("object 'optimizer'", 1, 3)]
+MOVERS = movers_in(MOVES)
 
 
 def _later(seconds: float, fn) -> threading.Thread:
@@ -27,8 +29,8 @@ def _later(seconds: float, fn) -> threading.Thread:
 
 
 def test_the_movers_are_the_senders_and_receivers_of_the_plan():
-    assert movers.movers_of(MOVES) == [0, 1, 3]
-    assert movers.movers_of([]) == []
+    assert movers_in(MOVES) == [0, 1, 3]
+    assert movers_in([]) == []
 
 
 def test_the_wait_ends_when_every_mover_marked_its_generation_done():
@@ -37,7 +39,7 @@ def test_the_wait_ends_when_every_mover_marked_its_generation_done():
     movers.mark_done(store, 2, 0)
     marks = [_later(0.3, lambda: movers.mark_done(store, 2, 1)), _later(0.6, lambda: movers.mark_done(store, 2, 3))]
     started = time.monotonic()
-    movers.wait_done(store, 2, MOVES, aborted=lambda: False, timeout_s=10, poll_s=0.1)
+    movers.wait_done(store, 2, MOVERS, aborted=lambda: False, timeout_s=10, poll_s=0.1)
     waited = time.monotonic() - started
     assert 0.5 < waited < 3, waited
     for t in marks:
@@ -49,13 +51,13 @@ def test_an_abort_order_for_a_later_generation_ends_the_wait():
     _later(0.3, abort.set)
     started = time.monotonic()
     with pytest.raises(CollectiveAborted, match="while waiting for the transfer of generation 1"):
-        movers.wait_done(store, 1, MOVES, aborted=abort.is_set, timeout_s=10, poll_s=0.1)
+        movers.wait_done(store, 1, MOVERS, aborted=abort.is_set, timeout_s=10, poll_s=0.1)
     assert time.monotonic() - started < 2
 
 
 def test_the_wait_gives_up_at_its_timeout_and_the_caller_goes_on():
     started = time.monotonic()
-    movers.wait_done(dist.HashStore(), 1, MOVES, aborted=lambda: False, timeout_s=0.5, poll_s=0.1)
+    movers.wait_done(dist.HashStore(), 1, MOVERS, aborted=lambda: False, timeout_s=0.5, poll_s=0.1)
     assert 0.4 < time.monotonic() - started < 3
 
 
@@ -70,7 +72,7 @@ def test_a_failed_store_ends_the_wait_at_once_and_marking_done_only_logs(caplog)
         svc.close()
         server.close()
         started = time.monotonic()
-        movers.wait_done(store, 1, MOVES, aborted=lambda: False, timeout_s=10, poll_s=1.0)
+        movers.wait_done(store, 1, MOVERS, aborted=lambda: False, timeout_s=10, poll_s=1.0)
         assert time.monotonic() - started < 0.5
         movers.mark_done(store, 1, 0)
         assert "could not mark its transfer of generation 1 done" in caplog.text
@@ -79,5 +81,5 @@ def test_a_failed_store_ends_the_wait_at_once_and_marking_done_only_logs(caplog)
 
 
 def test_without_a_store_nothing_waits():
-    movers.wait_done(None, 1, MOVES, aborted=lambda: False, timeout_s=10)
+    movers.wait_done(None, 1, MOVERS, aborted=lambda: False, timeout_s=10)
     movers.mark_done(None, 1, 0)

@@ -37,11 +37,6 @@ def _key(gen: int, rank: int) -> str:
     return f"moved/gen{gen}/{rank}"
 
 
-def movers_of(moves: Iterable[tuple[str, int, int]]) -> list[int]:
-    """The ranks that send or receive in ``moves`` (key, src, dst), ascending."""
-    return sorted({r for _, src, dst in moves for r in (src, dst)})
-
-
 def mark_done(store: dist.Store | None, gen: int, rank: int) -> None:
     """A mover's transfer of generation ``gen`` is done (best effort: the waiters time out)."""
     if store is None:
@@ -52,13 +47,13 @@ def mark_done(store: dist.Store | None, gen: int, rank: int) -> None:
         log.warning("rank %d: could not mark its transfer of generation %d done: %s", rank, gen, exc)
 
 
-def wait_done(store: dist.Store | None, gen: int, moves: Iterable[tuple[str, int, int]], *,
+def wait_done(store: dist.Store | None, gen: int, movers: Iterable[int], *,
               aborted: Callable[[], bool], timeout_s: float, poll_s: float = POLL_S) -> None:
-    """Block until every mover of ``moves`` marked generation ``gen`` done. CollectiveAborted once
+    """Block until every rank of ``movers`` marked generation ``gen`` done. CollectiveAborted once
     ``aborted()`` (a later generation's abort order); returns at ``timeout_s`` or on a store error."""
     if store is None:
         return
-    keys = [_key(gen, r) for r in movers_of(moves)]
+    keys = [_key(gen, r) for r in movers]
     deadline = time.monotonic() + timeout_s
     while not aborted():
         started = time.monotonic()

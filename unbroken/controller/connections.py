@@ -350,8 +350,7 @@ def _resumed(self: Connections, rank: int, attempt: int, conn: Connection, msg: 
     ctl.timing.resumed(msg.restore_s)
     ctl.events.emit("worker_resumed", rank=rank, gen=msg.gen, step=msg.step, restore_s=round(msg.restore_s, 4))
     if msg.phases:  # (one report for both: N of them come at once at the end of a recovery)
-        ctl.events.emit("restore_phases", rank=rank, attempt=attempt, **{k: v for k, v in msg.phases.items()
-                                                                          if k not in ("rank", "attempt", "t", "event")})
+        _emit_worker_fields(self, "restore_phases", rank, attempt, msg.phases)
     ctl.apply(sm.WorkerResumed(rank, attempt, msg.gen))
 
 
@@ -370,7 +369,14 @@ def _worker_event(self: Connections, rank: int, attempt: int, conn: Connection, 
     if msg.name == SCRIPT_IMPORTS_EVENT:
         self._script_imports(msg.fields.get("modules"))
         return
-    self._ctl.events.emit(msg.name, rank=rank, attempt=attempt, **msg.fields)
+    _emit_worker_fields(self, msg.name, rank, attempt, msg.fields)
+
+
+def _emit_worker_fields(self: Connections, name: str, rank: int, attempt: int, fields: dict) -> None:
+    """An event of a worker's, its fields as sent except those the log sets itself (never a crash on a
+    worker that names them)."""
+    self._ctl.events.emit(name, rank=rank, attempt=attempt,
+                          **{k: v for k, v in fields.items() if k not in ("rank", "attempt", "t", "event")})
 
 
 def _register_again(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.WorkerRegister) -> None:

@@ -153,10 +153,8 @@ class StoreService:
             msg = conn.recv(timeout_s=wait_s)
         except TimeoutError:
             return
-        except ConnectionClosed:  # the client is gone (a lost rank's process): this thread ends
-            raise
         except ProtocolError as exc:  # a frame that is no valid message: say so, keep serving
-            if conn.closed:
+            if conn.closed:  # (the client is gone, e.g. a lost rank's process: this thread ends)
                 raise
             _send(conn, m.StoreReply(id=-1, ok=False, error=f"malformed store request: {exc}"))
             return

@@ -51,6 +51,11 @@ def plan_moves(pieces: Sequence[str], holders: Mapping[str, Sequence[int]], need
     return moves
 
 
+def movers(moves: Iterable[Move]) -> list[int]:
+    """The ranks that send or receive in ``moves``, ascending."""
+    return sorted({r for m in moves for r in (m.src, m.dst)})
+
+
 def involved(moves: Iterable[Move], rank: int) -> bool:
     """True if ``rank`` sends or receives in ``moves``."""
     return any(rank in (m.src, m.dst) for m in moves)

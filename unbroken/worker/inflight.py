@@ -52,7 +52,7 @@ from unbroken.parallel.fabric import Fabric
 from unbroken.parallel.group import SurvivingGroup
 from unbroken.protocol.messages import Dump, Regroup
 from unbroken.recovery.mesh_map import MeshReplicaMap, object_moves
-from unbroken.recovery.transfer_plan import Move, involved, plan_moves
+from unbroken.recovery.transfer_plan import Move, involved, movers as movers_in, plan_moves
 from unbroken.worker import wrappers
 from unbroken.worker.control import ControlClient
 from unbroken.worker.state_blob import decode_tree
@@ -351,7 +351,7 @@ class InFlight:
         if self.gen < order.gen:  # a survivor: its group of this generation is built now
             if moves and not moving and self._may_defer_group():
                 t = time.monotonic()
-                movers.wait_done(self._store, order.gen, moves, aborted=lambda: self._control.abort_gen > order.gen,
+                movers.wait_done(self._store, order.gen, movers_in(moves), aborted=lambda: self._control.abort_gen > order.gen,
                                  timeout_s=self._cfg.worker.recovery_timeout_s)
                 laps["deferred_s"] = time.monotonic() - t
             self._adopt_group(order.gen)

@@ -77,7 +77,9 @@ def _role(proc: psutil.Process) -> str:
         rank = None
     if rank is not None:
         return f"rank {rank}"
-    return "launcher" if " run " in f" {cmd} " else f"other {cmd[:60]}"
+    if " run " in f" {cmd} " and proc.ppid() == os.getpid():
+        return "launcher"
+    return f"other {cmd[:60]}"  # a child forked by the launcher is renamed once it has exec'd
 
 
 def _at(samples: list[Sample], t: float) -> Sample:

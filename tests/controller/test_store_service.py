@@ -231,3 +231,63 @@ def test_a_connection_whose_client_went_away_ends_its_serving_thread(how):
     finally:
         svc.close()
         server.close()
+
+
+# -- the blocked-request index, in process (no sockets) -------------------------------------------
+class _Conn:
+    peer = "test"
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.sent: list[m.StoreReply] = []
+
+    def send(self, reply: m.StoreReply) -> None:
+        self.sent.append(reply)
+
+
+def _req(rid: int, op: str, keys: list[str], values: list[bytes] = (), timeout_ms: int = 60_000) -> m.StoreRequest:
+    return m.StoreRequest(id=rid, op=op, keys=keys, values=list(values), timeout_ms=timeout_ms)
+
+
+def test_a_request_blocked_on_several_keys_is_answered_once_all_are_set_whatever_the_order():
+    svc = StoreService()
+    svc.open_attempt(0)
+    waiter, writer = _Conn(), _Conn()
+    assert svc.handle(waiter, 0, _req(1, "multi_get", ["a", "b", "c"])) == []
+    assert [r.id for _, r in svc.handle(writer, 0, _req(2, "set", ["c"], [b"3"]))] == [2]
+    assert [r.id for _, r in svc.handle(writer, 0, _req(3, "set", ["a"], [b"1"]))] == [3]
+    svc.handle(writer, 0, _req(4, "delete_key", ["c"]))  # missing again: the request stays blocked
+    assert [r.id for _, r in svc.handle(writer, 0, _req(5, "set", ["b"], [b"2"]))] == [5]
+    replies = svc.handle(writer, 0, _req(6, "set", ["c"], [b"33"]))
+    (conn, answer) = next((c, r) for c, r in replies if r.id == 1)
+    assert conn is waiter and answer.ok and answer.values == [b"1", b"2", b"33"]
+
+
+def test_one_write_answers_every_request_blocked_on_its_key_and_only_those():
+    svc = StoreService()
+    svc.open_attempt(0)
+    waiters = [_Conn() for _ in range(50)]
+    for i, conn in enumerate(waiters):
+        svc.handle(conn, 0, _req(i, "wait" if i % 2 else "get", ["k"]))
+    other = _Conn()
+    svc.handle(other, 0, _req(99, "get", ["other"]))
+    replies = svc.handle(_Conn(), 0, _req(100, "set", ["k"], [b"v"]))
+    answered = {r.id: c for c, r in replies if r.id != 100}
+    assert sorted(answered) == list(range(50)) and all(answered[i] is waiters[i] for i in range(50))
+    assert svc.handle(_Conn(), 0, _req(101, "set", ["k"], [b"w"]))[1:] == []  # nobody is answered twice
+
+
+def test_an_expired_request_is_answered_once_and_forgotten():
+    svc = StoreService()
+    svc.open_attempt(0)
+    conn = _Conn()
+    svc.handle(conn, 0, _req(1, "get", ["late"], timeout_ms=1))
+    time.sleep(0.01)
+    svc._expire(conn, 0)  # what the connection's serving thread does between requests
+    assert [(r.id, r.timed_out) for r in conn.sent] == [(1, True)]
+    replies = svc.handle(_Conn(), 0, _req(2, "set", ["late"], [b"x"]))
+    assert [r.id for _, r in replies] == [2]  # the timed-out get gets no second reply
+    for i in range(m.STORE_MAX_WAITS):  # and no longer counts against its connection's limit
+        assert svc.handle(conn, 0, _req(10 + i, "get", [f"never{i}"])) == []
+    (refused,) = svc.handle(conn, 0, _req(999, "get", ["one-more"]))
+    assert not refused[1].ok and "blocked" in refused[1].error

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from unbroken.controller.values import Chain, RankSet
 from unbroken.names import Phase, Rung
 from unbroken.protocol.messages import CommitStep, SessionReady, StepSynced
 from unbroken.recovery.restore_point import RankOffer, RestorePoint
@@ -373,13 +374,13 @@ class Recovery:
     gen: int
     replaced: frozenset[int]
     tries: int = 1
-    paused: frozenset[int] = frozenset()
-    positions: tuple[tuple[int, int, str], ...] = ()  # (rank, step, phase) of each paused survivor
-    joined: frozenset[int] = frozenset()
-    resumed: frozenset[int] = frozenset()
+    paused: RankSet = RankSet()
+    positions: Chain[tuple[int, int, str]] = Chain()  # (rank, step, phase) of each pause, newest first
+    joined: RankSet = RankSet()
+    resumed: RankSet = RankSet()
     regrouped: bool = False
     dump_step: int = -1
-    dumped: frozenset[int] = frozenset()
+    dumped: RankSet = RankSet()
 
 
 @dataclass(frozen=True)
@@ -408,17 +409,17 @@ class JobState:
     restarts_used: int = 0
     agents: frozenset[int] = frozenset()
     stopped_agents: frozenset[int] = frozenset()
-    finished_ranks: frozenset[int] = frozenset()  # exited after their loop (cleanly, or as loop_finished)
-    loop_finished: frozenset[int] = frozenset()  # reported leaving their step loop, this attempt
-    exited_after_loop: frozenset[int] = frozenset()  # of those, exited abnormally afterwards (a warning)
+    finished_ranks: RankSet = RankSet()  # exited after their loop (cleanly, or as loop_finished)
+    loop_finished: RankSet = RankSet()  # reported leaving their step loop, this attempt
+    exited_after_loop: RankSet = RankSet()  # of those, exited abnormally afterwards (a warning)
     hung_ranks: frozenset[int] = frozenset()
     first_failure: Failure | None = None
     failures: tuple[Failure, ...] = field(default_factory=tuple)
     gen: int = 0
     committed_step: int = -1
     sync_step: int = -1
-    synced: frozenset[int] = frozenset()
-    ready: frozenset[int] = frozenset()
+    synced: RankSet = RankSet()
+    ready: RankSet = RankSet()
     not_in_flight: tuple[tuple[int, str], ...] = ()  # (rank, why its state cannot be recovered in flight)
     num_replicas: int = 0
     mesh: tuple[tuple[str, int], ...] = ()  # the job's mesh (job.mesh), () for a flat data-parallel job
@@ -435,12 +436,15 @@ class JobState:
         return self.policy.world_size
 
     @property
-    def ranks(self) -> frozenset[int]:
-        return frozenset(range(self.world_size))
+    def ranks(self) -> RankSet:
+        return RankSet.full(self.world_size)
 
     def agent_of(self, rank: int) -> int:
         return self.placement[rank] if self.placement else rank // (self.world_size // self.policy.nnodes)
 
     def hosts(self) -> frozenset[int]:
         """The agents that host ranks now."""
-        return frozenset(self.agent_of(r) for r in range(self.world_size))
+        if self.placement:
+            return frozenset(self.placement)
+        per_agent = self.world_size // self.policy.nnodes  # agent_of without a placement
+        return frozenset(range((self.world_size - 1) // per_agent + 1)) if self.world_size else frozenset()

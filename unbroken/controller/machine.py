@@ -26,9 +26,9 @@ reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistenc
 
 from __future__ import annotations
 
-import dataclasses
 
 from unbroken.controller import commits, loop_end, terminate
+from unbroken.controller.values import RankSet, replace
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
     JobPhase, Failure, AgentJoined, RankExited, LoopFinished, ExitedAfterLoop, WorkerHung, AgentStopped, AgentLost,
     StandbyJoined, SessionReady, StepSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
@@ -51,7 +51,7 @@ RETRY_KINDS = frozenset({"memory-fault", "non-finite", "sdc"})
 
 
 def _replace(state: JobState, **changes) -> JobState:
-    return dataclasses.replace(state, **changes)
+    return replace(state, **changes)
 
 
 def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
@@ -80,7 +80,7 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return loop_end.on_loop_finished(state, event)
     if isinstance(event, SessionReady):
         blockers = state.not_in_flight + (((event.rank, event.not_in_flight),) if event.not_in_flight else ())
-        return _replace(state, ready=state.ready | {event.rank}, num_replicas=event.num_replicas,
+        return _replace(state, ready=state.ready.with_rank(event.rank), num_replicas=event.num_replicas,
                         not_in_flight=blockers, mesh=tuple(zip(event.mesh_names, event.mesh_sizes)),
                         mesh_replicate=event.mesh_replicate), []
     if isinstance(event, StepSynced):
@@ -89,7 +89,7 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         rec = state.recovery
         if rec is not None and rec.rung == Rung.RETRY and not rec.regrouped and event.kind in RETRY_KINDS:
             # Found by a second rank before the regroup: it receives its state from replicas too.
-            return _replace(state, recovery=dataclasses.replace(rec, replaced=rec.replaced | {event.rank})), []
+            return _replace(state, recovery=replace(rec, replaced=rec.replaced | {event.rank})), []
         if state.phase is not JobPhase.RUNNING:
             return state, [KillRank(event.rank, f"state damaged during a recovery: {event.what}")]
         kind = event.kind if event.kind in RETRY_KINDS else "memory-fault"
@@ -235,13 +235,13 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     if rung == Rung.RETRY:  # no process exits: the damaged rank receives its state from replicas
         gen = state.gen + 1
         reason = f"{failure.describe()}; {why}; repairing rank {failure.rank} from replicas"
-        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(),
                          recovery=Recovery(rung, gen, frozenset({failure.rank}), tries))
         return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
     if rung == Rung.DUMP:  # survivors write one consistent copy from replicas, then the job restarts
         gen = (recovery.gen if recovery else state.gen) + 1
         reason = f"{failure.describe()}; {why}; survivors dump the state, then the job restarts"
-        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(), recovery=Recovery(rung, gen, dead, tries))
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(), recovery=Recovery(rung, gen, dead, tries))
         return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
     if rung in REPLACING_RUNGS:
         gen = (recovery.gen if recovery else state.gen) + 1
@@ -256,7 +256,7 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
             for agent in sorted(own_agents):
                 restarts.append(RestartRanks(frozenset(r for r in failed if state.agent_of(r) == agent), gen, agent))
         reason = f"{failure.describe()}; {why}; replacing ranks {sorted(dead)} (try {tries})"
-        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(), placement=placement,
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(), placement=placement,
                          recovery=Recovery(rung, gen, dead, tries))
         return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason), *restarts]
     if state.recovery is not None:
@@ -307,9 +307,9 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
         return _replace(state, stopped_agents=stopped), []
     attempt = state.attempt + 1
     state = _replace(state, phase=JobPhase.RUNNING, attempt=attempt, restarts_used=state.restarts_used + 1,
-                     stopped_agents=frozenset(), finished_ranks=frozenset(), loop_finished=frozenset(),
-                     exited_after_loop=frozenset(), hung_ranks=frozenset(),
-                     gen=0, committed_step=-1, sync_step=-1, synced=frozenset(), ready=frozenset(),
+                     stopped_agents=frozenset(), finished_ranks=RankSet(), loop_finished=RankSet(),
+                     exited_after_loop=RankSet(), hung_ranks=frozenset(),
+                     gen=0, committed_step=-1, sync_step=-1, synced=RankSet(), ready=RankSet(),
                      not_in_flight=(), mesh=(), mesh_replicate="", recovery=None)
     return state, [StartAttempt(attempt)]
 
@@ -332,15 +332,15 @@ def _on_step_dumped(state: JobState, event: StepDumped) -> tuple[JobState, list[
     failure = Failure(rank=min(rec.replaced), attempt=state.attempt, kind="crash") if rec.replaced \
         else state.failures[-1]  # a sub-health dump: the degraded rank's report
     if event.error:  # no consistent copy: nothing is committed, the job restarts from the newest one
-        state = _replace(state, recovery=dataclasses.replace(rec, tries=state.policy.max_recovery_tries, rung=Rung.DUMP))
-        state, actions = _recover(state, dataclasses.replace(failure, kind="dump-failed"))
+        state = _replace(state, recovery=replace(rec, tries=state.policy.max_recovery_tries, rung=Rung.DUMP))
+        state, actions = _recover(state, replace(failure, kind="dump-failed"))
         return state, [Decide(Rung.DUMP, failure, f"dump refused by rank {event.rank}: {event.error}"), *actions]
-    rec = dataclasses.replace(rec, dumped=rec.dumped | set(event.ranks))
+    rec = replace(rec, dumped=rec.dumped | set(event.ranks))
     if rec.dumped != state.ranks:
         return _replace(state, recovery=rec), []
-    state = _replace(state, recovery=dataclasses.replace(rec, tries=state.policy.max_recovery_tries))
+    state = _replace(state, recovery=replace(rec, tries=state.policy.max_recovery_tries))
     kind = "dumped" if rec.replaced else "sub-health-dumped"
-    state, actions = _recover(state, dataclasses.replace(failure, kind=kind, step=rec.dump_step))
+    state, actions = _recover(state, replace(failure, kind=kind, step=rec.dump_step))
     return state, [CommitDump(rec.dump_step), *actions]
 
 
@@ -364,7 +364,7 @@ def _on_worker_degraded(state: JobState, event: WorkerDegraded) -> tuple[JobStat
         gen = state.gen + 1
         reason = (f"{failure.describe()}: {event.reason}; every rank dumps its state, then the job restarts "
                   "(--sub-health-policy grace-exit)")
-        state = _replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(),
                          recovery=Recovery(Rung.DUMP, gen, frozenset(), state.policy.max_recovery_tries))
         return state, [Decide(Rung.DUMP, failure, reason), AbortGeneration(gen, reason)]
     reason = (f"{failure.describe()}: {event.reason}; clean restart {state.restarts_used + 1} of "
@@ -390,11 +390,11 @@ def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Ac
 def _on_step_synced(state: JobState, event: StepSynced) -> tuple[JobState, list[Action]]:
     if state.phase is not JobPhase.RUNNING or event.gen != state.gen or event.step <= state.committed_step:
         return state, []
-    synced = state.synced | {event.rank} if event.step == state.sync_step else frozenset({event.rank})
+    synced = (state.synced if event.step == state.sync_step else RankSet()).with_rank(event.rank)
     if len(synced) < state.world_size:
         return _replace(state, sync_step=event.step, synced=synced), []
     # Every rank finished the reduction of this step: it commits, atomically with fault handling.
-    return _replace(state, sync_step=event.step, synced=frozenset(), committed_step=event.step), [
+    return _replace(state, sync_step=event.step, synced=RankSet(), committed_step=event.step), [
         CommitStep(state.gen, event.step)]
 
 
@@ -409,14 +409,14 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         state = _replace(state, recovery=Recovery(rec.rung, rec.gen, rec.replaced, state.policy.max_recovery_tries))
         return _recover(state, failure)
     if isinstance(event, WorkerPaused) and event.rank not in rec.replaced:
-        positions = tuple(p for p in rec.positions if p[0] != event.rank) + ((event.rank, event.step, event.phase),)
-        rec = dataclasses.replace(rec, paused=rec.paused | {event.rank}, positions=positions)
+        rec = replace(rec, paused=rec.paused.with_rank(event.rank),
+                      positions=rec.positions.push((event.rank, event.step, event.phase)))
     elif isinstance(event, ReplacementJoined) and event.rank in rec.replaced:
-        rec = dataclasses.replace(rec, joined=rec.joined | {event.rank})
+        rec = replace(rec, joined=rec.joined.with_rank(event.rank))
     elif isinstance(event, WorkerResumed) and event.gen == rec.gen and rec.regrouped:
-        rec = dataclasses.replace(rec, resumed=rec.resumed | {event.rank})
+        rec = replace(rec, resumed=rec.resumed.with_rank(event.rank))
         if rec.resumed == state.ranks:
-            state = _replace(state, phase=JobPhase.RUNNING, gen=rec.gen, recovery=None, synced=frozenset(),
+            state = _replace(state, phase=JobPhase.RUNNING, gen=rec.gen, recovery=None, synced=RankSet(),
                              hung_ranks=frozenset())
             return state, [Recovered(rec.gen, state.committed_step + 1, rec.replaced)]
         return _replace(state, recovery=rec), []
@@ -424,18 +424,21 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         return state, []
     needed = state.ranks - rec.replaced if rec.rung == Rung.DUMP else state.ranks  # a dump has no replacements
     if not rec.regrouped and (rec.paused | rec.joined) >= needed:
-        survivors = {rank: Position(step, phase) for rank, step, phase in rec.positions if rank in rec.paused}
+        survivors: dict[int, Position] = {}
+        for rank, step, phase in rec.positions:  # newest first: a rank's latest pause counts
+            if rank in rec.paused:
+                survivors.setdefault(rank, Position(step, phase))
         try:
             decision = decide(state.committed_step, survivors)
         except (InconsistentReports, ValueError) as exc:  # a bug, never a normal fault: restart the job
             failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
-            state = _replace(state, recovery=dataclasses.replace(rec, tries=state.policy.max_recovery_tries))
+            state = _replace(state, recovery=replace(rec, tries=state.policy.max_recovery_tries))
             actions = [Decide(Rung.RECOVER_IN_PLACE, failure, f"inconsistent survivor reports: {exc}")]
             state, more = _recover(state, failure)
             return state, actions + more
-        rec = dataclasses.replace(rec, regrouped=True)
+        rec = replace(rec, regrouped=True)
         if rec.rung == Rung.DUMP:
-            rec = dataclasses.replace(rec, dump_step=decision.resume_step)
+            rec = replace(rec, dump_step=decision.resume_step)
             return _replace(state, recovery=rec), [DumpOrder(rec.gen, decision.resume_step, _writers(state, rec))]
         return _replace(state, recovery=rec), [OrderRegroup(rec.gen, decision.resume_step, rec.replaced,
                                                        decision.direction.value, decision.reason)]

@@ -32,6 +32,7 @@ from unbroken.controller.api import (
     AbortGeneration, Action, AgentLost, CommitDump, Event, Finish, GraceExpired, JobPhase, JobState, RankExited,
     Recovery, RecoveryTimeout, StepDumped, StopAttempt, TerminateRequested, Terminating, WorkerDamaged,
     WorkerDegraded, WorkerHung)
+from unbroken.controller.values import RankSet
 from unbroken.errors import EXIT_FATAL
 from unbroken.names import Rung
 
@@ -93,7 +94,7 @@ def _on_requested(state: JobState, event: TerminateRequested) -> tuple[JobState,
         return _stop(state, why, log=True)
     gen = state.gen + 1
     reason = f"{event.reason}: every rank leaves the step in flight; the newest committed step is dumped to --save"
-    state = dataclasses.replace(state, phase=JobPhase.RECOVERING, synced=frozenset(),
+    state = dataclasses.replace(state, phase=JobPhase.RECOVERING, synced=RankSet(),
                                 recovery=Recovery(Rung.DUMP, gen, frozenset(), state.policy.max_recovery_tries))
     return state, [Terminating(True, reason), AbortGeneration(gen, reason)]
 

@@ -1,0 +1,190 @@
+"""Controller benchmark: the controller's own CPU per step and per recovery at 1k-16k ranks.
+
+    python benchmarks/controller_scale.py                          # N = 1024 .. 16384, this tree
+    python benchmarks/controller_scale.py --before-src DIR         # and a `git archive` of main, same run
+    python benchmarks/controller_scale.py --nprocs 1024,4096 --repeats 5 --json out.json
+
+What stays serial at any size is the controller: one process takes every rank's reports and
+serves every rank's rendezvous store. On one 2-core machine N real ranks cannot be run at
+these sizes, so this drives the controller's two N-dependent parts in this process, with the
+real code and no sockets (the per-message wire cost, ~10-50 us, comes on top; docs/scale.md):
+
+  commit     one step's commit: N StepSynced events through the job state machine
+             (controller/machine.py `transition`), the last one committing
+  recovery   one in-flight recovery: a rank exits at step 6 (5 committed), N - 1 survivors pause, the replacement
+             joins (the regroup order), N ranks resume (back to RUNNING)
+  start      N SessionReady events and N / 8 agents joining (a job's start, its restarts)
+  store      one regroup's rendezvous with lazily connected groups on the controller's store
+             (controller/store_service.py `StoreService.handle`): each rank sets its address,
+             then asks for its ring neighbours' (half of them block until the key is set);
+             the replies go to fake connections
+  store_mesh the same with a full mesh (each rank gets every other rank's address), at N <= 2048
+
+Each row is timed in a fresh subprocess per tree (PYTHONPATH = the tree), medians of --repeats;
+"before" runs the same driver against --before-src. Printed: seconds per row and tree, per
+rank, and before / ours. A benchmark never asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ROWS = ("commit", "recovery", "start", "store", "store_mesh")
+MESH_MAX_N = 2048
+
+DRIVER = r'''
+import json, sys, time
+from unbroken.controller import machine as sm
+from unbroken.controller.store_service import StoreService
+from unbroken.protocol import messages as m
+
+row, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+def started(n):
+    state = sm.JobState(sm.JobPolicy(world_size=n, nnodes=max(1, n // 8), max_restarts=3,
+                                     allowed=("recover-in-place", "recover", "exit")))
+    for node in range(state.policy.nnodes):
+        state, _ = sm.transition(state, sm.AgentJoined(node))
+    for r in range(n):
+        state, _ = sm.transition(state, sm.SessionReady(r, 0, 0))
+    return state
+
+def commit(state, n, step):
+    events = [sm.StepSynced(r, 0, state.gen, step) for r in range(n)]
+    t = time.perf_counter()
+    for ev in events:
+        state, actions = sm.transition(state, ev)
+    dt = time.perf_counter() - t
+    assert state.committed_step == step and actions, "the last report did not commit"
+    return dt
+
+def recovery(state, n):
+    for r in range(n):  # step 5 committed; the fault hits step 6
+        state, _ = sm.transition(state, sm.StepSynced(r, 0, state.gen, 5))
+    events = [sm.RankExited(n - 1, 0, None, 9, step=6)]
+    events += [sm.WorkerPaused(r, 0, 6, "compute") for r in range(n - 1)] + [sm.ReplacementJoined(n - 1, 0, 1)]
+    events += [sm.WorkerResumed(r, 0, 1) for r in range(n)]
+    t = time.perf_counter()
+    for ev in events:
+        state, actions = sm.transition(state, ev)
+    dt = time.perf_counter() - t
+    assert state.phase is sm.JobPhase.RUNNING and actions, "the recovery did not end"
+    return dt
+
+def start(n):
+    t = time.perf_counter()
+    state = started(n)
+    dt = time.perf_counter() - t
+    assert state.phase is sm.JobPhase.RUNNING
+    return dt
+
+class Conn:  # what the service needs of a connection: send(), closed
+    closed = False
+    def __init__(self): self.replies = 0
+    def send(self, reply): self.replies += 1
+
+def store(n, neighbours):
+    svc = StoreService()
+    svc.open_attempt(0)
+    conns = [Conn() for _ in range(n)]
+    ids = iter(range(1, 1 << 40))
+    reqs = []
+    for r in range(n):  # rank r publishes, then asks for its peers: the first half before the others published
+        reqs.append((r, m.StoreRequest(id=next(ids), op="set", keys=[f"g1/addr/{r}"], values=[b"127.0.0.1:1234"])))
+        for p in neighbours(r):
+            reqs.append((r, m.StoreRequest(id=next(ids), op="get", keys=[f"g1/addr/{p}"], timeout_ms=60_000)))
+    t = time.perf_counter()
+    for r, req in reqs:
+        for conn, reply in svc.handle(conns[r], 0, req):
+            conn.send(reply)
+    dt = time.perf_counter() - t
+    want = sum(1 + len(neighbours(r)) for r in range(n))
+    assert sum(c.replies for c in conns) == want, "not every request was answered"
+    return dt
+
+def run_once():
+    if row == "commit":
+        return commit(started(n), n, 5)
+    if row == "recovery":
+        return recovery(started(n), n)
+    if row == "start":
+        return start(n)
+    if row == "store":
+        return store(n, lambda r: [(r - 1) % n, (r + 1) % n])
+    if row == "store_mesh":
+        return store(n, lambda r: [p for p in range(n) if p != r])
+    raise SystemExit(f"unknown row {row!r}")
+
+print(json.dumps([run_once() for _ in range(repeats)]))
+'''
+
+
+def measure(src: Path, row: str, n: int, repeats: int, timeout_s: float) -> float | None:
+    env = dict(os.environ, PYTHONPATH=str(src))
+    try:
+        out = subprocess.run([sys.executable, "-c", DRIVER, row, str(n), str(repeats)], env=env, cwd=src,
+                             capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"  {row} N={n} ({src}): over {timeout_s:g} s, left out", file=sys.stderr)
+        return None
+    if out.returncode != 0:
+        print(f"  {row} N={n} ({src}) failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def fmt(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nprocs", default="1024,2048,4096,8192,16384", help="world sizes, comma-separated")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {', '.join(ROWS)}")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--before-src", default="", help="also time this source tree (e.g. a git archive of main)")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per row, tree and N")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    sizes = [int(x) for x in args.nprocs.split(",") if x]
+    rows = [r for r in args.rows.split(",") if r]
+    if bad := [r for r in rows if r not in ROWS]:
+        p.error(f"unknown row(s) {bad} (allowed: {', '.join(ROWS)})")
+    trees = [("ours", REPO)] + ([("before", Path(args.before_src).resolve())] if args.before_src else [])
+    results: list[dict] = []
+    for row in rows:
+        for n in sizes:
+            if row == "store_mesh" and n > MESH_MAX_N:
+                continue
+            rec = {"row": row, "n": n}
+            for name, src in trees:
+                rec[name] = measure(src, row, n, args.repeats, args.timeout_s)
+            results.append(rec)
+            print(f"  {row} N={n}: " + ", ".join(f"{name} {fmt(rec[name])}" for name, _ in trees), file=sys.stderr)
+    head = "| row | N ranks | ours | ours per rank |" + (" before | before / ours |" if args.before_src else "")
+    print(f"\nController CPU by world size (this process, no sockets), medians of {args.repeats}\n")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for rec in results:
+        ours, before = rec["ours"], rec.get("before")
+        line = f"| {rec['row']} | {rec['n']} | {fmt(ours)} | " + (f"{ours / rec['n'] * 1e6:.1f} us |" if ours else "- |")
+        if args.before_src:
+            ratio = f"{before / ours:.1f}x" if ours and before else "-"
+            line += f" {fmt(before)} | {ratio} |"
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

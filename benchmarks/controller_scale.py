@@ -18,7 +18,7 @@ real code and no sockets (the per-message wire cost, ~10-50 us, comes on top; do
              (controller/store_service.py `StoreService.handle`): each rank sets its address,
              then asks for its ring neighbours' (half of them block until the key is set);
              the replies go to fake connections
-  store_mesh the same with a full mesh (each rank gets every other rank's address), at N <= 2048
+  store_mesh the same with a full mesh (each rank gets every other rank's address), at N <= 1024
 
 Each row is timed in a fresh subprocess per tree (PYTHONPATH = the tree), medians of --repeats;
 "before" runs the same driver against --before-src. Printed: seconds per row and tree, per
@@ -37,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = ("commit", "recovery", "start", "store", "store_mesh")
-MESH_MAX_N = 2048
+MESH_MAX_N = 1024
 
 DRIVER = r'''
 import json, sys, time

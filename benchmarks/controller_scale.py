@@ -19,10 +19,14 @@ real code and no sockets (the per-message wire cost, ~10-50 us, comes on top; do
              then asks for its ring neighbours' (half of them block until the key is set);
              the replies go to fake connections
   store_mesh the same with a full mesh (each rank gets every other rank's address), at N <= 1024
+  handlers   one step through the real controller (a Controller built, not started): each rank's
+             compute report and StepSynced as frames (msgpack, decode, the handler, the machine),
+             then the commit encoded for each rank; the sockets' own cost is left out
 
 Each row is timed in a fresh subprocess per tree (PYTHONPATH = the tree), medians of --repeats;
 "before" runs the same driver against --before-src. Printed: seconds per row and tree, per
-rank, and before / ours. A benchmark never asserts a time.
+rank, and before / ours. ``handlers`` is not in the default rows (a heavier setup); name it. A
+benchmark never asserts a time.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROWS = ("commit", "recovery", "start", "store", "store_mesh")
+ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers")
 MESH_MAX_N = 1024
 
 DRIVER = r'''
@@ -109,6 +113,51 @@ def store(n, neighbours):
     assert sum(c.replies for c in conns) == want, "not every request was answered"
     return dt
 
+class WireConn:  # a worker's connection without the socket: what send() costs before sendall
+    closed = False
+    def __init__(self): self.sent = 0
+    def send(self, msg):
+        from unbroken.protocol.framing import pack_frame
+        from unbroken.protocol.schema import encode
+        pack_frame(encode(msg))
+        self.sent += 1
+
+def handlers(n):
+    """One step through the real controller: each rank's compute report and StepSynced as frames
+    (msgpack unpack, decode, the handler, the state machine), then the commit sent to N ranks."""
+    import tempfile, msgpack
+    from unbroken.config import LaunchConfig
+    from unbroken.controller.connections import WORKER_HANDLERS
+    from unbroken.controller.eventlog import EventLog
+    from unbroken.controller.server import Controller
+    from unbroken.names import WorkerState
+    from unbroken.protocol.framing import pack_frame
+    from unbroken.protocol.schema import decode, encode
+    run_dir = tempfile.mkdtemp(prefix="ctl-bench-")
+    cfg = LaunchConfig(script="train.py", nproc_per_node=n, run_dir=run_dir, secret="bench-secret-" + "x1y2z3w4" * 4)
+    ctl = Controller(cfg, host="127.0.0.1", port=0, events=EventLog(run_dir))
+    ctl.state = started(n)
+    conns = [WireConn() for _ in range(n)]
+    for r, w in ctl.workers.items():
+        w.conn, w.state, w.attempt, w.pid = conns[r], WorkerState.RUNNING, 0, 1000 + r
+    def frames(step):
+        out = [(r, pack_frame(encode(m.Progress(rank=r, attempt=0, step=step, phase="compute", metrics={"loss": 1.0},
+                                                state=b"s" * 64, done=True)))) for r in range(n)]
+        return out + [(r, pack_frame(encode(m.StepSynced(rank=r, attempt=0, gen=0, step=step, state=b"t" * 64))))
+                      for r in range(n)]
+    def feed(work):
+        for r, frame in work:
+            msg = decode(msgpack.unpackb(frame[4:], raw=False))
+            with ctl.lock:
+                WORKER_HANDLERS[type(msg)](ctl.connections, r, 0, conns[r], msg)
+    feed(frames(4))  # warm: the first step imports what the handlers use
+    work = frames(5)
+    t = time.perf_counter()
+    feed(work)
+    dt = time.perf_counter() - t
+    assert ctl.state.committed_step == 5 and all(c.sent == 2 for c in conns), "the step did not commit to every rank"
+    return dt
+
 def run_once():
     if row == "commit":
         return commit(started(n), n, 5)
@@ -116,6 +165,8 @@ def run_once():
         return recovery(started(n), n)
     if row == "start":
         return start(n)
+    if row == "handlers":
+        return handlers(n)
     if row == "store":
         return store(n, lambda r: [(r - 1) % n, (r + 1) % n])
     if row == "store_mesh":
@@ -149,7 +200,7 @@ def fmt(s: float | None) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nprocs", default="1024,2048,4096,8192,16384", help="world sizes, comma-separated")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(ROWS[:-1]), help=f"comma-separated: {', '.join(ROWS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--before-src", default="", help="also time this source tree (e.g. a git archive of main)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per row, tree and N")

@@ -68,3 +68,36 @@ def test_a_fault_recorded_after_close_does_not_replace_the_final_status(tmp_path
     events.close()
     assert (tmp_path / STATUS_FILE).read_text() == final
     assert live_status(str(tmp_path), None) is None  # a finished job: `unbroken status` gives the summary
+
+
+def test_step_records_come_when_every_rank_is_past_a_step_whatever_the_order(tmp_path):
+    """The job step is the slowest rank's, kept with a count (not a min over every rank per report):
+    random report orders, a rank going back (a roll-back's regroup) and a new attempt give the
+    records the min over ranks gives."""
+    import random
+
+    rng = random.Random(3)
+    events, monitor = _monitor(tmp_path)  # not started: records only
+    try:
+        steps, job_step, want = {}, -1, []
+        for round_ in range(60):
+            if round_ in (20, 40):  # a roll-back to step 3, then a new attempt
+                resume = 3
+                if round_ == 20:
+                    events.emit("regroup", gen=1, resume_step=resume)
+                    steps = {r: min(s, resume) for r, s in steps.items()}
+                    job_step = min(job_step, resume)
+                else:
+                    events.emit("attempt_started", attempt=1)
+                    steps, job_step = {}, -1
+            rank = rng.randrange(WORLD)
+            step = steps.get(rank, 0) + rng.choice((1, 1, 2))
+            steps[rank] = step
+            monitor.on_step(rank, step, {"step_s": 0.01})
+            if len(steps) == WORLD and min(steps.values()) > job_step:
+                job_step = min(steps.values())
+                want.append(job_step)
+        got = [r["step"] for r in events.records("step")]
+        assert got == want and len(want) > 5
+    finally:
+        events.close()

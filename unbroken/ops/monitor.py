@@ -53,6 +53,7 @@ class JobMonitor:
         self._rank_steps: dict[int, int] = {}
         self._rank_metrics: dict[int, dict[str, Any]] = {}
         self._job_step = -1
+        self._behind = world_size  # ranks not past _job_step (or not heard from): a step record waits for 0
         self._gen = 0
         self._last_fault: dict[int, str] = {}
         self._goodput_t = 0.0
@@ -97,8 +98,10 @@ class JobMonitor:
                 resume = int(record.get("resume_step") or 0)
                 self._job_step = min(self._job_step, resume)
                 self._rank_steps = {r: min(s, resume) for r, s in self._rank_steps.items()}
+                self._recount()
             elif name == "attempt_started":
                 self._rank_steps, self._job_step = {}, -1
+                self._recount()
             fault = self._note_fault(record)
         self.metrics.observe(record, self.events.records)
         if fault:
@@ -107,20 +110,25 @@ class JobMonitor:
     def on_step(self, rank: int, step: int, metrics: dict[str, Any]) -> None:
         """A rank completed ``step`` steps; logs a ``step`` record when every rank has."""
         with self._lock:
+            old = self._rank_steps.get(rank)
             self._rank_steps[rank] = step
             self._rank_metrics[rank] = metrics
-            if len(self._rank_steps) < self.world_size:
+            was_behind = old is None or old <= self._job_step
+            self._behind += (step <= self._job_step) - was_behind  # O(1) per report, not a min over N
+            if self._behind > 0:
                 return
-            job_step = min(self._rank_steps.values())
-            if job_step <= self._job_step:
-                return
-            self._job_step = job_step
+            self._job_step = min(self._rank_steps.values())  # once per job step: every rank is past the last one
+            self._recount()
             ms = list(self._rank_metrics.values())
-            fields = {"step": job_step, "step_s": round(max(float(m.get("step_s") or 0.0) for m in ms), 6),
+            fields = {"step": self._job_step, "step_s": round(max(float(m.get("step_s") or 0.0) for m in ms), 6),
                       "ckpt_s": round(max(float(m.get("ckpt_s") or 0.0) for m in ms), 6)}
             if any("shm_bytes" in m for m in ms):
                 fields["shm_bytes"] = sum(int(m.get("shm_bytes") or 0) for m in ms)
         self.events.emit("step", **fields)
+
+    def _recount(self) -> None:
+        """``_behind`` from scratch (under the lock): after a job step, a roll-back, a new attempt."""
+        self._behind = self.world_size - sum(1 for s in self._rank_steps.values() if s > self._job_step)
 
     def _note_fault(self, r: dict[str, Any]) -> bool:
         """Keep a rank's last fault; True when ``r`` is one."""

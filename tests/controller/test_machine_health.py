@@ -92,3 +92,16 @@ def test_different_failures_are_no_crash_loop():
         assert actions[0].rung == "exit"
         state, _ = run(state, sm.AgentStopped(0, attempt))
     assert state.phase is sm.JobPhase.RUNNING
+
+
+def test_a_lost_ranks_dump_is_written_by_a_survivor_holding_its_replica():
+    """Rung `dump` after a lost rank: the order names, per lost rank, the lowest survivor that holds
+    every piece of its state (N = 2 replicas over 4 ranks: shard 2 lives on ranks 0 and 2)."""
+    state, _ = commit(start(replicas=2, can_dump=True, allowed=("dump", "exit")), 4)
+    state, actions = run(state, sm.RankExited(2, 0, None, 9, step=5))
+    assert kinds(actions) == ["Decide", "AbortGeneration"] and actions[0].rung == "dump"
+    state, actions = run(state, *(sm.WorkerPaused(r, 0, 5, "compute") for r in (0, 1, 3)))
+    (order,) = actions
+    assert isinstance(order, sm.DumpOrder) and order.step == 5 and order.assign == ((2, 0),)
+    state, actions = run(state, *(sm.StepDumped(r, 0, 5, (r, 2) if r == 0 else (r,), "") for r in (0, 1, 3)))
+    assert kinds(actions)[0] == "CommitDump" and actions[0].step == 5

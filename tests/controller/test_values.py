@@ -24,9 +24,12 @@ def test_a_rank_set_answers_every_set_question_as_the_frozenset_would():
         assert sorted(ra) == sorted(a) and list(ra) == sorted(a)  # iteration is ascending
         for other in (rb, b, set(b)):
             assert ra | other == a | b and other | ra == a | b
-            assert ra & other == a & b and ra - other == a - b
+            assert ra & other == a & b and ra - other == a - b and other & ra == a & b
             assert (ra <= other) == (a <= b) and (ra >= other) == (a >= b)
         assert b - ra == b - a
+        for left in (b, set(b)):  # a builtin set on the left keeps its type (set.intersection needs a set)
+            assert all(type(op) is type(left) for op in (left | ra, left & ra, left - ra))
+        assert set.intersection(set(b) & ra, set(a)) == a & b
         for r in rng.sample(range(200), 10):
             assert (r in ra) == (r in a)
             assert ra.with_rank(r) == a | {r}

@@ -190,7 +190,7 @@ def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str
     if state.not_in_flight:
         rank, why = min(state.not_in_flight)
         return False, f"rank {rank} cannot be recovered in flight: {why}"
-    alive = state.ranks - dead
+    alive = frozenset(state.ranks - dead)  # (a plain set for the replica maps)
     if not alive:
         return False, "no rank survived"
     replicas = _replica_map(state)
@@ -317,7 +317,7 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
 def _writers(state: JobState, rec: Recovery) -> tuple[tuple[int, int], ...]:
     """For each lost rank, the survivor holding an identical copy of its state (the lowest)."""
     replicas = _replica_map(state)
-    alive = state.ranks - rec.replaced
+    alive = frozenset(state.ranks - rec.replaced)
     pairs = []
     for rank in sorted(rec.replaced):
         holders = [set(replicas.holders(p)) & alive for p in replicas.pieces_of(rank)]

@@ -76,18 +76,21 @@ class RankSet:
     def __or__(self, other: Iterable[int]) -> RankSet:
         return RankSet._of(self._mask | _mask_of(other))
 
-    __ror__ = __or__
-
     def __and__(self, other: Iterable[int]) -> RankSet:
         return RankSet._of(self._mask & _mask_of(other))
-
-    __rand__ = __and__
 
     def __sub__(self, other: Iterable[int]) -> RankSet:
         return RankSet._of(self._mask & ~_mask_of(other))
 
-    def __rsub__(self, other: Iterable[int]) -> RankSet:
-        return RankSet._of(_mask_of(other) & ~self._mask)
+    # A builtin set on the left keeps its type, as between two builtin sets (set & frozenset is a set).
+    def __ror__(self, other: set[int] | frozenset[int]) -> set[int] | frozenset[int]:
+        return type(other)(other | frozenset(self))
+
+    def __rand__(self, other: set[int] | frozenset[int]) -> set[int] | frozenset[int]:
+        return type(other)(r for r in other if r in self)
+
+    def __rsub__(self, other: set[int] | frozenset[int]) -> set[int] | frozenset[int]:
+        return type(other)(r for r in other if r not in self)
 
     def __le__(self, other: Iterable[int]) -> bool:
         return self._mask & ~_mask_of(other) == 0

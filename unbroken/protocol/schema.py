@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -63,6 +64,10 @@ class _Field:
 class _Spec:
     cls: type[Message]
     fields: tuple[_Field, ...]
+
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        return frozenset(f.name for f in self.fields)
 
 
 # type name -> spec. Written only by `@message` while message classes are being defined
@@ -174,7 +179,7 @@ def _convert(value: Any, annotation: Any, depth: int = 0) -> Any:
     if annotation is Any:
         _check_msgpackable(value, depth)
         return value
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    origin, args = _shape(annotation)
     if origin in (Union, types.UnionType):
         if value is None:
             return None
@@ -194,6 +199,12 @@ def _convert(value: Any, annotation: Any, depth: int = 0) -> Any:
             out[key] = _convert_item(item, args[1], depth, f"[{key!r}]")
         return out
     raise AssertionError(f"annotation {annotation!r} passed registration but is not handled")
+
+
+@functools.cache
+def _shape(annotation: Any) -> tuple[Any, tuple[Any, ...]]:
+    """typing's origin and arguments of an annotation (a registered field's: a few dozen in all)."""
+    return typing.get_origin(annotation), typing.get_args(annotation)
 
 
 def _convert_item(item: Any, annotation: Any, depth: int, where: str) -> Any:
@@ -260,7 +271,7 @@ def decode(obj: Any) -> Message:
             f"unknown message type {type_name!r} (protocol version {PROTOCOL_VERSION} knows: "
             f"{', '.join(sorted(_REGISTRY))})"
         )
-    names = {f.name for f in spec.fields}
+    names = spec.names
     unknown = sorted(str(k) for k in obj if k != "type" and k not in names)
     if unknown:
         raise ProtocolError(

@@ -45,6 +45,9 @@ def test_a_rank_set_is_immutable_and_refuses_negative_ranks():
     with pytest.raises(ValueError, match="ranks >= 0"):
         s.with_rank(-3)
     assert s.with_rank(5) == {1, 2, 5} and s == {1, 2}  # the old one stays
+    with pytest.raises(ValueError, match="ranks >= 0"):
+        s | {-1}
+    assert s & {-1, 1} == {1} and s - {-1} == s and s <= {-1, 1, 2} and not s >= {-1}
     assert RankSet.full(4) == {0, 1, 2, 3} and RankSet.full(0) == frozenset()
 
 

@@ -77,10 +77,10 @@ class RankSet:
         return RankSet._of(self._mask | _mask_of(other))
 
     def __and__(self, other: Iterable[int]) -> RankSet:
-        return RankSet._of(self._mask & _mask_of(other))
+        return RankSet._of(self._mask & _mask_of(other, ignore_negative=True))
 
     def __sub__(self, other: Iterable[int]) -> RankSet:
-        return RankSet._of(self._mask & ~_mask_of(other))
+        return RankSet._of(self._mask & ~_mask_of(other, ignore_negative=True))
 
     # A builtin set on the left keeps its type, as between two builtin sets (set & frozenset is a set).
     def __ror__(self, other: set[int] | frozenset[int]) -> set[int] | frozenset[int]:
@@ -93,10 +93,13 @@ class RankSet:
         return type(other)(r for r in other if r not in self)
 
     def __le__(self, other: Iterable[int]) -> bool:
-        return self._mask & ~_mask_of(other) == 0
+        return self._mask & ~_mask_of(other, ignore_negative=True) == 0
 
     def __ge__(self, other: Iterable[int]) -> bool:
-        return _mask_of(other) & ~self._mask == 0
+        try:
+            return _mask_of(other) & ~self._mask == 0
+        except ValueError:  # a negative rank: in no RankSet
+            return False
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RankSet):
@@ -112,13 +115,18 @@ class RankSet:
         return f"RankSet({sorted(self)})"
 
 
-def _mask_of(ranks: Iterable[int]) -> int:
+def _mask_of(ranks: Iterable[int], *, ignore_negative: bool = False) -> int:
+    """The mask of ``ranks``; a negative one is left out where that gives the set answer (it is in
+    no RankSet: for &, - and <=), else ValueError (a union or a superset test cannot hold it)."""
     if isinstance(ranks, RankSet):
         return ranks._mask
     mask = 0
     for r in ranks:
-        if r >= 0:  # a negative rank is in no RankSet
-            mask |= 1 << r
+        if r < 0:
+            if ignore_negative:
+                continue
+            raise ValueError(f"a rank set holds ranks >= 0, not {r}")
+        mask |= 1 << r
     return mask
 
 

@@ -72,3 +72,32 @@ def test_point_to_point_ops_are_refused_before_the_rank_joined_a_generation():
     group = SurvivingGroup(0, 2, [0, 1], "g0", AbortSignal(), [])
     with pytest.raises(DetachedCollective, match="send with group rank 1 .* has not joined the survivors"):
         group.send([torch.ones(2)], 1, 0)
+
+
+class _BrokenPairBackend:
+    """A gloo backend whose pair to the peer already broke: gloo raises at the issue of a send."""
+
+    def send(self, tensors, dst, tag):
+        raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                           "[127.0.0.1]:25287: Connection reset by peer.")
+
+    def recv(self, tensors, src, tag):
+        raise RuntimeError("Tensors must be contiguous")  # a script's error, not a lost peer
+
+
+def test_a_send_to_a_peer_lost_a_moment_ago_fails_the_generation_like_a_failed_wait():
+    """Seen in the slow set (PP2 x DP2, a kill at update): a survivor's send to the dead rank raised
+    at the issue, before the abort order came, and the session took it for the script's bug."""
+    signal = AbortSignal()
+    group = SurvivingGroup(0, 2, [0, 1], "g0", signal, [])
+    group._attach(0, _BrokenPairBackend())
+    with pytest.raises(RuntimeError, match="Connection reset") as caught:
+        group.send([torch.ones(2)], 1, 0)
+    assert signal.failed and any(n.startswith("unbroken: during the send") for n in caught.value.__notes__)
+    signal.fire("rank 1 was killed")  # the order is out: it is the cause
+    with pytest.raises(CollectiveAborted, match="aborted on the abort order; it had failed"):
+        group.send([torch.ones(2)], 1, 0)
+    signal.clear()
+    with pytest.raises(RuntimeError, match="contiguous") as caught:  # anything else stays the script's
+        group.recv([torch.ones(2)], 1, 0)
+    assert not signal.failed and not getattr(caught.value, "__notes__", [])

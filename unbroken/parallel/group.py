@@ -33,8 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.errors import UnbrokenError
+from unbroken.errors import CollectiveAborted, UnbrokenError
 from unbroken.parallel.work import AbortableWork, AbortSignal, DetachedCollective, ThreadWaitedWork
+
+#: In the text of a gloo error raised by its transport (a pair to a peer broke), not by a check.
+_TRANSPORT_ERROR = "gloo/transport/"
 
 __all__ = ["AbortSignal", "AbortableWork", "DetachedCollective", "SurvivingGroup", "ThreadWaitedWork"]
 
@@ -116,7 +119,7 @@ class SurvivingGroup(dist.ProcessGroup):
             return AbortableWork(None, self._signal, self._graveyard, what, result=local())
         if local is None and self._before_reduce is not None:
             self._before_reduce()
-        inner = getattr(self._backend, op)(*args)
+        inner = self._issued(what, lambda: getattr(self._backend, op)(*args))
         return AbortableWork(inner, self._signal, self._graveyard, what, finish=finish)
 
     def allreduce(self, *args):
@@ -253,5 +256,22 @@ class SurvivingGroup(dist.ProcessGroup):
             raise DetachedCollective(
                 f"{what}: this rank has not joined the survivors yet (a replacement building its wrappers); "
                 "point-to-point ops have no local result: issue them in the training loop")
-        inner = ThreadWaitedWork(getattr(self._backend, op)(tensors, peer, tag), tensors)
+        inner = ThreadWaitedWork(self._issued(what, lambda: getattr(self._backend, op)(tensors, peer, tag)), tensors)
         return AbortableWork(inner, self._signal, self._graveyard, what)
+
+    def _issued(self, what: str, issue: Callable[[], Any]) -> Any:
+        """The backend's work for ``issue()``. gloo raises at the issue, not at the wait, when the pair
+        to the peer already broke (a send to a rank killed a moment ago: "Connection reset by peer"):
+        that is a lost peer as a failed wait is, so it fails this generation the same way (the abort
+        order, if it is out, is the cause; else the error with the note the session recognizes).
+        Any other error at the issue (a script's bad tensor) stays the script's."""
+        try:
+            return issue()
+        except RuntimeError as err:
+            if _TRANSPORT_ERROR not in str(err):
+                raise
+            self._signal.failed = True
+            if self._signal.is_set():
+                raise CollectiveAborted(f"{what} aborted on the abort order; it had failed: {err}") from err
+            err.add_note(f"unbroken: during the {what}")
+            raise

@@ -26,7 +26,6 @@ reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistenc
 
 from __future__ import annotations
 
-
 from unbroken.controller import commits, loop_end, terminate
 from unbroken.controller.values import RankSet, replace
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)

@@ -30,15 +30,7 @@ class RankSet:
     __slots__ = ("_mask",)
 
     def __init__(self, ranks: Iterable[int] = ()) -> None:
-        mask = 0
-        if isinstance(ranks, RankSet):
-            mask = ranks._mask
-        else:
-            for r in ranks:
-                if r < 0:
-                    raise ValueError(f"a rank set holds ranks >= 0, not {r}")
-                mask |= 1 << r
-        object.__setattr__(self, "_mask", mask)
+        object.__setattr__(self, "_mask", _mask_of(ranks))
 
     @classmethod
     def _of(cls, mask: int) -> RankSet:

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.errors import CollectiveAborted, UnbrokenError
-from unbroken.parallel.work import AbortableWork, AbortSignal, DetachedCollective, ThreadWaitedWork
+from unbroken.errors import UnbrokenError
+from unbroken.parallel.work import AbortableWork, AbortSignal, DetachedCollective, ThreadWaitedWork, lost_peer_error
 
 #: In the text of a gloo error raised by its transport (a pair to a peer broke), not by a check.
 _TRANSPORT_ERROR = "gloo/transport/"
@@ -262,16 +262,12 @@ class SurvivingGroup(dist.ProcessGroup):
     def _issued(self, what: str, issue: Callable[[], Any]) -> Any:
         """The backend's work for ``issue()``. gloo raises at the issue, not at the wait, when the pair
         to the peer already broke (a send to a rank killed a moment ago: "Connection reset by peer"):
-        that is a lost peer as a failed wait is, so it fails this generation the same way (the abort
-        order, if it is out, is the cause; else the error with the note the session recognizes).
-        Any other error at the issue (a script's bad tensor) stays the script's."""
+        that is a lost peer as a failed wait is, so it fails this generation the same way
+        (:func:`lost_peer_error`). Any other error at the issue (a script's bad tensor) stays the script's."""
         try:
             return issue()
         except RuntimeError as err:
             if _TRANSPORT_ERROR not in str(err):
                 raise
             self._signal.failed = True
-            if self._signal.is_set():
-                raise CollectiveAborted(f"{what} aborted on the abort order; it had failed: {err}") from err
-            err.add_note(f"unbroken: during the {what}")
-            raise
+            raise lost_peer_error(self._signal, what, err)  # noqa: B904 - err itself, or the order caused by it

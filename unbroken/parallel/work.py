@@ -34,6 +34,18 @@ def _unwrap(trigger: Future) -> Any:
     return value
 
 
+def lost_peer_error(signal: AbortSignal, what: str, err: BaseException) -> BaseException:
+    """What a backend op that failed on a lost peer ends with: its error with the note the session
+    recognizes, unless the abort order is out too (then the order is the root cause, as in
+    :func:`~unbroken.comm.wait.wait_all`)."""
+    if signal.is_set():
+        aborted = CollectiveAborted(f"{what} aborted on the abort order; it had failed: {err}")
+        aborted.__cause__ = err
+        return aborted
+    err.add_note(f"unbroken: during the {what}")
+    return err
+
+
 class DetachedCollective(UnbrokenError):
     """A reduction was issued on a :class:`SurvivingGroup` that has not joined a generation."""
 
@@ -166,15 +178,8 @@ class AbortableWork(dist.Work):
         self._succeed(value)
 
     def _failed_op(self, err: BaseException) -> None:
-        """The backend op raised (a peer died): its error, unless the abort order is out too (then
-        the order is the root cause, as in :func:`~unbroken.comm.wait.wait_all`)."""
-        if self._signal.is_set():
-            aborted = CollectiveAborted(f"{self._what} aborted on the abort order; it had failed: {err}")
-            aborted.__cause__ = err
-            self._fail(aborted)
-            return
-        err.add_note(f"unbroken: during the {self._what}")
-        self._fail(err)
+        """The backend op raised (a peer died)."""
+        self._fail(lost_peer_error(self._signal, self._what, err))
 
     def _inner_value(self) -> Any:
         try:  # the future's value: Work.result() is deprecated (it warns once per process)

@@ -22,11 +22,14 @@ real code and no sockets (the per-message wire cost, ~10-50 us, comes on top; do
   handlers   one step through the real controller (a Controller built, not started): each rank's
              compute report and StepSynced as frames (msgpack, decode, the handler, the machine),
              then the commit encoded for each rank; the sockets' own cost is left out
+  handlers_relayed  the same step with --node-reports: each node's 8 ranks' reports in one
+             NodeReports (agent/relay.py), the commit sent once per node
 
-Each row is timed in a fresh subprocess per tree (PYTHONPATH = the tree), medians of --repeats;
+Each row is timed in a fresh subprocess per tree (PYTHONPATH = the tree), medians of --repeats,
+as the process's CPU time (time.process_time: what a loaded machine's other processes take is not counted);
 "before" runs the same driver against --before-src. Printed: seconds per row and tree, per
-rank, and before / ours. ``handlers`` is not in the default rows (a heavier setup); name it. A
-benchmark never asserts a time.
+rank, and before / ours. ``handlers`` and ``handlers_relayed`` are not in the default rows (a heavier
+setup); name them. A benchmark never asserts a time.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers")
+ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers", "handlers_relayed")
 MESH_MAX_N = 1024
 
 DRIVER = r'''
@@ -62,10 +65,10 @@ def started(n):
 
 def commit(state, n, step):
     events = [sm.StepSynced(r, 0, state.gen, step) for r in range(n)]
-    t = time.perf_counter()
+    t = time.process_time()
     for ev in events:
         state, actions = sm.transition(state, ev)
-    dt = time.perf_counter() - t
+    dt = time.process_time() - t
     assert state.committed_step == step and actions, "the last report did not commit"
     return dt
 
@@ -75,17 +78,17 @@ def recovery(state, n):
     events = [sm.RankExited(n - 1, 0, None, 9, step=6)]
     events += [sm.WorkerPaused(r, 0, 6, "compute") for r in range(n - 1)] + [sm.ReplacementJoined(n - 1, 0, 1)]
     events += [sm.WorkerResumed(r, 0, 1) for r in range(n)]
-    t = time.perf_counter()
+    t = time.process_time()
     for ev in events:
         state, actions = sm.transition(state, ev)
-    dt = time.perf_counter() - t
+    dt = time.process_time() - t
     assert state.phase is sm.JobPhase.RUNNING and actions, "the recovery did not end"
     return dt
 
 def start(n):
-    t = time.perf_counter()
+    t = time.process_time()
     state = started(n)
-    dt = time.perf_counter() - t
+    dt = time.process_time() - t
     assert state.phase is sm.JobPhase.RUNNING
     return dt
 
@@ -104,11 +107,11 @@ def store(n, neighbours):
         reqs.append((r, m.StoreRequest(id=next(ids), op="set", keys=[f"g1/addr/{r}"], values=[b"127.0.0.1:1234"])))
         for p in neighbours(r):
             reqs.append((r, m.StoreRequest(id=next(ids), op="get", keys=[f"g1/addr/{p}"], timeout_ms=60_000)))
-    t = time.perf_counter()
+    t = time.process_time()
     for r, req in reqs:
         for conn, reply in svc.handle(conns[r], 0, req):
             conn.send(reply)
-    dt = time.perf_counter() - t
+    dt = time.process_time() - t
     want = sum(1 + len(neighbours(r)) for r in range(n))
     assert sum(c.replies for c in conns) == want, "not every request was answered"
     return dt
@@ -121,13 +124,17 @@ class WireConn:  # a worker's connection without the socket: what send() costs b
         from unbroken.protocol.schema import encode
         pack_frame(encode(msg))
         self.sent += 1
+    def send_packed(self, data):  # a broadcast, encoded once by the caller
+        self.sent += 1
 
-def handlers(n):
+def handlers(n, relayed=False):
     """One step through the real controller: each rank's compute report and StepSynced as frames
-    (msgpack unpack, decode, the handler, the state machine), then the commit sent to N ranks."""
+    (msgpack unpack, decode, the handler, the state machine), then the commit sent to N ranks.
+    ``relayed``: the reports come as each node's NodeReports (8 ranks a node), the commit goes to
+    each node's agent (agent/relay.py, --node-reports)."""
     import tempfile, msgpack
     from unbroken.config import LaunchConfig
-    from unbroken.controller.connections import WORKER_HANDLERS
+    from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS
     from unbroken.controller.eventlog import EventLog
     from unbroken.controller.server import Controller
     from unbroken.names import WorkerState
@@ -137,25 +144,44 @@ def handlers(n):
     cfg = LaunchConfig(script="train.py", nproc_per_node=n, run_dir=run_dir, secret="bench-secret-" + "x1y2z3w4" * 4)
     ctl = Controller(cfg, host="127.0.0.1", port=0, events=EventLog(run_dir))
     ctl.state = started(n)
+    per_node = n // ctl.state.policy.nnodes
     conns = [WireConn() for _ in range(n)]
+    agents = {a: WireConn() for a in range(ctl.state.policy.nnodes)}
     for r, w in ctl.workers.items():
-        w.conn, w.state, w.attempt, w.pid = conns[r], WorkerState.RUNNING, 0, 1000 + r
+        w.conn, w.state, w.attempt, w.pid, w.relayed = conns[r], WorkerState.RUNNING, 0, 1000 + r, relayed
+    if relayed:
+        ctl.connections.agents.update(agents)
+    def reports(step):
+        def metrics(r):  # what a session reports (worker/progress.py), the compute time feeding the straggler rule
+            return {"loss": 1.0, "step_s": 0.5, "compute_s": 0.3 + r % 7 * 1e-3, "ckpt_s": 0.0}
+        return ([m.Progress(rank=r, attempt=0, step=step, phase="compute", metrics=metrics(r), state=b"s" * 64,
+                            done=True) for r in range(n)]
+                + [m.StepSynced(rank=r, attempt=0, gen=0, step=step, state=b"t" * 64) for r in range(n)])
     def frames(step):
-        out = [(r, pack_frame(encode(m.Progress(rank=r, attempt=0, step=step, phase="compute", metrics={"loss": 1.0},
-                                                state=b"s" * 64, done=True)))) for r in range(n)]
-        return out + [(r, pack_frame(encode(m.StepSynced(rank=r, attempt=0, gen=0, step=step, state=b"t" * 64))))
-                      for r in range(n)]
+        msgs = reports(step)
+        if not relayed:
+            return [(msg.rank, pack_frame(encode(msg))) for msg in msgs]
+        batches = [msgs[i:i + per_node] for i in range(0, len(msgs), per_node)]
+        return [(b[0].rank // per_node, pack_frame(encode(m.NodeReports(entries=[encode(x) for x in b],
+                                                                         pids=[1000 + x.rank for x in b]))))
+                for b in batches]
     def feed(work):
-        for r, frame in work:
+        for who, frame in work:
             msg = decode(msgpack.unpackb(frame[4:], raw=False))
             with ctl.lock:
-                WORKER_HANDLERS[type(msg)](ctl.connections, r, 0, conns[r], msg)
-    feed(frames(4))  # warm: the first step imports what the handlers use
-    work = frames(5)
-    t = time.perf_counter()
+                if relayed:
+                    AGENT_HANDLERS[type(msg)](ctl.connections, who, msg)
+                else:
+                    WORKER_HANDLERS[type(msg)](ctl.connections, who, 0, conns[who], msg)
+    from unbroken.controller.health import WINDOW
+    for step in range(1, WINDOW + 2):  # warm: the imports, and every rank's compute times for the straggler rule
+        feed(frames(step))
+    work = frames(WINDOW + 2)
+    t = time.process_time()
     feed(work)
-    dt = time.perf_counter() - t
-    assert ctl.state.committed_step == 5 and all(c.sent == 2 for c in conns), "the step did not commit to every rank"
+    dt = time.process_time() - t
+    sent = [c.sent for c in (agents.values() if relayed else conns)]
+    assert ctl.state.committed_step == WINDOW + 2 and all(k == WINDOW + 2 for k in sent), "the step did not commit to every rank"
     return dt
 
 def run_once():
@@ -167,6 +193,8 @@ def run_once():
         return start(n)
     if row == "handlers":
         return handlers(n)
+    if row == "handlers_relayed":
+        return handlers(n, relayed=True)
     if row == "store":
         return store(n, lambda r: [(r - 1) % n, (r + 1) % n])
     if row == "store_mesh":
@@ -200,7 +228,7 @@ def fmt(s: float | None) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nprocs", default="1024,2048,4096,8192,16384", help="world sizes, comma-separated")
-    p.add_argument("--rows", default=",".join(ROWS[:-1]), help=f"comma-separated: {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(ROWS[:-2]), help=f"comma-separated: {', '.join(ROWS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--before-src", default="", help="also time this source tree (e.g. a git archive of main)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per row, tree and N")

@@ -38,6 +38,22 @@ def test_a_step_commits_only_when_every_rank_reported_its_reduction():
     assert actions == [sm.CommitStep(0, 5)] and state.committed_step == 5
 
 
+def test_ranks_synced_at_once_is_the_same_as_one_step_synced_each():
+    """A node's relayed batch (RanksSynced) must leave the state a StepSynced per rank leaves."""
+    import random
+    rnd, commits = random.Random(7), 0
+    for _ in range(50):
+        state = start(world=8)
+        step, gen = rnd.choice([(5, 0), (5, 1), (-1, 0)])  # committable; another generation's; committed already
+        batches = [sorted(rnd.sample(range(8), rnd.randint(1, 8))) for _ in range(rnd.randint(1, 4))]
+        one_by_one, folded = state, state
+        for ranks in batches:
+            one_by_one, a1 = run(one_by_one, *(sm.StepSynced(r, 0, gen, step) for r in ranks))
+            folded, a2 = run(folded, sm.RanksSynced(sm.RankSet(ranks), 0, gen, step))
+            assert (folded, a2) == (one_by_one, a1)
+            commits += len(a1)
+    assert commits > 5  # some batches completed a step
+
 def test_dead_rank_the_only_one_synced_means_roll_back():
     state, _ = commit(start(), 4)
     state, _ = run(state, sm.StepSynced(2, 0, 0, 5))  # only rank 2 finished the reduction of step 5

@@ -19,6 +19,7 @@ from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import WorkerView
 from unbroken.names import Phase, WorkerState
 from unbroken.protocol import messages as m
+from unbroken.protocol.framing import unpack_payload
 from unbroken.recovery.restore_point import RankOffer, RestorePoint
 
 pytestmark = pytest.mark.timeout(10)
@@ -41,6 +42,9 @@ class FakeConn:
 
     def send(self, msg) -> None:
         self.sent.append(msg)
+
+    def send_packed(self, data: bytes) -> None:  # a frame encoded once for many connections
+        self.sent.append(m.decode(unpack_payload(data[4:])))
 
 
 class FakeStorage:
@@ -388,6 +392,20 @@ def test_a_missing_rank_in_the_nodes_reports_holds_the_commit():
     assert [hub.workers[r].phase for r in range(4)] == [Phase.SYNC, Phase.SYNC, Phase.COMPUTE, Phase.SYNC]
     _node_reports(hub, [m.StepSynced(rank=2, attempt=0, gen=0, step=1)])
     assert hub.state.committed_step == 1 and agent.sent == [m.CommitStep(gen=0, step=1)]
+
+
+def test_a_run_of_relayed_step_synced_is_one_transition_in_the_batch_order():
+    """Consecutive StepSynced of one step in a node's batch go through the machine as one
+    RanksSynced; any other report ends the run, so the batch's order is kept."""
+    hub, conns, agent = _relayed_hub()
+    worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=1))
+    _node_reports(hub, [m.StepSynced(rank=1, attempt=0, gen=0, step=1), m.StepSynced(rank=2, attempt=0, gen=0, step=1),
+                        m.Paused(rank=1, attempt=0, gen=0, step=1, phase="sync"),
+                        m.StepSynced(rank=3, attempt=0, gen=0, step=1)])
+    assert [type(e).__name__ for e in hub.applied] == ["StepSynced", "RanksSynced", "WorkerPaused", "RanksSynced"]
+    assert (hub.applied[1].ranks, hub.applied[3].ranks) == ({1, 2}, {3})
+    assert hub.state.committed_step == 1 and agent.sent == [m.CommitStep(gen=0, step=1)]
+    assert hub.connections.counts.relayed["StepSynced"] == 3
 
 
 def test_relayed_reports_of_another_process_attempt_or_node_are_fenced():

@@ -144,6 +144,34 @@ def test_nested_position_is_named() -> None:
 
 
 @pytest.mark.timeout(20)
+def test_values_nested_too_deep_are_refused_not_recursed() -> None:
+    deep: Any = 1
+    for _ in range(40):
+        deep = [deep]
+    with pytest.raises(ProtocolError, match=r"field 'metrics' must be .*values nested more than 32 deep at \['d'\](\[0\]){31}$"):
+        decode(_progress(metrics={"d": deep}))
+    shallow: Any = 1
+    for _ in range(30):
+        shallow = [shallow]
+    assert decode(_progress(metrics={"d": shallow})).metrics == {"d": shallow}
+
+
+@pytest.mark.timeout(20)
+def test_a_decoded_message_is_the_one_its_constructor_builds() -> None:
+    """decode builds a message without its __init__: defaults, default factories (fresh per
+    message), __post_init__ and frozenness must be what the constructor gives."""
+    a = decode({"type": "resumed", "rank": 1, "attempt": 0, "gen": 2, "step": 3, "restore_s": 0.5})
+    b = decode({"type": "resumed", "rank": 1, "attempt": 0, "gen": 2, "step": 3, "restore_s": 0.5})
+    assert a == m.Resumed(rank=1, attempt=0, gen=2, step=3, restore_s=0.5)
+    assert a.phases == {} and a.phases is not b.phases
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.rank = 5  # type: ignore[misc]
+    with pytest.raises(ProtocolError, match="field 'round' must be >= 0, got -1"):
+        decode({"type": "restore_offer", "rank": 0, "attempt": 0, "round": -1,
+                "memory_steps": [], "storage_steps": []})
+
+
+@pytest.mark.timeout(20)
 def test_float_field_accepts_int_but_not_bool() -> None:
     @message("zz_test_protocol_float")
     class Scaled(Message):

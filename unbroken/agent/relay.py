@@ -46,7 +46,7 @@ from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.names import Phase
 from unbroken.protocol import messages as m
 from unbroken.protocol.framing import MAX_FRAME_BYTES
-from unbroken.protocol.wire import Connection, Server
+from unbroken.protocol.wire import Connection, Server, pack_frame
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +168,10 @@ class NodeRelay:
         """The controller's commit, to every local rank connected here (the agent's command thread)."""
         with self._lock:
             conns = list(self._conns.values())
+        data = pack_frame(m.encode(msg))  # encoded once for the node's ranks
         for conn in conns:
             try:
-                conn.send(msg)
+                conn.send_packed(data)
             except (OSError, ProtocolError):
                 pass  # that worker is gone: its agent reports the exit
 

@@ -179,6 +179,17 @@ class StepDumped:
 
 
 @dataclass(frozen=True)
+class RanksSynced:
+    """The StepSynced of several ranks at once (a node's relayed batch, agent/relay.py): one
+    transition for what one StepSynced per rank, in a row, would do."""
+
+    ranks: RankSet
+    attempt: int
+    gen: int
+    step: int
+
+
+@dataclass(frozen=True)
 class TerminateRequested:
     """An agent got SIGTERM (pod eviction, `scancel`): dump the newest committed step, then stop."""
 
@@ -219,7 +230,7 @@ class StepPersisted:
 
 
 Event = (AgentJoined | RankExited | LoopFinished | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
-         | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped
+         | RanksSynced         | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped
          | WorkerDegraded | RestoreOffered | StepPersisted | TerminateRequested | GraceExpired)
 
 

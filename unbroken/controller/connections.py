@@ -20,11 +20,12 @@ from typing import Any
 from unbroken.controller import machine as sm
 from unbroken.controller.hub import Hub
 from unbroken.controller.rank_state import Point
+from unbroken.controller.values import RankSet
 from unbroken.controller.views import WorkerView
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.names import LIVE_WORKER_STATES, SCRIPT_IMPORTS_EVENT, STEP_PHASES, Phase, WorkerState
 from unbroken.protocol import messages as m
-from unbroken.protocol.wire import Connection
+from unbroken.protocol.wire import Connection, pack_frame
 from unbroken.recovery.restore_point import RankOffer
 
 
@@ -177,11 +178,12 @@ class Connections:
                 self.counts.relayed["CommitStep"] += 1
 
     def send_to_workers(self, msg: m.Message, ranks: set[int] | None = None) -> None:
-        """Send ``msg`` to every live worker (or those of ``ranks``) that has a connection."""
+        """Send ``msg`` to every live worker (or those of ``ranks``) that has a connection (encoded once)."""
+        data = pack_frame(m.encode(msg))
         for w in self._ctl.workers.values():
             if w.conn is not None and w.state in LIVE_WORKER_STATES and (ranks is None or w.rank in ranks):
                 try:
-                    w.conn.send(msg)
+                    w.conn.send_packed(data)
                     self.counts.sent[type(msg).__name__] += 1
                 except (OSError, ProtocolError) as exc:
                     log.warning("controller: could not send %s to rank %d: %s", type(msg).__name__, w.rank, exc)
@@ -249,9 +251,11 @@ def _agent_event(self: Connections, agent: int, msg: m.AgentEvent) -> None:
 
 def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
     """An agent's batch of its ranks' step reports (agent/relay.py): each is handled as if the rank
-    had sent it here, once it decodes to a relayed type, of a process this attempt knows on that node."""
+    had sent it here, once it decodes to a relayed type, of a process this attempt knows on that node.
+    A run of StepSynced of one step goes through the state machine as one RanksSynced."""
     ctl = self._ctl
     self.counts.received["NodeReports"] += 1
+    run: list[m.StepSynced] = []  # consecutive StepSynced of one (attempt, gen, step), not applied yet
     for pid, obj in zip(msg.pids, msg.entries):
         try:
             inner = m.decode(obj)
@@ -267,7 +271,27 @@ def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
         if inner.attempt != ctl.state.attempt or pid != w.pid or ctl.state.agent_of(rank) != agent:
             continue  # an older attempt's, or a process this rank no longer is (fencing, as for a direct report)
         self.counts.relayed[type(inner).__name__] += 1
-        WORKER_HANDLERS[type(inner)](self, rank, inner.attempt, None, inner)
+        if run and not (type(inner) is m.StepSynced and _same_step(run[0], inner)):
+            _steps_synced(self, run)
+            run = []
+        if type(inner) is m.StepSynced:
+            run.append(inner)
+        else:
+            WORKER_HANDLERS[type(inner)](self, rank, inner.attempt, None, inner)
+    if run:
+        _steps_synced(self, run)
+
+
+def _same_step(a: m.StepSynced, b: m.StepSynced) -> bool:
+    return (a.attempt, a.gen, a.step) == (b.attempt, b.gen, b.step)
+
+
+def _steps_synced(self: Connections, run: list[m.StepSynced]) -> None:
+    """Several ranks' StepSynced of one step: each rank's part, then one transition for all."""
+    for msg in run:
+        _note_synced(self._ctl, msg.rank, msg.attempt, msg)
+    first = run[0]
+    self._ctl.apply(sm.RanksSynced(RankSet(msg.rank for msg in run), first.attempt, first.gen, first.step))
 
 
 AGENT_HANDLERS: dict[type, AgentHandler] = {
@@ -310,10 +334,13 @@ def _step_completed(ctl: Hub, w: WorkerView, rank: int, attempt: int, msg: m.Pro
 
 
 def _step_synced(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.StepSynced) -> None:
-    ctl = self._ctl
+    _note_synced(self._ctl, rank, attempt, msg)
+    self._ctl.apply(m.StepSynced(rank=rank, attempt=attempt, gen=msg.gen, step=msg.step))  # the state is kept
+
+
+def _note_synced(ctl: Hub, rank: int, attempt: int, msg: m.StepSynced) -> None:
     ctl.rank_states.note_report(rank, attempt, msg.step, Point.AFTER_COMPUTE, msg.state, same=msg.state_same)
     ctl.workers[rank].phase = Phase.SYNC  # its reduction is done; it waits in sync for the commit
-    ctl.apply(dataclasses.replace(msg, rank=rank, attempt=attempt, state=b"", state_same=False))
 
 
 def _claim_fault(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.ClaimFault) -> None:

@@ -30,7 +30,7 @@ from unbroken.controller import commits, loop_end, terminate
 from unbroken.controller.values import RankSet, replace
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
     JobPhase, Failure, AgentJoined, RankExited, LoopFinished, ExitedAfterLoop, WorkerHung, AgentStopped, AgentLost,
-    StandbyJoined, SessionReady, StepSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
+    StandbyJoined, SessionReady, StepSynced, RanksSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
     WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, StartAttempt,
     StopAttempt, KillRank, Decide, Finish, CommitStep, AbortGeneration, RestartRanks, OrderRegroup, Recovered,
     DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobPolicy,
@@ -82,7 +82,7 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return _replace(state, ready=state.ready.with_rank(event.rank), num_replicas=event.num_replicas,
                         not_in_flight=blockers, mesh=tuple(zip(event.mesh_names, event.mesh_sizes)),
                         mesh_replicate=event.mesh_replicate), []
-    if isinstance(event, StepSynced):
+    if isinstance(event, (StepSynced, RanksSynced)):
         return _on_step_synced(state, event)
     if isinstance(event, WorkerDamaged):
         rec = state.recovery
@@ -386,10 +386,11 @@ def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Ac
     return _recover(state, failure, lost=ranks)
 
 
-def _on_step_synced(state: JobState, event: StepSynced) -> tuple[JobState, list[Action]]:
+def _on_step_synced(state: JobState, event: StepSynced | RanksSynced) -> tuple[JobState, list[Action]]:
     if state.phase is not JobPhase.RUNNING or event.gen != state.gen or event.step <= state.committed_step:
         return state, []
-    synced = (state.synced if event.step == state.sync_step else RankSet()).with_rank(event.rank)
+    synced = state.synced if event.step == state.sync_step else RankSet()
+    synced = synced | event.ranks if isinstance(event, RanksSynced) else synced.with_rank(event.rank)
     if len(synced) < state.world_size:
         return _replace(state, sync_step=event.step, synced=synced), []
     # Every rank finished the reduction of this step: it commits, atomically with fault handling.

@@ -79,8 +79,10 @@ class RankStates:
             self._last.pop(rank, None)
             return
         captures[(step, point)] = self._last[rank] = state
-        newest = max(s for s, _ in captures)
-        self._by_rank[rank] = (attempt, {k: v for k, v in captures.items() if k[0] > newest - self.KEEP_STEPS})
+        newest = max(captures)[0]  # (the keys sort by step first)
+        for key in [k for k in captures if k[0] <= newest - self.KEEP_STEPS]:
+            del captures[key]
+        self._by_rank[rank] = (attempt, captures)
 
     def for_resume(self, rank: int, attempt: int, step: int) -> Found | None:
         """Rank ``rank``'s own state to resume at ``step`` in ``attempt``, or None if not kept."""

@@ -41,6 +41,8 @@ PROTOCOL_VERSION = 1
 # Frame types of the connection handshake (see wire.py); no message may take these names.
 _RESERVED_TYPES = frozenset({"challenge", "hello", "welcome", "reject"})
 _MAX_NESTING = 32  # deeper values in an Any field are refused, not recursed into
+_ABSENT = object()  # a field not on the wire
+Converter = Callable[[Any, int], Any]  # (value, nesting depth) -> the checked value; see _converter
 
 
 class Message:
@@ -58,6 +60,7 @@ class _Field:
     annotation: Any
     expected: str  # the annotation as written in error messages, e.g. "list[str]"
     required: bool
+    convert: Converter = dataclasses.field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,32 @@ class _Spec:
     @functools.cached_property
     def names(self) -> frozenset[str]:
         return frozenset(f.name for f in self.fields)
+
+    @functools.cached_property
+    def optional(self) -> tuple[tuple[str, Any, Any], ...]:
+        """(name, default, default_factory) of each field that has a default."""
+        found = {f.name: f for f in dataclasses.fields(self.cls)}
+        return tuple((f.name, found[f.name].default, found[f.name].default_factory)
+                     for f in self.fields if not f.required)
+
+    def build(self, values: dict[str, Any]) -> Message:
+        """The message of checked field `values` (every required one, any optional one): what the
+        frozen dataclass's __init__ does (defaults, then __post_init__), without its one
+        object.__setattr__ per field (a decode's largest cost)."""
+        for name, default, factory in self.optional:
+            if name not in values:
+                values[name] = default if factory is dataclasses.MISSING else factory()
+        msg = object.__new__(self.cls)
+        msg.__dict__.update(values)
+        post_init = getattr(msg, "__post_init__", None)
+        if post_init is not None:
+            post_init()
+        return msg
+
+    @functools.cached_property
+    def keys(self) -> frozenset[str]:
+        """The keys a message of this type may have on the wire: its fields and "type"."""
+        return self.names | {"type"}
 
 
 # type name -> spec. Written only by `@message` while message classes are being defined
@@ -127,7 +156,7 @@ def _fields_of(cls: type) -> tuple[_Field, ...]:
         except TypeError as exc:
             raise TypeError(f"message {cls.__qualname__}: field {f.name!r}: {exc}") from None
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        out.append(_Field(f.name, annotation, expected, required))
+        out.append(_Field(f.name, annotation, expected, required, _converter(annotation)))
     return tuple(out)
 
 
@@ -159,86 +188,111 @@ def _type_name(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def _convert(value: Any, annotation: Any, depth: int = 0) -> Any:
-    """`value` checked against `annotation` (ints widened to float); raises _Mismatch."""
-    if annotation is int:
-        if type(value) is not int:  # excludes bool, a subclass of int
-            raise _Mismatch(_type_name(value))
-        _check_int_range(value)
+# A converter checks one value against its annotation and returns it (ints widened to float, lists
+# and dicts rebuilt); it raises _Mismatch. One is built per annotation, once, when a message class is
+# registered (_converter), so a decode runs the checks without re-reading the annotation: the
+# controller decodes two messages per rank per step.
+_INT_MIN, _INT_END = -(2**63), 2**64  # what msgpack can carry
+_PLAIN = frozenset({bool, float, str, bytes})  # Any's values that need no check
+
+
+def _int(value: Any, depth: int) -> int:
+    if type(value) is not int:  # excludes bool, a subclass of int
+        raise _Mismatch(_type_name(value))
+    if not _INT_MIN <= value < _INT_END:
+        raise _Mismatch(f"int {value} outside the 64-bit range")
+    return value
+
+
+def _float(value: Any, depth: int) -> float:
+    kind = type(value)
+    if kind is float:
         return value
-    if annotation is float:
-        if type(value) not in (int, float):
-            raise _Mismatch(_type_name(value))
+    if kind is int:
         return float(value)
-    if annotation is str and isinstance(value, enum.StrEnum):
+    raise _Mismatch(_type_name(value))
+
+
+def _str(value: Any, depth: int) -> str:
+    if type(value) is str:
+        return value
+    if isinstance(value, enum.StrEnum):
         return str(value)  # a name of unbroken.names travels as its plain value
-    if annotation in (str, bool, bytes):
-        if type(value) is not annotation:
+    raise _Mismatch(_type_name(value))
+
+
+def _exactly(kind: type) -> Converter:
+    def convert(value: Any, depth: int) -> Any:
+        if type(value) is not kind:
             raise _Mismatch(_type_name(value))
         return value
-    if annotation is Any:
-        _check_msgpackable(value, depth)
+    return convert
+
+
+def _any(value: Any, depth: int) -> Any:
+    """Any msgpack-able value, unchanged; nested at most _MAX_NESTING deep."""
+    kind = type(value)
+    if value is None or kind in _PLAIN:
         return value
-    origin, args = _shape(annotation)
-    if origin in (Union, types.UnionType):
-        if value is None:
-            return None
-        inner = next(a for a in args if a is not type(None))
-        return _convert(value, inner, depth)
-    if origin is list:
-        if type(value) is not list:
-            raise _Mismatch(_type_name(value))
-        return [_convert_item(item, args[0], depth, f"[{i}]") for i, item in enumerate(value)]
-    if origin is dict:
-        if type(value) is not dict:
-            raise _Mismatch(_type_name(value))
-        out = {}
-        for key, item in value.items():
-            if type(key) is not str:
-                raise _Mismatch(f"key {key!r} of type {_type_name(key)}")
-            out[key] = _convert_item(item, args[1], depth, f"[{key!r}]")
-        return out
-    raise AssertionError(f"annotation {annotation!r} passed registration but is not handled")
+    if kind is int:
+        return _int(value, depth)
+    if kind is list:
+        _list(value, _any, depth)
+        return value
+    if kind is dict:
+        _dict(value, _any, depth)
+        return value
+    raise _Mismatch(f"{_type_name(value)} (not msgpack-able)")
+
+
+def _list(value: list, item: Converter, depth: int) -> list:
+    out = []
+    for i, x in enumerate(value):
+        if depth >= _MAX_NESTING:
+            raise _Mismatch(f"values nested more than {_MAX_NESTING} deep")
+        try:
+            out.append(item(x, depth + 1))
+        except _Mismatch as exc:
+            exc.where = f"[{i}]{exc.where}"  # unwinding goes inside-out: prepend the outer step
+            raise
+    return out
+
+
+def _dict(value: dict, item: Converter, depth: int) -> dict:
+    out = {}
+    for key, x in value.items():
+        if type(key) is not str:
+            raise _Mismatch(f"key {key!r} of type {_type_name(key)}")
+        if depth >= _MAX_NESTING:
+            raise _Mismatch(f"values nested more than {_MAX_NESTING} deep")
+        try:
+            out[key] = item(x, depth + 1)
+        except _Mismatch as exc:
+            exc.where = f"[{key!r}]{exc.where}"
+            raise
+    return out
 
 
 @functools.cache
-def _shape(annotation: Any) -> tuple[Any, tuple[Any, ...]]:
-    """typing's origin and arguments of an annotation (a registered field's: a few dozen in all)."""
-    return typing.get_origin(annotation), typing.get_args(annotation)
+def _converter(annotation: Any) -> Converter:
+    """The converter of a supported annotation (_describe has accepted it)."""
+    simple = {int: _int, float: _float, str: _str, bool: _exactly(bool), bytes: _exactly(bytes)}
+    if annotation in simple:
+        return simple[annotation]
+    if annotation is Any:
+        return _any
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        inner = _converter(next(a for a in args if a is not type(None)))
+        return lambda value, depth: None if value is None else inner(value, depth)
+    item = _converter(args[-1])
+    kind, rebuild = (list, _list) if origin is list else (dict, _dict)
 
-
-def _convert_item(item: Any, annotation: Any, depth: int, where: str) -> Any:
-    if depth >= _MAX_NESTING:
-        raise _Mismatch(f"values nested more than {_MAX_NESTING} deep")
-    try:
-        return _convert(item, annotation, depth + 1)
-    except _Mismatch as exc:
-        exc.where = where + exc.where  # unwinding goes inside-out: prepend the outer step
-        raise
-
-
-def _check_int_range(value: int) -> None:
-    if not -(2**63) <= value < 2**64:  # what msgpack can carry
-        raise _Mismatch(f"int {value} outside the 64-bit range")
-
-
-def _check_msgpackable(value: Any, depth: int) -> None:
-    if value is None or type(value) in (bool, float, str, bytes):
-        return
-    if type(value) is int:
-        _check_int_range(value)
-        return
-    if type(value) is list:
-        for i, item in enumerate(value):
-            _convert_item(item, Any, depth, f"[{i}]")
-        return
-    if type(value) is dict:
-        for key, item in value.items():
-            if type(key) is not str:
-                raise _Mismatch(f"key {key!r} of type {_type_name(key)}")
-            _convert_item(item, Any, depth, f"[{key!r}]")
-        return
-    raise _Mismatch(f"{_type_name(value)} (not msgpack-able)")
+    def container(value: Any, depth: int) -> Any:
+        if type(value) is not kind:
+            raise _Mismatch(_type_name(value))
+        return rebuild(value, item, depth)
+    return container
 
 
 # ---------------------------------------------------------------- encode / decode
@@ -252,8 +306,12 @@ def encode(msg: Message) -> dict[str, Any]:
             f"cannot encode {msg!r}: {type(msg).__qualname__} is not a registered message"
         )
     out: dict[str, Any] = {"type": msg.TYPE}
-    for f in spec.fields:
-        out[f.name] = _checked(msg.TYPE, f, getattr(msg, f.name))
+    f = None
+    try:
+        for f in spec.fields:
+            out[f.name] = f.convert(getattr(msg, f.name), 0)
+    except _Mismatch as exc:
+        raise _field_error(msg.TYPE, f, exc) from None
     return out
 
 
@@ -271,31 +329,30 @@ def decode(obj: Any) -> Message:
             f"unknown message type {type_name!r} (protocol version {PROTOCOL_VERSION} knows: "
             f"{', '.join(sorted(_REGISTRY))})"
         )
-    names = spec.names
-    unknown = sorted(str(k) for k in obj if k != "type" and k not in names)
-    if unknown:
+    if not spec.keys.issuperset(obj):
+        unknown = sorted(str(k) for k in obj if k not in spec.keys)
         raise ProtocolError(
             f"message {type_name!r}: unknown field {unknown[0]!r} "
             f"(fields: {', '.join(f.name for f in spec.fields)})"
         )
     kwargs = {}
-    for f in spec.fields:
-        if f.name in obj:
-            kwargs[f.name] = _checked(type_name, f, obj[f.name])
-        elif f.required:
-            raise ProtocolError(
-                f"message {type_name!r}: missing required field {f.name!r} ({f.expected})"
-            )
-    return spec.cls(**kwargs)
-
-
-def _checked(type_name: str, f: _Field, value: Any) -> Any:
-    try:
-        return _convert(value, f.annotation)
+    f = None
+    try:  # one try for all fields: the controller decodes two messages per rank per step
+        for f in spec.fields:
+            value = obj.get(f.name, _ABSENT)
+            if value is not _ABSENT:
+                kwargs[f.name] = f.convert(value, 0)
+            elif f.required:
+                raise ProtocolError(
+                    f"message {type_name!r}: missing required field {f.name!r} ({f.expected})"
+                )
     except _Mismatch as exc:
-        raise ProtocolError(
-            f"message {type_name!r}: field {f.name!r} must be {f.expected}, got {exc.describe()}"
-        ) from None
+        raise _field_error(type_name, f, exc) from None
+    return spec.build(kwargs)
+
+
+def _field_error(type_name: str, f: _Field, exc: _Mismatch) -> ProtocolError:
+    return ProtocolError(f"message {type_name!r}: field {f.name!r} must be {f.expected}, got {exc.describe()}")
 
 
 def message_types() -> dict[str, type[Message]]:

@@ -118,7 +118,11 @@ class Connection:
 
     def send_frame(self, obj: dict[str, Any]) -> None:
         """Send one raw frame without message checks (the handshake uses this)."""
-        data = pack_frame(obj)
+        self.send_packed(pack_frame(obj))
+
+    def send_packed(self, data: bytes) -> None:
+        """Send one frame packed already (``pack_frame(encode(msg))``: a message sent to many
+        connections is encoded once)."""
         with self._send_lock:
             if self.closed:
                 raise ConnectionClosed(f"control connection {self.peer} is closed")

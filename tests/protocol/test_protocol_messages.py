@@ -10,7 +10,7 @@ import pytest
 
 from unbroken.errors import ProtocolError
 from unbroken.protocol import messages as m
-from unbroken.protocol.messages import Message, decode, encode, message, message_types
+from unbroken.protocol.messages import Encoded, Message, decode, encode, message, message_types
 
 EXAMPLES = [
     m.AgentRegister(node_rank=1, nproc=8, host="node-1", pid=4242),
@@ -35,7 +35,7 @@ EXAMPLES = [
 
 def _sample(annotation: Any) -> Any:
     """A valid value for any supported annotation (so new messages are covered too)."""
-    simple = {int: 7, float: 1.5, str: "s", bool: True, bytes: b"\x01", Any: {"k": [1]}}
+    simple = {int: 7, float: 1.5, str: "s", bool: True, bytes: b"\x01", Any: {"k": [1]}, Encoded: {"type": "heartbeat", "rank": 1}}
     if annotation in simple:
         return simple[annotation]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -120,6 +120,8 @@ BAD = [
          "signal": None, "last_lines": "ok"},
         "field 'last_lines' must be list[str], got str",
     ),
+    ({"type": "node_reports", "entries": [{"type": "heartbeat", "rank": 0}, 5], "pids": [1, 2]},
+     "field 'entries' must be list[an encoded message (a map)], got int at [1]"),
     ({"type": "no_such_thing"}, "unknown message type 'no_such_thing'"),
     ({"type": 5}, "unknown message type 5"),
     ({"rank": 1}, "message has no 'type' field"),

@@ -11,7 +11,7 @@ from typing import Any
 
 from unbroken.errors import ProtocolError
 from unbroken.protocol.schema import (  # noqa: F401  (re-exported: the protocol's one import)
-    PROTOCOL_VERSION, Message, decode, encode, message, message_types)
+    PROTOCOL_VERSION, Encoded, Message, decode, encode, message, message_types)
 
 
 #: The most bytes one rank's encoded per-rank state may take (worker/rollback.py): it travels
@@ -225,7 +225,7 @@ class NodeReports(Message):
     ``entries[i]`` is one encoded worker message of a type in :data:`RELAYED_TYPES`, from the
     process ``pids[i]`` (the controller fences on it). Decoded with the schema, never unpickled."""
 
-    entries: list[Any]
+    entries: list[Encoded]
     pids: list[int]
 
 

@@ -15,7 +15,8 @@ else is a `ProtocolError` that names the message type, the field, what was expec
 what came. Nothing here is ever pickled.
 
 Supported field annotations: int, float (an int is accepted and converted), str, bool,
-bytes, Any (any msgpack-able value), `X | None`, `list[X]` and `dict[str, X]` of those.
+bytes, Any (any msgpack-able value), Encoded (an encoded message that its receiver decodes),
+`X | None`, `list[X]` and `dict[str, X]` of those.
 bool is never accepted where int or float is expected. A field with a default is optional
 on the wire, which is how a field is added without breaking older peers.
 
@@ -49,6 +50,12 @@ class Message:
     """Base class of every control message; `TYPE` is its wire name, set by `@message`."""
 
     TYPE: ClassVar[str] = ""
+
+
+class Encoded:
+    """Field annotation: an encoded message (a map), carried inside another one (NodeReports).
+    Only its being a map is checked here: its receiver decodes it, which checks all of it, so a
+    batch is not walked twice (the frame's nesting is bounded by framing.py already)."""
 
 
 M = TypeVar("M", bound=Message)
@@ -166,6 +173,8 @@ def _describe(annotation: Any) -> str:
         return annotation.__name__
     if annotation is Any:
         return "Any"
+    if annotation is Encoded:
+        return "an encoded message (a map)"
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
@@ -176,7 +185,7 @@ def _describe(annotation: Any) -> str:
     elif origin is dict and len(args) == 2 and args[0] is str:
         return f"dict[str, {_describe(args[1])}]"
     raise TypeError(
-        f"unsupported annotation {annotation!r} (use int, float, str, bool, bytes, Any, "
+        f"unsupported annotation {annotation!r} (use int, float, str, bool, bytes, Any, Encoded, "
         "X | None, list[X] or dict[str, X])"
     )
 
@@ -276,7 +285,8 @@ def _dict(value: dict, item: Converter, depth: int) -> dict:
 @functools.cache
 def _converter(annotation: Any) -> Converter:
     """The converter of a supported annotation (_describe has accepted it)."""
-    simple = {int: _int, float: _float, str: _str, bool: _exactly(bool), bytes: _exactly(bytes)}
+    simple = {int: _int, float: _float, str: _str, bool: _exactly(bool), bytes: _exactly(bytes),
+              Encoded: _exactly(dict)}
     if annotation in simple:
         return simple[annotation]
     if annotation is Any:

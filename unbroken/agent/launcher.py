@@ -116,14 +116,18 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
         agent = Agent(cfg, host, port, output=output)
         if graceful is not None:
             graceful.attach(agent)
+        interrupted = False
         try:
             code, reason = agent.run()
         except KeyboardInterrupt as exc:
             code, reason = _interruption(exc)
+            interrupted = True
             if controller is not None:
                 threading.Thread(target=controller.abort, args=(reason, code), daemon=True).start()
         failure = controller.first_failure if controller is not None else None
-        if controller is not None:
+        # An interruption's code stands: the agent's clean-up (its workers stopped, its connection
+        # closed) may reach the controller first and read there as a lost node (a failed job).
+        if controller is not None and not interrupted:
             outcome = controller.wait(timeout_s=0)
             if outcome is not None:
                 code, reason = outcome.exit_code, outcome.reason

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from unbroken.controller.api import (AnswerRestore, CommitPersisted, JobState, RestoreDecided, RestoreOffered,
-                                     RestoreRounds, StepPersisted)
+from unbroken.controller.api import AnswerRestore, CommitPersisted, JobState, RestoreDecided, RestoreRounds
+from unbroken.controller.events import RestoreOffered, StepPersisted
 from unbroken.recovery.restore_point import decide_restore
 
 

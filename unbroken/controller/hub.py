@@ -9,7 +9,8 @@ from typing import Protocol
 
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import LaunchConfig
-from unbroken.controller.api import Event, JobState
+from unbroken.controller.api import JobState
+from unbroken.controller.events import Event
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.monitor import Monitor
 from unbroken.controller.rank_state import RankStates

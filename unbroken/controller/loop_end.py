@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from unbroken.controller.api import (Action, ExitedAfterLoop, Finish, JobPhase, JobState, LoopFinished,
-                                     RankExited)
+from unbroken.controller.api import Action, ExitedAfterLoop, Finish, JobPhase, JobState
+from unbroken.controller.events import LoopFinished, RankExited
 
 
 def covers(state: JobState, event: RankExited) -> bool:

@@ -29,12 +29,13 @@ from __future__ import annotations
 from unbroken.controller import commits, loop_end, terminate
 from unbroken.controller.values import RankSet, replace
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
-    JobPhase, Failure, AgentJoined, RankExited, LoopFinished, ExitedAfterLoop, WorkerHung, AgentStopped, AgentLost,
-    StandbyJoined, SessionReady, StepSynced, RanksSynced, WorkerPaused, ReplacementJoined, WorkerResumed,
-    WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, StartAttempt,
-    StopAttempt, KillRank, Decide, Finish, CommitStep, AbortGeneration, RestartRanks, OrderRegroup, Recovered,
-    DumpOrder, CommitDump, AnswerRestore, RestoreDecided, CommitPersisted, Recovery, RestoreRounds, JobPolicy,
-    JobState, Event, Action, FINAL_PHASES, TerminateRequested, GraceExpired, Terminating)
+    JobPhase, Failure, ExitedAfterLoop, StartAttempt, StopAttempt, KillRank, Decide, Finish, CommitStep,
+    AbortGeneration, RestartRanks, OrderRegroup, Recovered, DumpOrder, CommitDump, AnswerRestore, RestoreDecided,
+    CommitPersisted, Recovery, RestoreRounds, JobPolicy, JobState, Action, FINAL_PHASES, Terminating)
+from unbroken.controller.events import (  # noqa: F401  (the nouns, re-exported for callers)
+    AgentJoined, RankExited, LoopFinished, WorkerHung, AgentStopped, AgentLost, StandbyJoined, SessionReady,
+    StepSynced, RanksSynced, WorkerPaused, ReplacementJoined, WorkerResumed, WorkerDamaged, WorkerDegraded,
+    StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, Event, TerminateRequested, GraceExpired)
 from unbroken.errors import EXIT_FATAL
 from unbroken.recovery.mesh_map import MeshReplicaMap
 from unbroken.recovery.replica_map import ReplicaMap

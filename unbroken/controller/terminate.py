@@ -28,10 +28,10 @@ from __future__ import annotations
 import dataclasses
 import signal
 
-from unbroken.controller.api import (
-    AbortGeneration, Action, AgentLost, CommitDump, Event, Finish, GraceExpired, JobPhase, JobState, RankExited,
-    Recovery, RecoveryTimeout, StepDumped, StopAttempt, TerminateRequested, Terminating, WorkerDamaged,
-    WorkerDegraded, WorkerHung)
+from unbroken.controller.api import (AbortGeneration, Action, CommitDump, Finish, JobPhase, JobState, Recovery,
+                                     StopAttempt, Terminating)
+from unbroken.controller.events import (AgentLost, Event, GraceExpired, RankExited, RecoveryTimeout, StepDumped,
+                                        TerminateRequested, WorkerDamaged, WorkerDegraded, WorkerHung)
 from unbroken.controller.values import RankSet
 from unbroken.errors import EXIT_FATAL
 from unbroken.names import Rung

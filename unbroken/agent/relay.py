@@ -168,7 +168,11 @@ class NodeRelay:
         """The controller's commit, to every local rank connected here (the agent's command thread)."""
         with self._lock:
             conns = list(self._conns.values())
-        data = pack_frame(m.encode(msg))  # encoded once for the node's ranks
+        try:
+            data = pack_frame(m.encode(msg))  # encoded once for the node's ranks
+        except ProtocolError as exc:
+            log.error("relay: could not encode %s for the node's ranks: %s", type(msg).__name__, exc)
+            return
         for conn in conns:
             try:
                 conn.send_packed(data)

@@ -179,7 +179,11 @@ class Connections:
 
     def send_to_workers(self, msg: m.Message, ranks: set[int] | None = None) -> None:
         """Send ``msg`` to every live worker (or those of ``ranks``) that has a connection (encoded once)."""
-        data = pack_frame(m.encode(msg))
+        try:
+            data = pack_frame(m.encode(msg))
+        except ProtocolError as exc:  # our own bug: logged, never a dead controller thread
+            log.error("controller: could not encode %s for the workers: %s", type(msg).__name__, exc)
+            return
         for w in self._ctl.workers.values():
             if w.conn is not None and w.state in LIVE_WORKER_STATES and (ranks is None or w.rank in ranks):
                 try:

@@ -66,8 +66,12 @@ class _Field:
     name: str
     annotation: Any
     expected: str  # the annotation as written in error messages, e.g. "list[str]"
-    required: bool
     convert: Converter = dataclasses.field(compare=False, repr=False)
+    default: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)  # None: required
+
+    @property
+    def required(self) -> bool:
+        return self.default is None
 
 
 @dataclass(frozen=True)
@@ -76,23 +80,16 @@ class _Spec:
     fields: tuple[_Field, ...]
 
     @functools.cached_property
-    def names(self) -> frozenset[str]:
-        return frozenset(f.name for f in self.fields)
-
-    @functools.cached_property
-    def optional(self) -> tuple[tuple[str, Any, Any], ...]:
-        """(name, default, default_factory) of each field that has a default."""
-        found = {f.name: f for f in dataclasses.fields(self.cls)}
-        return tuple((f.name, found[f.name].default, found[f.name].default_factory)
-                     for f in self.fields if not f.required)
+    def optional(self) -> tuple[_Field, ...]:
+        return tuple(f for f in self.fields if not f.required)
 
     def build(self, values: dict[str, Any]) -> Message:
         """The message of checked field `values` (every required one, any optional one): what the
         frozen dataclass's __init__ does (defaults, then __post_init__), without its one
         object.__setattr__ per field (a decode's largest cost)."""
-        for name, default, factory in self.optional:
-            if name not in values:
-                values[name] = default if factory is dataclasses.MISSING else factory()
+        for f in self.optional:
+            if f.name not in values:
+                values[f.name] = f.default()
         msg = object.__new__(self.cls)
         msg.__dict__.update(values)
         post_init = getattr(msg, "__post_init__", None)
@@ -103,7 +100,7 @@ class _Spec:
     @functools.cached_property
     def keys(self) -> frozenset[str]:
         """The keys a message of this type may have on the wire: its fields and "type"."""
-        return self.names | {"type"}
+        return frozenset(f.name for f in self.fields) | {"type"}
 
 
 # type name -> spec. Written only by `@message` while message classes are being defined
@@ -162,9 +159,18 @@ def _fields_of(cls: type) -> tuple[_Field, ...]:
             expected = _describe(annotation)
         except TypeError as exc:
             raise TypeError(f"message {cls.__qualname__}: field {f.name!r}: {exc}") from None
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        out.append(_Field(f.name, annotation, expected, required, _converter(annotation)))
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory
+        elif f.default is not dataclasses.MISSING:
+            default = functools.partial(_same, f.default)
+        else:
+            default = None  # required
+        out.append(_Field(f.name, annotation, expected, _converter(annotation), default))
     return tuple(out)
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _describe(annotation: Any) -> str:

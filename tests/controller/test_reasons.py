@@ -118,3 +118,12 @@ def test_once_a_rank_entered_the_step_loop_a_rank_that_did_not_is_the_suspect():
     workers[0].last_progress_t = 0.5
     hung = monitor.find_hung(workers, 0, now=3.0)
     assert hung is not None and hung[0].rank == 1
+
+
+def test_a_node_lost_says_the_last_step_its_rank_reported():
+    state = start(world=4, nnodes=2, max_restarts=32767)
+    state, actions = run(state, sm.AgentLost(1, last_steps=(30, 30, 30, 29)))
+    assert "rank 2 was lost with its node's agent at step 30" in finish_reason(actions)
+    state = start(world=4, nnodes=2, max_restarts=32767)
+    state, actions = run(state, sm.AgentLost(1, last_steps=(30, 30, None, None)))
+    assert "rank 2 was lost with its node's agent with no step reported" in finish_reason(actions)

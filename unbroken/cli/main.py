@@ -19,9 +19,47 @@ from unbroken.worker_config import CheckpointConfig, WorkerSettings, setting_fla
 
 
 class _Parser(argparse.ArgumentParser):
+    """Our parsers: usage errors exit with code 2, and a flag is never matched by abbreviation.
+
+    ``launches_script`` (`unbroken run`): the launcher's flags come before the script path; the
+    first word that is not one of them (or its value) is the script, and every word after it is the
+    script's, passed on untouched, even one spelled like a launcher flag (as torchrun does).
+    """
+
+    def __init__(self, *args, launches_script: bool = False, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self._launches_script = launches_script
+
     def error(self, message: str) -> None:  # argparse's own usage errors: exit code 2
         self.print_usage(sys.stderr)
         self.exit(2, f"unbroken: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self._launches_script:
+            return super().parse_known_args(args, namespace)
+        words = list(sys.argv[1:] if args is None else args)
+        cut = self._script_index(words)
+        namespace, extra = super().parse_known_args(words[:cut + 1], namespace)
+        namespace.script_args = words[cut + 1:]
+        return namespace, extra
+
+    def _script_index(self, words: list[str]) -> int:
+        """Index of the script path in ``words`` (len(words): none, argparse then says so)."""
+        i = 0
+        while i < len(words):
+            word = words[i]
+            if word == "--":  # `unbroken run [flags] -- script.py ...`
+                del words[i]
+                return i
+            if not word.startswith("-") or word == "-":
+                return i
+            name, has_value, _ = word.partition("=")
+            action = self._option_string_actions.get(name)
+            if action is None:
+                self.error(f"unknown flag {name} before the script: the launcher's flags are spelled out in full "
+                           "(see `unbroken run --help`); the script's own flags go after the script path")
+            i += 1 if has_value or action.nargs == 0 else 2
+        return len(words)
 
 
 def _int(text: str) -> int:
@@ -102,7 +140,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
     p.add_argument("script", help="training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    p.add_argument("script_args", nargs="*", metavar="ARG", help="its arguments, passed on untouched")
 
 
 def _add_worker_settings(flag) -> None:
@@ -120,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="unbroken", description="Keeps distributed PyTorch training running through failures.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the library's info messages")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_run_flags(sub.add_parser("run", help="launch a training script (torchrun-compatible)"))
+    _add_run_flags(sub.add_parser("run", help="launch a training script (torchrun-compatible)", launches_script=True))
     demo = sub.add_parser("demo", help="a 4-rank training run that survives injected faults")
     demo.add_argument("--steps", type=_int, default=60)
     demo.add_argument("--nproc-per-node", type=_int, default=4)

@@ -110,7 +110,9 @@ class Connections:
                     del self.agents[agent]
                     if not ctl.done.is_set():
                         ctl.events.emit("agent_lost", node_rank=agent)
-                        ctl.apply(sm.AgentLost(agent))
+                        last_steps = tuple(ctl.workers[r].step if r in ctl.workers else None
+                                           for r in range(ctl.cfg.world_size))
+                        ctl.apply(sm.AgentLost(agent, last_steps))
             raise
 
     def _serve_worker(self, conn: Connection) -> None:

@@ -59,7 +59,11 @@ class AgentStopped:
 
 @dataclass(frozen=True)
 class AgentLost:
+    """An agent's connection is gone. ``last_steps``: the newest step each rank of the job had
+    reported (None: none), indexed by rank; () where unknown."""
+
     node_rank: int
+    last_steps: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -378,12 +378,13 @@ def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Ac
     agent = event.node_rank
     state = _replace(state, agents=state.agents - {agent}, standbys=state.standbys - {agent})
     ranks = frozenset(r for r in range(state.world_size) if state.agent_of(r) == agent)
-    if not ranks or state.phase in (JobPhase.STARTING, JobPhase.STOPPING):
-        if ranks:
-            return _fail(state, Failure(rank=min(ranks), attempt=state.attempt, kind="node-lost"),
-                         f"the agent of node {agent} was lost")
+    if not ranks:
         return state, []
-    failure = Failure(rank=min(ranks), attempt=state.attempt, kind="node-lost")
+    first = min(ranks)
+    step = event.last_steps[first] if first < len(event.last_steps) else None
+    failure = Failure(rank=first, attempt=state.attempt, kind="node-lost", step=step)
+    if state.phase in (JobPhase.STARTING, JobPhase.STOPPING):
+        return _fail(state, failure, f"the agent of node {agent} was lost")
     return _recover(state, failure, lost=ranks)
 
 

@@ -93,6 +93,7 @@ class LaunchConfig:
     omp_num_threads: int = 1
     sub_health_policy: str = "ignore"
     crash_loop_limit: int = 3  # the same failure this many times in a row ends the job (0: never)
+    max_recurring_recoveries: int = 2  # in-flight recoveries of a fault that recurs before one held
     straggler_factor: float = 0.0  # a rank computing this many times slower than the job's median is degraded
     metrics_port: int | None = None  # Prometheus /metrics, /status.json and the live page (None: off; 0: a free port)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -125,6 +126,8 @@ class LaunchConfig:
             require_strategy(name)
         require(bool(self.recover_strategy), "--recover-strategy must name at least one strategy")
         require(self.crash_loop_limit >= 0, f"--crash-loop-limit must be >= 0 (0: off), got {self.crash_loop_limit}")
+        require(self.max_recurring_recoveries >= 1,
+                f"--max-recurring-recoveries must be >= 1, got {self.max_recurring_recoveries}")
         require(self.straggler_factor == 0 or 1 < self.straggler_factor < math.inf,
                 f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
         require(self.sub_health_policy in SUB_HEALTH_POLICIES, f"--sub-health-policy: unknown policy "

@@ -46,3 +46,17 @@ def test_the_same_exception_three_times_in_a_row_stops_the_job(tmp_path):
     assert len(failed) == 3
     (finished,) = events(run_dir, "job_finished")
     assert "crash loop" in finished["reason"] and "batch 2 is empty" in finished["reason"]
+
+
+@pytest.mark.timeout(150)
+def test_a_script_error_on_every_rank_stops_the_job_within_a_few_attempts(tmp_path):
+    """Issue 32, case 5: every rank raises in step 1; whichever rank fails first, with its rank in
+    its message, it is one deterministic error: exit 1 with its last lines, not restarts forever."""
+    run_dir = tmp_path / "run"
+    result = run_cli(["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), str(SCRIPT), "bug-all"],
+                     timeout_s=140)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    (finished,) = events(run_dir, "job_finished")
+    assert "crash loop" in finished["reason"] and "batch 1 has the wrong shape" in finished["reason"]
+    assert len(events(run_dir, "attempt_started")) <= 5  # 3, and a hang-kill of a rank slow to exit may add one

@@ -125,6 +125,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("crash-loop-limit", type=_int, default=3,
          help="fail the job when the same rank fails the same way (exit status, step, last output line) "
               "this many times in a row (default 3; 0: restart up to --max-restarts)")
+    flag("max-recurring-recoveries", type=_int, default=2,
+         help="an in-flight recovery holds once every rank completed the step it resumed; a rank failing "
+              "before that is the same fault recurring: after this many in-flight recoveries of it, the job "
+              "restarts from its newest checkpoint instead (default 2)")
     flag("straggler-factor", type=_float, default=0.0,
          help="report a rank degraded (sub-health) when its median compute time over its last 10 steps "
               "is more than F times the job's median (default 0: off)")
@@ -212,6 +216,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         sub_health_policy=args.sub_health_policy,
         straggler_factor=args.straggler_factor,
         crash_loop_limit=args.crash_loop_limit,
+        max_recurring_recoveries=args.max_recurring_recoveries,
         metrics_port=args.metrics_port,
         sigterm_dump_timeout_s=args.sigterm_dump_timeout_s,
         checkpoint=_checkpoint_config(args),

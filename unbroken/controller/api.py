@@ -48,6 +48,8 @@ class Failure:
     signal: int | None = None
     step: int | None = None
     last_lines: tuple[str, ...] = ()
+    gen: int = 0  # the generation it happened in: failures of one (attempt, gen) are one episode
+
 
     def describe(self) -> str:
         how = {"hang": "hung (no step progress) and was killed",
@@ -151,6 +153,14 @@ class Recovered:
 
 
 @dataclass(frozen=True)
+class RecoveryHeld:
+    """The in-flight recovery of generation ``gen`` held: every rank completed ``resume_step``."""
+
+    gen: int
+    resume_step: int
+
+
+@dataclass(frozen=True)
 class DumpOrder:
     """Survivors write the state at ``step``; ``assign`` maps each lost rank to its writer."""
 
@@ -202,7 +212,7 @@ class CommitPersisted:
 
 Action = (StartAttempt | StopAttempt | KillRank | ExitedAfterLoop | Decide | Finish | CommitStep | AbortGeneration
           | RestartRanks | OrderRegroup | Recovered | DumpOrder | CommitDump | AnswerRestore | RestoreDecided
-          | CommitPersisted | Terminating)
+          | CommitPersisted | Terminating | RecoveryHeld)
 
 
 @dataclass(frozen=True)
@@ -232,6 +242,17 @@ class Recovery:
 
 
 @dataclass(frozen=True)
+class Unconfirmed:
+    """An in-flight recovery that finished (every rank resumed) but has not held yet: it holds once
+    every rank completed ``resume_step`` (the next step committed). A rank that fails before that is
+    the same fault recurring: the next recovery counts as try ``tries + 1``."""
+
+    gen: int
+    resume_step: int
+    tries: int
+
+
+@dataclass(frozen=True)
 class JobPolicy:
     """What the user decided for the job (flags of `unbroken run`): fixed for its whole life.
     The machine reads it and never changes it; :class:`JobState` holds what changes."""
@@ -245,6 +266,7 @@ class JobPolicy:
     can_dump: bool = False  # a storage tier exists (--save)
     sub_health_policy: str = "ignore"  # "grace-exit": a degraded rank -> dump, clean restart
     crash_loop_limit: int = 3  # the same failure this many times in a row fails the job (0: never)
+    max_recurring: int = 2  # in-flight recoveries of a fault that recurs before one held; then a job restart
 
 
 @dataclass(frozen=True)
@@ -273,6 +295,7 @@ class JobState:
     mesh: tuple[tuple[str, int], ...] = ()  # the job's mesh (job.mesh), () for a flat data-parallel job
     mesh_replicate: str = ""  # the mesh dimension its replicas live along
     recovery: Recovery | None = None
+    unconfirmed: Unconfirmed | None = None  # the last in-flight recovery, until it held
     placement: tuple[int, ...] = ()  # the agent hosting each rank; () means rank // (world / nnodes)
     standbys: frozenset[int] = frozenset()
     persisted: tuple[tuple[int, frozenset[int]], ...] = ()  # (step, ranks whose files are in storage)

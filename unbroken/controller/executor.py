@@ -44,7 +44,7 @@ class Executor:
             sm.ExitedAfterLoop: self._exited_after_loop,
             sm.Decide: self._decide, sm.CommitStep: self._commit_step, sm.AbortGeneration: self._abort,
             sm.RestartRanks: self._restart_ranks, sm.OrderRegroup: self._regroup,
-            sm.Recovered: self._recovered, sm.DumpOrder: self._dump, sm.CommitDump: self._commit_dump,
+            sm.Recovered: self._recovered, sm.RecoveryHeld: self._recovery_held, sm.DumpOrder: self._dump, sm.CommitDump: self._commit_dump,
             sm.AnswerRestore: self._answer_restore, sm.RestoreDecided: self._restore_decided,
             sm.CommitPersisted: self._commit_persisted, sm.Finish: self._finish, sm.Terminating: self._terminating,
         }
@@ -178,6 +178,9 @@ class Executor:
         fields = ctl.timing.recovered_in_flight(action.resume_step, now)
         ctl.events.emit("recovered_in_flight", gen=action.gen, resume_step=action.resume_step,
                         replaced=sorted(action.replaced), **fields)
+
+    def _recovery_held(self, action: sm.RecoveryHeld) -> None:
+        self._ctl.events.emit("recovery_held", gen=action.gen, resume_step=action.resume_step)
 
     # -- checkpoints: dump, persisted steps, restore decisions --------------------------------
     def _dump(self, action: sm.DumpOrder) -> None:

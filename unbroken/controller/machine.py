@@ -28,10 +28,13 @@ from __future__ import annotations
 
 from unbroken.controller import commits, loop_end, terminate
 from unbroken.controller.values import RankSet, replace
+import re
+
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
     JobPhase, Failure, ExitedAfterLoop, StartAttempt, StopAttempt, KillRank, Decide, Finish, CommitStep,
     AbortGeneration, RestartRanks, OrderRegroup, Recovered, DumpOrder, CommitDump, AnswerRestore, RestoreDecided,
-    CommitPersisted, Recovery, RestoreRounds, JobPolicy, JobState, Action, FINAL_PHASES, Terminating)
+    CommitPersisted, Recovery, RestoreRounds, JobPolicy, JobState, Action, FINAL_PHASES, Terminating, RecoveryHeld,
+    Unconfirmed)
 from unbroken.controller.events import (  # noqa: F401  (the nouns, re-exported for callers)
     AgentJoined, RankExited, LoopFinished, WorkerHung, AgentStopped, AgentLost, StandbyJoined, SessionReady,
     StepSynced, RanksSynced, WorkerPaused, ReplacementJoined, WorkerResumed, WorkerDamaged, WorkerDegraded,
@@ -141,12 +144,12 @@ def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, lis
     if event.exit_code == EXIT_FATAL and not event.signal:
         kind = "fatal"
     failure = Failure(rank=event.rank, attempt=event.attempt, kind=kind, exit_code=event.exit_code,
-                      signal=event.signal, step=event.step, last_lines=event.last_lines)
+                      signal=event.signal, step=event.step, last_lines=event.last_lines, gen=state.gen)
     if kind == "fatal":
         return _fail_fatal(state, failure)
     if state.policy.crash_loop_limit and _repeats(state.failures + (failure,)) >= state.policy.crash_loop_limit:
         state = _replace(state, failures=state.failures + (failure,))
-        last = failure.last_lines[-1] if failure.last_lines else "no output"
+        last = " | ".join(line.strip() for line in failure.last_lines[-3:] if line.strip()) or "no output"
         return _fail(state, failure, f"crash loop: {failure.describe()}, the same failure "
                                      f"{state.policy.crash_loop_limit} times in a row ({last!r}); restarting "
                                      "cannot help (--crash-loop-limit)")
@@ -154,19 +157,31 @@ def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, lis
 
 
 def _repeats(failures: tuple[Failure, ...]) -> int:
-    """How many of the last failures are the same one: same rank, kind, exit status, step and
-    last output line (a deterministic error in the script, not a fault of the machine)."""
+    """In how many episodes in a row (an attempt's generation: one fault and its recovery) the
+    newest failure was seen: the same kind, exit status, step and last output line, on any rank (a
+    deterministic error in the script fails every rank alike, whichever the ladder saw first), the
+    numbers in the line aside (a rank, a pid). Several ranks failing in one episode count once; an
+    episode that saw only a hang-kill neither counts nor breaks the run (a rank slow to exit after
+    the error, under load, is killed as hung while its peer's error went unseen)."""
     def key(f: Failure) -> tuple:
-        return f.rank, f.kind, f.exit_code, f.signal, f.step, f.last_lines[-1:]
+        line = re.sub(r"\d+", "#", f.last_lines[-1].strip()) if f.last_lines else ""
+        return f.kind, f.exit_code, f.signal, f.step, line
 
     last = failures[-1]
     if last.kind not in ("exit", "crash"):
         return 0
-    count = 0
+    seen: dict[tuple[int, int], bool | None] = {}  # episode -> seen in it (None: hangs only); newest first
     for f in reversed(failures):
-        if key(f) != key(last):
+        episode = (f.attempt, f.gen)
+        if f.kind == "hang":
+            seen.setdefault(episode, None)
+        else:
+            seen[episode] = bool(seen.get(episode)) or key(f) == key(last)
+    count = 0
+    for matched in seen.values():
+        if matched is False:
             break
-        count += 1
+        count += matched is True
     return count
 
 
@@ -217,9 +232,14 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     recovery = state.recovery
     failed = lost | {failure.rank}
     dead = (recovery.replaced if recovery else frozenset()) | failed
-    tries = recovery.tries + 1 if recovery else 1
+    prior = state.unconfirmed if recovery is None else None  # a recovery that finished but has not held
+    tries = recovery.tries + 1 if recovery else (prior.tries + 1 if prior else 1)
     in_flight, why = in_flight_feasible(state, dead)
-    if in_flight and tries > state.policy.max_recovery_tries:
+    if in_flight and prior and tries > state.policy.max_recurring:
+        in_flight, why = False, (f"the in-flight recovery to step {prior.resume_step} did not hold: a rank failed "
+                                 f"again before every rank completed that step ({tries - 1} in-flight recoveries of "
+                                 f"this fault, at most {state.policy.max_recurring}: --max-recurring-recoveries)")
+    elif in_flight and tries > state.policy.max_recovery_tries:
         in_flight, why = False, f"{tries - 1} in-flight tries used, at most {state.policy.max_recovery_tries}"
     own_agents = {state.agent_of(r) for r in failed}
     feasible = {Rung.RETRY: in_flight and failure.kind in RETRY_KINDS and recovery is None,
@@ -310,7 +330,7 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
                      stopped_agents=frozenset(), finished_ranks=RankSet(), loop_finished=RankSet(),
                      exited_after_loop=RankSet(), hung_ranks=frozenset(),
                      gen=0, committed_step=-1, sync_step=-1, synced=RankSet(), ready=RankSet(),
-                     not_in_flight=(), mesh=(), mesh_replicate="", recovery=None)
+                     not_in_flight=(), mesh=(), mesh_replicate="", recovery=None, unconfirmed=None)
     return state, [StartAttempt(attempt)]
 
 
@@ -396,8 +416,13 @@ def _on_step_synced(state: JobState, event: StepSynced | RanksSynced) -> tuple[J
     if len(synced) < state.world_size:
         return _replace(state, sync_step=event.step, synced=synced), []
     # Every rank finished the reduction of this step: it commits, atomically with fault handling.
-    return _replace(state, sync_step=event.step, synced=RankSet(), committed_step=event.step), [
-        CommitStep(state.gen, event.step)]
+    actions: list[Action] = [CommitStep(state.gen, event.step)]
+    held = state.unconfirmed
+    if held is not None and event.step > held.resume_step:  # every rank completed the resumed step
+        actions.append(RecoveryHeld(held.gen, held.resume_step))
+        held = None
+    return _replace(state, sync_step=event.step, synced=RankSet(), committed_step=event.step,
+                    unconfirmed=held), actions
 
 
 def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
@@ -419,7 +444,8 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         rec = replace(rec, resumed=rec.resumed.with_rank(event.rank))
         if rec.resumed == state.ranks:
             state = _replace(state, phase=JobPhase.RUNNING, gen=rec.gen, recovery=None, synced=RankSet(),
-                             hung_ranks=frozenset())
+                             hung_ranks=frozenset(),
+                             unconfirmed=Unconfirmed(rec.gen, state.committed_step + 1, rec.tries))
             return state, [Recovered(rec.gen, state.committed_step + 1, rec.replaced)]
         return _replace(state, recovery=rec), []
     else:

@@ -60,7 +60,7 @@ class Controller:
             world_size=cfg.world_size, nnodes=cfg.nnodes, max_restarts=cfg.max_restarts,
             allowed=cfg.recover_strategy, replicas_allowed=not cfg.no_replica_restore,
             can_dump=bool(cfg.checkpoint.save_dir), sub_health_policy=cfg.sub_health_policy,
-            crash_loop_limit=cfg.crash_loop_limit))
+            crash_loop_limit=cfg.crash_loop_limit, max_recurring=cfg.max_recurring_recoveries))
         self.workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
         self.fired: set[str] = set()  # fault ids of the injection plan already claimed
         self.outcome: Outcome | None = None

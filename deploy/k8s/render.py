@@ -9,7 +9,7 @@ so is the resulting ``unbroken run`` command line, with unbroken's own parser: a
 exits 2 naming the key, the value and what is allowed, and nothing is written.
 
 It runs where you develop (it imports unbroken, torch and PyYAML), not in the cluster. Why a
-renderer and not a Helm chart: see README, "Running on Kubernetes".
+renderer and not a Helm chart: see docs/operations.md, "Running on Kubernetes".
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def controller_host(values: dict[str, Any]) -> str:
 
 def shared_storage(values: dict[str, Any]) -> bool:
     """Whether every pod sees the same storage tier: a claim, or a single pod. The storage tier's
-    commit needs every rank's files in one place (README: Limitations)."""
+    commit needs every rank's files in one place (docs/limitations.md)."""
     return bool(values["storage"]["claimName"]) or values["nodes"] + values["standbyNodes"] == 1
 
 

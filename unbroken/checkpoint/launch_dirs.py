@@ -1,6 +1,6 @@
 """Checks of `--save DIR` / `--load DIR` before any worker starts, and what they mean.
 
-The rule (README "Resuming: --load and --save"): a NEW launch resumes only from `--load DIR`;
+The rule (docs/checkpoints.md, "Resuming: --load and --save"): a NEW launch resumes only from `--load DIR`;
 `--save DIR` alone starts fresh (checkpoints already in DIR are kept, never loaded nor deleted
 by this run's retention); a job-level restart inside a run resumes from the run's own
 checkpoints (memory tier, then --save), then from --load's.

@@ -120,7 +120,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("no-replica-restore", action="store_true",
          help="never restore a lost rank from replicas; recover from the newest checkpoint instead")
     flag("prerun-spares", action="store_true",
-         help="spares run the script up to its first rank-dependent read before a rank is lost (see README)")
+         help="spares run the script up to its first rank-dependent read before a rank is lost (see docs/recovery.md)")
     _add_worker_settings(flag)
     flag("crash-loop-limit", type=_int, default=3,
          help="fail the job when the same rank fails the same way (exit status, step, last output line) "

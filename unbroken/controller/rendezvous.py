@@ -14,7 +14,7 @@ rendezvous with it):
   reaches ``MASTER_ADDR:MASTER_PORT`` with torch's TCPStore client, which cannot
   authenticate. For it the controller keeps a TCPStore per attempt, listening on the job's
   address only (:func:`open_store`). Limit: a local process that reaches that port can read
-  and write a plain script's keys (README, "Security model"); the managed path reads
+  and write a plain script's keys (docs/security.md); the managed path reads
   nothing from it.
 
 Runs in the controller's thread that starts an attempt.

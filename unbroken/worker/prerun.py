@@ -16,7 +16,7 @@ job's argv and the worker environment minus everything rank-dependent (no ``RANK
 
 What the script built before the block point from rank-independent inputs (a seeded model, its
 optimizer) is overwritten by the transfer, as in a replacement. A value computed early from the
-rank without asking unbroken (``os.environ["RANK"]``) is the unsafe case: README, *Pre-run spares*.
+rank without asking unbroken (``os.environ["RANK"]``) is the unsafe case: docs/recovery.md, *Pre-run spares*.
 
 Lives in the training (main) thread of the spare's process; the blocked read is that thread.
 """

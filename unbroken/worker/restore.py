@@ -5,7 +5,7 @@ once per process (a replacement process of an in-flight recovery does not come h
 receives its state from replicas, see :mod:`unbroken.worker.inflight`). It sees only narrow
 collaborators: :class:`RestoreSources` (tiers, controller link, all-reduce) and the tracked state.
 
-Sources of a rank, by the resume rule (README "Resuming: --load and --save"): a new launch
+Sources of a rank, by the resume rule (docs/checkpoints.md, "Resuming: --load and --save"): a new launch
 (attempt 0) resumes only from `--load DIR`; a job-level restart inside the run (attempt > 0)
 from the run's own checkpoints first, its node's shared-memory snapshots (the memory tier,
 under `unbroken run`) and the steps this run committed in `--save DIR`, then from --load's.

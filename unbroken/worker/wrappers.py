@@ -61,7 +61,7 @@ def rebuild_ddp_buckets(ddp: DistributedDataParallel) -> bool:
     which is already on the rebuilt one: the weights drift. Forcing the rebuilt layout
     before the first step, in every process of every attempt, makes all of them use one
     layout. The cost: buckets in parameter order rather than backward order, so less
-    overlap of the all-reduce with backward (on GPUs; README says so).
+    overlap of the all-reduce with backward (on GPUs; docs/parallelism.md says so).
 
     A collective on DDP's process group (the bucket layout is broadcast from rank 0): every
     rank must track its DDP module at the same point, which ``job.track`` before the loop

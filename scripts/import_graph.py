@@ -2,7 +2,7 @@
 """Print the import cycles between unbroken's modules, the arrows that run up the layers,
 and the modules over the line limit. Exit 1 if there is any of them.
 
-    python scripts/import_graph.py [--root unbroken] [--max-lines 450] [--edges]
+    python scripts/import_graph.py [--root unbroken] [--max-lines 600] [--edges]
 
 Stdlib ``ast`` only: every ``import``/``from ... import`` in a module counts, at the top, in
 functions and under ``TYPE_CHECKING`` alike (a circle through type hints is still a circle
@@ -135,7 +135,7 @@ def long_modules(root: Path, max_lines: int) -> list[tuple[str, int]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent / "unbroken")
-    parser.add_argument("--max-lines", type=int, default=450)
+    parser.add_argument("--max-lines", type=int, default=600)  # a signal, not a gate: split along meaning
     parser.add_argument("--edges", action="store_true", help="also print every arrow")
     args = parser.parse_args(argv)
     graph = build_graph(args.root)

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from unbroken.controller import commits, loop_end, terminate
 from unbroken.controller.values import RankSet, replace
-import re
-
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
     JobPhase, Failure, ExitedAfterLoop, StartAttempt, StopAttempt, KillRank, Decide, Finish, CommitStep,
     AbortGeneration, RestartRanks, OrderRegroup, Recovered, DumpOrder, CommitDump, AnswerRestore, RestoreDecided,
@@ -43,6 +41,7 @@ from unbroken.errors import EXIT_FATAL
 from unbroken.recovery.mesh_map import MeshReplicaMap
 from unbroken.recovery.replica_map import ReplicaMap
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
+from unbroken.recovery import crash_loop
 from unbroken.recovery.ladder import GIVE_UP, choose_rung
 from unbroken.names import IN_FLIGHT_RUNGS, REPLACING_RUNGS, Rung
 
@@ -147,42 +146,13 @@ def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, lis
                       signal=event.signal, step=event.step, last_lines=event.last_lines, gen=state.gen)
     if kind == "fatal":
         return _fail_fatal(state, failure)
-    if state.policy.crash_loop_limit and _repeats(state.failures + (failure,)) >= state.policy.crash_loop_limit:
+    if state.policy.crash_loop_limit and crash_loop.repeats(state.failures + (failure,)) >= state.policy.crash_loop_limit:
         state = _replace(state, failures=state.failures + (failure,))
         last = " | ".join(line.strip() for line in failure.last_lines[-3:] if line.strip()) or "no output"
         return _fail(state, failure, f"crash loop: {failure.describe()}, the same failure "
                                      f"{state.policy.crash_loop_limit} times in a row ({last!r}); restarting "
                                      "cannot help (--crash-loop-limit)")
     return _recover(state, failure)
-
-
-def _repeats(failures: tuple[Failure, ...]) -> int:
-    """In how many episodes in a row (an attempt's generation: one fault and its recovery) the
-    newest failure was seen: the same kind, exit status, step and last output line, on any rank (a
-    deterministic error in the script fails every rank alike, whichever the ladder saw first), the
-    numbers in the line aside (a rank, a pid). Several ranks failing in one episode count once; an
-    episode that saw only a hang-kill neither counts nor breaks the run (a rank slow to exit after
-    the error, under load, is killed as hung while its peer's error went unseen)."""
-    def key(f: Failure) -> tuple:
-        line = re.sub(r"\d+", "#", f.last_lines[-1].strip()) if f.last_lines else ""
-        return f.kind, f.exit_code, f.signal, f.step, line
-
-    last = failures[-1]
-    if last.kind not in ("exit", "crash"):
-        return 0
-    seen: dict[tuple[int, int], bool | None] = {}  # episode -> seen in it (None: hangs only); newest first
-    for f in reversed(failures):
-        episode = (f.attempt, f.gen)
-        if f.kind == "hang":
-            seen.setdefault(episode, None)
-        else:
-            seen[episode] = bool(seen.get(episode)) or key(f) == key(last)
-    count = 0
-    for matched in seen.values():
-        if matched is False:
-            break
-        count += matched is True
-    return count
 
 
 def _fail_fatal(state: JobState, failure: Failure) -> tuple[JobState, list[Action]]:

@@ -103,6 +103,13 @@ def unbroken_flags(kind: str) -> list[str]:
     return {"before": [], "direct": ["--no-node-reports"] if on else [], "nodes": [] if on else ["--node-reports"]}[kind]
 
 
+def default_row() -> str:
+    """The row that runs `unbroken run` with its default settings."""
+    from unbroken.config import WorkerSettings
+
+    return "nodes" if WorkerSettings().node_reports else "direct"
+
+
 def run_one(kind: str, nproc: int, steps: int, timeout_s: float, ranks_per_node: int = 0,
             before_src: str = "") -> dict:
     from runlib import free_port, launch, unbroken_cmd

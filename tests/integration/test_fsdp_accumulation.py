@@ -58,11 +58,14 @@ def loader_reference(tmp_path_factory):
 
 
 def kill_between_micro_batches(tmp: Path, script_args: list[str], *, rank: int, step: int,
-                               timeout_s: float = 300) -> tuple[int, str, Path, Path]:
+                               anywhere: bool = False, timeout_s: float = 300) -> tuple[int, str, Path, Path]:
     """Run the script with a sleep after the first micro-batch; SIGKILL ``rank``'s worker (its pid from
     ``worker_started``) once rank 0 printed that it is in that sleep at ``step``; wait for the job.
-    Returns (exit code, output, weights path, run dir); the job's process group is killed if it overruns."""
-    cmd, out, run_dir = _cmd(tmp, "faulty", [*script_args, "--micro-sleep-s", "1.0"])
+    ``anywhere``: no sleep, the kill is sent once rank 0 printed the end of ``step`` (it lands wherever
+    the next step is). Returns (exit code, output, weights path, run dir); the job's process group is
+    killed if it overruns."""
+    cmd, out, run_dir = _cmd(tmp, "faulty", script_args if anywhere else [*script_args, "--micro-sleep-s", "1.0"])
+    marker = f"[rank 0] step {step}:" if anywhere else f"[rank 0] step {step} micro 0 done"
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                            start_new_session=True)
     lines: list[str] = []
@@ -72,7 +75,7 @@ def kill_between_micro_batches(tmp: Path, script_args: list[str], *, rank: int, 
             line = job.stdout.readline()
             assert line and time.monotonic() < deadline, f"the job never reached step {step}:\n{''.join(lines)}"
             lines.append(line)
-            if f"[rank 0] step {step} micro 0 done" in line:
+            if marker in line:
                 break
         pid = next(e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == rank)
         os.kill(pid, signal.SIGKILL)
@@ -108,6 +111,18 @@ def test_stateful_loader_with_epoch_rollovers_recovers_bit_exact(tmp_path, loade
     """Killed at step 6 (epoch 1): the replacement's iterator, made before its state arrived, and the
     survivors' (rolled back) iterators follow the loader's state; epochs 2 and 3 come after the fault."""
     _check_bit_exact(tmp_path, loader_reference, LOADER_DATA, rank=1, step=6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank", [1, 2])
+def test_stateful_loader_rank_killed_at_any_moment_ends_bit_exact(tmp_path, loader_reference, rank):
+    """The kill lands wherever the next step is (forward, backward, the clip's all-reduce, the update):
+    in flight, bit-exact, whichever step it is resumed at."""
+    returncode, output, out, run_dir = kill_between_micro_batches(tmp_path, LOADER_DATA, rank=rank, step=6,
+                                                                  anywhere=True)
+    check_in_flight(returncode, output, run_dir, {rank})
+    assert_same_weights(loader_reference, out)
 
 
 @pytest.mark.slow

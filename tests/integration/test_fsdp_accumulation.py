@@ -33,10 +33,10 @@ STEP_DATA = ["--data", "step", "--steps", "6"]
 LOADER_DATA = ["--data", "loader", "--steps", "12", "--per-rank-seed"]  # 8 batches per rank and epoch: 4 steps
 
 
-def _cmd(tmp: Path, name: str, script_args: list[str]) -> tuple[list[str], Path, Path]:
+def _cmd(tmp: Path, name: str, script_args: list[str], flags: list[str] = ()) -> tuple[list[str], Path, Path]:
     out, run_dir = tmp / f"{name}.safetensors", tmp / f"run-{name}"
     cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
-           str(SCRIPT), "--out", str(out), *script_args]
+           *flags, str(SCRIPT), "--out", str(out), *script_args]
     return cmd, out, run_dir
 
 
@@ -57,14 +57,17 @@ def loader_reference(tmp_path_factory):
     return _reference(tmp_path_factory.mktemp("accum-loader"), LOADER_DATA)
 
 
-def kill_between_micro_batches(tmp: Path, script_args: list[str], *, rank: int, step: int,
-                               anywhere: bool = False, timeout_s: float = 300) -> tuple[int, str, Path, Path]:
+def kill_between_micro_batches(tmp: Path, script_args: list[str], *, rank: int | tuple[int, ...], step: int,
+                               anywhere: bool = False, flags: list[str] = (),
+                               timeout_s: float = 300) -> tuple[int, str, Path, Path]:
     """Run the script with a sleep after the first micro-batch; SIGKILL ``rank``'s worker (its pid from
-    ``worker_started``) once rank 0 printed that it is in that sleep at ``step``; wait for the job.
+    ``worker_started``; a tuple: each of them) once rank 0 printed that it is in that sleep at ``step``;
+    wait for the job (``flags``: the launcher's).
     ``anywhere``: no sleep, the kill is sent once rank 0 printed the end of ``step`` (it lands wherever
     the next step is). Returns (exit code, output, weights path, run dir); the job's process group is
     killed if it overruns."""
-    cmd, out, run_dir = _cmd(tmp, "faulty", script_args if anywhere else [*script_args, "--micro-sleep-s", "1.0"])
+    cmd, out, run_dir = _cmd(tmp, "faulty", script_args if anywhere else [*script_args, "--micro-sleep-s", "1.0"],
+                             flags)
     marker = f"[rank 0] step {step}:" if anywhere else f"[rank 0] step {step} micro 0 done"
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                            start_new_session=True)
@@ -77,8 +80,8 @@ def kill_between_micro_batches(tmp: Path, script_args: list[str], *, rank: int, 
             lines.append(line)
             if marker in line:
                 break
-        pid = next(e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == rank)
-        os.kill(pid, signal.SIGKILL)
+        for r in (rank,) if isinstance(rank, int) else rank:
+            os.kill(next(e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == r), signal.SIGKILL)
         rest, _ = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if job.poll() is None:
@@ -122,6 +125,20 @@ def test_stateful_loader_rank_killed_at_any_moment_ends_bit_exact(tmp_path, load
     returncode, output, out, run_dir = kill_between_micro_batches(tmp_path, LOADER_DATA, rank=rank, step=6,
                                                                   anywhere=True)
     check_in_flight(returncode, output, run_dir, {rank})
+    assert_same_weights(loader_reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stateful_loader_restarted_from_the_memory_tier_ends_bit_exact(tmp_path, loader_reference):
+    """Ranks 0 and 2 (both holders of one shard) killed at step 7: no in-flight rung, the job restarts
+    from the memory tier (step 5); every rank's iterator, made before job.steps() restored the state,
+    and its sampler's epoch follow the checkpoint."""
+    returncode, output, out, run_dir = kill_between_micro_batches(
+        tmp_path, LOADER_DATA, rank=(0, 2), step=7, flags=["--save", str(tmp_path / "ckpt"), "--ckpt-every-steps", "5"])
+    assert returncode == 0, output[-4000:]
+    assert events(run_dir, "decision")[-1]["rung"] == "exit"
+    assert {e["step"] for e in events(run_dir, "restored")} == {5}
     assert_same_weights(loader_reference, out)
 
 

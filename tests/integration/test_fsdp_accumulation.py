@@ -9,7 +9,9 @@ equal the fault-free run's bit for bit:
 * step-pure batches, rank 1 killed (the default run), rank 0 killed;
 * a torchdata ``StatefulDataLoader`` over ``DistributedSampler(shuffle=True)`` tracked with
   ``job.track(loader=loader)``, its iterator made before the loop, epochs rolling over before and
-  after the fault (``sampler.set_epoch(sampler.epoch + 1)``);
+  after the fault (``sampler.set_epoch(sampler.epoch + 1)``): killed between micro-batches, killed
+  at whatever moment the next step is in (ranks 1 and 2), and both holders of a shard killed (a job
+  restart from the memory tier, the iterators made before ``job.steps()`` restored the state);
 * the same loop with the epoch from a script variable (not state): refused at the replacement's
   first rollover with a message naming what to write, never a silent difference.
 """

@@ -100,6 +100,44 @@ def test_reset_after_a_cut_forward_leaves_the_module_sharded_and_trainable(world
     _train(model, opt, 1)  # the next step runs normally
 
 
+def _accumulated_step(model, opt, step: int, cut: bool = False) -> None:
+    """Two micro-batches, the gradient reduced on the second only; ``cut``: the step is cut in the
+    second micro-batch's forward (a lost peer's all-gather), after the first one's backward."""
+    for micro in range(2):
+        model.set_requires_gradient_sync(micro == 1)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step * 10 + micro))
+        if cut and micro == 1:
+            def fail(*_):
+                raise RuntimeError("cut mid-forward")
+            handle = model[2].register_forward_pre_hook(fail)
+            try:
+                with pytest.raises(RuntimeError, match="cut"):
+                    model(x)
+            finally:
+                handle.remove()
+            return
+        model(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_a_step_cut_between_micro_batches_leaves_no_accumulated_gradient_for_the_redo(world_of_one):
+    """set_requires_gradient_sync(False) keeps the first micro-batch's gradient on the unsharded
+    parameters, where neither reset_iter_state() nor zero_grad() reaches; a dropped step must not leave it."""
+    want, want_opt = _sharded(0)
+    for step in range(3):
+        _accumulated_step(want, want_opt, step)
+    model, opt = _sharded(0)
+    _accumulated_step(model, opt, 0)
+    _accumulated_step(model, opt, 1, cut=True)  # dropped: what a survivor does next
+    model.zero_grad(set_to_none=True)  # as the session drops a cut step's gradients
+    assert fsdp.reset_after_abort(model) == 1
+    for step in (1, 2):  # the redo, then one more
+        _accumulated_step(model, opt, step)
+    for (name, a), b in zip(want.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a.to_local(), b.to_local()), name
+
+
 def test_replica_classes_of_hsdp_match_the_replica_map_blocks_and_a_transposed_mesh_does_not():
     hsdp = [(("c", 0),), (("c", 1),), (("c", 0),), (("c", 1),)]  # mesh (2, 2): rank r holds shard r % 2
     assert dtensor_state.num_replicas(hsdp) == 2

@@ -7,10 +7,18 @@ unsharded, all-gather results and reduce-scatter states pending, and the root's 
 trackers set. :func:`reset_after_abort` puts the module back to its sharded, idle state with
 torch's own ``FSDPModule.reset_iter_state()`` (torch 2.13: the documented recovery after an
 exception in forward or backward), after dropping the cut all-gathers whose works failed (the
-reset would wait on them, and their wait re-raises the collective's error).
+reset would wait on them, and their wait re-raises the collective's error), and then drops the
+gradients the cut step accumulated without reducing them. Why: with gradient accumulation
+(``set_requires_gradient_sync(False)`` on all but the last micro-batch) FSDP2 keeps each
+micro-batch's gradient on the *unsharded* parameter (``_unsharded_param.grad``, or
+``unsharded_accumulated_grad`` with a reduce dtype) until the last micro-batch's backward
+reduce-scatters it; ``reset_iter_state()`` leaves them there, and ``zero_grad()`` reaches only the
+sharded parameters, so the redone step's first micro-batch would add to the dropped step's sum
+(issue 32, case 4: silently different weights).
 
 Private torch APIs used (torch 2.13): ``FSDPModule._get_fsdp_state()``, the state's
 ``_state_ctx.all_states`` and ``_fsdp_param_groups``, a param group's ``_all_gather_result``
+and ``fsdp_params``, an FSDPParam's ``_unsharded_param`` and ``unsharded_accumulated_grad``,
 and the root's ``_comm_ctx.all_gather_state``.
 
 Runs in the training thread of one rank.
@@ -51,7 +59,19 @@ def reset_after_abort(module: torch.nn.Module) -> int:
             continue  # never ran a forward: nothing is cut
         _drop_cut_all_gathers(state)
         root.reset_iter_state()
+        _drop_accumulated_grads(state)
     return len(roots)
+
+
+def _drop_accumulated_grads(root_state: Any) -> None:
+    """Forget the unreduced gradients micro-batches of the cut step accumulated (see the module docstring)."""
+    for state in root_state._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)  # made at the first forward
+                if unsharded is not None:
+                    unsharded.grad = None
 
 
 def _drop_cut_all_gathers(root_state: Any) -> None:

@@ -12,7 +12,9 @@ RecoverableState objects and tensors are **replicated** (equal on every data-par
 a replacement gets them from a live replica). Every other object (samplers, loaders, user
 objects) and the RNG streams are **per rank** (the safe default: a replacement gets *its
 own* copy, kept by the controller). ``job.track(..., per_rank=[...], replicated=[...])``
-overrides the default for plain objects by name.
+overrides the default for plain objects by name. A torchdata ``StatefulDataLoader``'s state also
+holds its sampler's epoch, and loading it repositions the iterator the script holds
+(:mod:`unbroken.worker.loaders`).
 
 What rolls back when a step is dropped: every object the commit rule does not cover (all
 but modules, torch optimizers and RecoverableState objects), and the RNG streams.
@@ -35,7 +37,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from unbroken.errors import CheckpointError, ConfigError
 from unbroken.parallel import dtensor_state
-from unbroken.worker import rng
+from unbroken.worker import loaders, rng
 from unbroken.worker.api import RecoverableState, SessionHooks
 
 
@@ -63,8 +65,10 @@ class TrackedState:
         """Track ``obj`` as ``name``; a recoverable object gets the session's hooks."""
         if not isinstance(obj, torch.Tensor) and not (
                 hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            hint = (" (a DistributedSampler: track the torchdata StatefulDataLoader built on it instead; the "
+                    "sampler's epoch is tracked with the loader)") if hasattr(obj, "set_epoch") else ""
             raise ConfigError(f"job.track({name}=...): a {type(obj).__name__} has no state_dict/"
-                              "load_state_dict; track modules, optimizers, schedulers, samplers or tensors")
+                              f"load_state_dict{hint}; track modules, optimizers, schedulers, samplers or tensors")
         if self.frozen:
             raise ConfigError(f"job.track({name}=...) after job.steps() started: track all state first")
         self.objects[name] = obj
@@ -73,6 +77,8 @@ class TrackedState:
             self.per_rank.add(name)
         if isinstance(obj, RecoverableState):
             obj.attach(hooks)
+        if loaders.is_loader(obj):
+            loaders.watch(obj)  # its sampler's epoch is state: see unbroken.worker.loaders
 
     def classify(self, per_rank: Iterable[str], replicated: Iterable[str]) -> None:
         """Override the default class of tracked plain objects by name (ConfigError if a name is
@@ -222,6 +228,8 @@ class TrackedState:
         """``obj``'s state; for a sharded object (FSDP2's DTensors) this rank's local shards only."""
         if isinstance(obj, torch.Tensor):
             return obj
+        if loaders.is_loader(obj):
+            return loaders.state_of(obj)
         state = obj.state_dict()
         return dtensor_state.local_tree(state) if dtensor_state.has_dtensors(obj) else state
 
@@ -253,6 +261,8 @@ class TrackedState:
             dtensor_state.load_module(obj, state)  # local shards into the module's own, in place
         elif isinstance(obj, torch.optim.Optimizer) and dtensor_state.has_dtensors(obj):
             dtensor_state.load_optimizer(obj, state)
+        elif loaders.is_loader(obj):
+            loaders.load(obj, state)  # the script's live iterator follows, and the sampler's epoch
         else:
             obj.load_state_dict(state)
 
@@ -289,7 +299,9 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
 
 def _plain_state(obj: Any) -> Any:
     """The state of an object that holds no DTensors (see TrackedState.state_of)."""
-    return obj if isinstance(obj, torch.Tensor) else obj.state_dict()
+    if isinstance(obj, torch.Tensor):
+        return obj
+    return loaders.state_of(obj) if loaders.is_loader(obj) else obj.state_dict()
 
 
 def _committed_state(obj: Any) -> bool:

@@ -16,12 +16,13 @@ once per tracked object:
 Which wrappers recover in flight (:func:`in_flight_blocker`): an FSDP2 module whose mesh was built
 on the default group (its groups are then SurvivingGroups) with a replicate dimension first (HSDP;
 without one, a lost rank's shards have no replica and the job restarts from a checkpoint), and
-a DDP built on the default group of a
-worker under `unbroken run` on CPU (stock ``DistributedDataParallel(model)``), which is a
-:class:`~unbroken.parallel.group.SurvivingGroup`. A DDP on any other group (one the script built
-itself: ``dist.new_group``, a default group it initialised before ``unbroken.init()``,
-``job.process_group``, NCCL on a GPU) cannot be moved to a new generation: such a job gets a
-bit-exact job restart instead, and the controller's decision names the reason.
+a DDP built on a :class:`~unbroken.parallel.group.SurvivingGroup` of a worker under `unbroken run`
+on CPU: the default group (stock ``DistributedDataParallel(model)``, or
+``process_group=job.process_group``, the same group) or a sub-group made after ``unbroken.init()``
+(``dist.new_group()``). A DDP on any other group (a gloo group the script built with an explicit
+``backend=``, a default group it initialised before ``unbroken.init()``, NCCL on a GPU) cannot be
+moved to a new generation: such a job gets a bit-exact job restart instead, and the controller's
+decision names the reason.
 """
 
 from __future__ import annotations

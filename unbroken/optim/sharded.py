@@ -50,6 +50,7 @@ from unbroken.optim import repair, statedict
 from unbroken.comm.wait import AbortCheck, wait_all
 from unbroken.worker.api import PhaseCallback, RecoverableState, SessionHooks
 from unbroken.optim.layout import FlatLayout
+from unbroken.parallel.group import SurvivingGroup
 from unbroken.optim.params import (as_list, check_identical_rows, check_param_set, checksum, collect_groups,
                                    pack_grad, param_names)
 from unbroken.recovery.replica_map import ReplicaMap
@@ -101,6 +102,12 @@ class ShardedOptimizer(torch.optim.Optimizer, RecoverableState):
     def _build_group(self, process_group: dist.ProcessGroup | None, num_replicas: int) -> None:
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
+        if isinstance(process_group, SurvivingGroup) and process_group is dist.group.WORLD \
+                and process_group.backend is not None:
+            # The job's default group under `unbroken run` (job.process_group): the optimizer runs on
+            # its current generation's gloo group, as unbroken's own collectives do, and recover()
+            # moves it to each new one. A sub-group (a mesh's dp) is kept: it moves by itself.
+            process_group = process_group.backend
         self.process_group = process_group  # None: one process, no collectives
         self.rank = process_group.rank() if process_group is not None else 0
         self.world_size = process_group.size() if process_group is not None else 1

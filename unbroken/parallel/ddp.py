@@ -21,6 +21,15 @@ bit-exact too). After a regroup every rank calls :func:`realign_buckets`: the re
 (survivors may be mid-backward) followed by the same forced layout, at the same point of the
 transfer on every rank; nobody rebuilds later, and no layout needs to travel.
 
+Which DDPs: every DDP built on a SurvivingGroup, tracked or not. Its constructor's first collective
+(the all-gather of ``_verify_params_across_processes``) reaches the group's ``allgather``, which asks
+:func:`constructing_ddp` for the DDP on the stack and records it with the fabric (:class:`DdpRegistry`),
+in construction order (the same on every rank). A script that tracks the module inside its DDP
+(``job.track(model=net)`` after ``ddp = DDP(net)``) then gets the same treatment as one that tracks
+the DDP: left alone, the replacement's fresh DDP would rebuild its buckets at its second iteration (a
+broadcast of rank 0's bucket indices) while the survivors, rebuilt long ago, broadcast BatchNorm
+buffers: a gloo "collective mismatch" abort at every step after the first, and wrong sums before it.
+
 Private torch APIs used (torch 2.13): ``Reducer._reset_state``, ``DDP._has_rebuilt_buckets``,
 ``DDP._get_ddp_logging_data()['rebuilt_per_bucket_param_indices']``, the ``dist.Reducer``
 constructor as DDP's ``_ddp_init_helper`` calls it, ``DDP._comm_hooks``,
@@ -31,10 +40,44 @@ Runs in the training thread of one rank.
 
 from __future__ import annotations
 
+import weakref
+from types import FrameType
+
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 Layout = list[list[int]]
+
+_DDP_INIT = DistributedDataParallel.__init__.__code__
+_STACK_DEPTH = 16  # DDP.__init__ -> _verify_param_shape_across_processes -> (C++) -> allgather: a few frames
+
+
+def constructing_ddp(frame: FrameType | None) -> DistributedDataParallel | None:
+    """The DDP whose ``__init__`` is running at ``frame`` or within a few frames above it, if any."""
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return None
+        if frame.f_code is _DDP_INIT:
+            obj = frame.f_locals.get("self")
+            return obj if isinstance(obj, DistributedDataParallel) else None
+        frame = frame.f_back
+    return None
+
+
+class DdpRegistry:
+    """The DDP modules built on one fabric's groups, in construction order; weakly held (a DDP the
+    script drops is forgotten). Used in the training thread of one rank."""
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref] = []
+
+    def note(self, ddp: DistributedDataParallel) -> None:
+        if all(ref() is not ddp for ref in self._refs):
+            self._refs.append(weakref.ref(ddp))
+
+    def live(self) -> list[DistributedDataParallel]:
+        self._refs = [ref for ref in self._refs if ref() is not None]
+        return [ddp for ref in self._refs if (ddp := ref()) is not None]
 
 
 def reset_after_abort(ddp: DistributedDataParallel) -> None:

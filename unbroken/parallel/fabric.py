@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from unbroken.comm.groups import gloo_group
 from unbroken.errors import ConfigError
+from unbroken.parallel.ddp import DdpRegistry
 from unbroken.parallel.group import AbortSignal, SurvivingGroup
 
 WORLD_PREFIX = "unbroken-world/"
@@ -66,6 +67,7 @@ class Fabric:
         self.signal = AbortSignal()
         self.graveyard: list[Any] = [] if graveyard is None else graveyard  # the owner's list, if given
         self.groups: list[SurvivingGroup] = []
+        self.ddps = DdpRegistry()  # every DDP built on one of the groups, in construction order
         self.before_reduce: Callable[[], None] | None = None  # called before each reduction is issued
         self._gen = -1
         self._prepared: tuple[int, list[Any]] | None = None  # (generation, backends built ahead: prepare())
@@ -90,7 +92,7 @@ class Fabric:
         """torch's plugin hook: a new group of ``opts.group_size`` ranks (``new_group``, a mesh dim)."""
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         group = SurvivingGroup(opts.group_rank, opts.group_size, ranks, f"g{opts.group_id}",
-                               self.signal, self.graveyard, before_reduce=self._reducing)
+                               self.signal, self.graveyard, before_reduce=self._reducing, ddps=self.ddps)
         group.held = self._held
         self.groups.append(group)
         if self._gen >= 0:  # created after the job joined a generation: every member builds it now

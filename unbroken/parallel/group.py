@@ -30,10 +30,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import sys
+
 import torch
 import torch.distributed as dist
 
 from unbroken.errors import UnbrokenError
+from unbroken.parallel.ddp import DdpRegistry, constructing_ddp
 from unbroken.parallel.work import AbortableWork, AbortSignal, DetachedCollective, ThreadWaitedWork, lost_peer_error
 
 #: In the text of a gloo error raised by its transport (a pair to a peer broke), not by a check.
@@ -63,8 +66,9 @@ class SurvivingGroup(dist.ProcessGroup):
 
     def __init__(self, rank: int, size: int, global_ranks: list[int], key: str,
                  signal: AbortSignal, graveyard: list[Any],
-                 before_reduce: Callable[[], None] | None = None) -> None:
+                 before_reduce: Callable[[], None] | None = None, ddps: DdpRegistry | None = None) -> None:
         super().__init__(rank, size)
+        self._ddps = ddps  # the fabric's record of the DDPs built on its groups (parallel/ddp.py)
         self.global_ranks = list(global_ranks)
         self.key = key  # names its store prefix in each generation: gen<g>/<key>/
         self._signal, self._graveyard = signal, graveyard
@@ -182,6 +186,8 @@ class SurvivingGroup(dist.ProcessGroup):
         return self._issue("barrier", args, lambda: [])
 
     def allgather(self, outputs, inputs, *rest):
+        if self._ddps is not None and (ddp := constructing_ddp(sys._getframe(1))) is not None:
+            self._ddps.note(ddp)  # a DDP's constructor verifies its parameters with this all-gather
         def local():
             for slots, tensor in zip(outputs, inputs):
                 for slot in slots:

@@ -417,8 +417,10 @@ class InFlight:
 
     def _realign_wrappers(self) -> None:
         """Every rank, last in the transfer: each surviving DDP's reducer reset and its buckets laid out
-        as at track (parameter order), so every rank's buckets match the fault-free run's."""
-        for ddp in wrappers.surviving_ddps(self._tracked.objects.values()):
+        as at track (parameter order), so every rank's buckets match the fault-free run's. Every DDP
+        built on a surviving group, tracked or not (a fresh one would rebuild later than its peers)."""
+        built = self._fabric.ddps.live() if self._fabric is not None else ()  # tracked or not
+        for ddp in wrappers.surviving_ddps(self._tracked.objects.values(), built):
             ddp_generations.realign_buckets(ddp)
         for hook in self.after_transfer:  # e.g. the mesh's pipeline schedules warm up again at the redo
             hook()

@@ -145,6 +145,8 @@ class Job:
         if total < 0:
             raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
         boundary, self._raised_in_step = self._boundary, False  # (a loop begun again after a caught crash)
+        if self._fabric is not None:  # DDPs on the default group the script did not track itself
+            wrappers.prepare_untracked_ddps(self._fabric.ddps.live(), self._tracked, self.rank)
         boundary.step = self._inflight.join() if self._inflight.needs_state else self._restore()
         self._restored = self._tracked.frozen = True
         self._ckpt.check_capacity(boundary.step)
@@ -236,8 +238,12 @@ class Job:
     # -- collectives that can be abandoned ----------------------------------------------
     @property
     def process_group(self) -> dist.ProcessGroup | None:
-        """The group of the current generation, for unbroken's collectives (DDP: use the default group)."""
-        return self._inflight.group
+        """The job's process group, for a wrapper or a collective of the script (``DDP(model,
+        process_group=job.process_group)``, ``ShardedOptimizer``, ``dist.all_reduce(..., group=...)``).
+
+        Under `unbroken run` on CPU: the default group, a SurvivingGroup that moves to each new generation
+        (a DDP built on it recovers in flight as ``DDP(model)`` does); elsewhere the default group."""
+        return self._fabric.world if self._fabric is not None else self._inflight.group
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """``dist.all_reduce`` on the current generation, abandoned promptly on an abort order."""

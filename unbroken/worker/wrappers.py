@@ -10,16 +10,19 @@ once per tracked object:
 * a **DistributedDataParallel** module gets its gradient buckets laid out now, in parameter
   order, as every later iteration uses them (see :func:`rebuild_ddp_buckets`), so that a job
   restarted from a checkpoint sums every gradient element exactly as the fault-free run did.
+  A DDP on a SurvivingGroup that is not tracked itself (the script tracks the module inside it)
+  gets the same layout before the first step (:func:`prepare_untracked_ddps`).
 
 Which wrappers recover in flight (:func:`in_flight_blocker`): an FSDP2 module whose mesh was built
 on the default group (its groups are then SurvivingGroups) with a replicate dimension first (HSDP;
 without one, a lost rank's shards have no replica and the job restarts from a checkpoint), and
-a DDP built on the default group of a
-worker under `unbroken run` on CPU (stock ``DistributedDataParallel(model)``), which is a
-:class:`~unbroken.parallel.group.SurvivingGroup`. A DDP on any other group (one the script built
-itself: ``dist.new_group``, a default group it initialised before ``unbroken.init()``,
-``job.process_group``, NCCL on a GPU) cannot be moved to a new generation: such a job gets a
-bit-exact job restart instead, and the controller's decision names the reason.
+a DDP built on a :class:`~unbroken.parallel.group.SurvivingGroup` of a worker under `unbroken run`
+on CPU: the default group (stock ``DistributedDataParallel(model)``, or
+``process_group=job.process_group``, the same group) or a sub-group made after ``unbroken.init()``
+(``dist.new_group()``). A DDP on any other group (a gloo group the script built with an explicit
+``backend=``, a default group it initialised before ``unbroken.init()``, NCCL on a GPU) cannot be
+moved to a new generation: such a job gets a bit-exact job restart instead, and the controller's
+decision names the reason.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from unbroken.errors import ConfigError
 from unbroken.parallel import dtensor_state
 from unbroken.parallel import fsdp as fsdp_generations
 from unbroken.parallel.group import SurvivingGroup
@@ -84,9 +88,34 @@ def rebuild_ddp_buckets(ddp: DistributedDataParallel) -> bool:
     return rebuilt
 
 
-def surviving_ddps(objects: Iterable[Any]) -> list[DistributedDataParallel]:
-    """The tracked DDP modules built on a SurvivingGroup (they recover in flight)."""
-    return [o for o in objects if isinstance(o, DistributedDataParallel) and isinstance(o.process_group, SurvivingGroup)]
+def surviving_ddps(objects: Iterable[Any], built: Iterable[DistributedDataParallel] = ()
+                   ) -> list[DistributedDataParallel]:
+    """The DDP modules that recover in flight: ``built`` (the fabric's record of every DDP built on a
+    SurvivingGroup, tracked or not, in construction order), then any tracked one on a SurvivingGroup
+    not in it."""
+    out = list(built)
+    out += [o for o in objects if isinstance(o, DistributedDataParallel) and isinstance(o.process_group, SurvivingGroup)
+            and all(o is not d for d in out)]
+    return out
+
+
+def prepare_untracked_ddps(ddps: Iterable[DistributedDataParallel], tracked: TrackedState, rank: int) -> None:
+    """Before the first step: each DDP built on a SurvivingGroup gets the bucket layout of a tracked DDP
+    (:func:`rebuild_ddp_buckets`; nothing for one already laid out at ``job.track``), so a script that
+    tracks the module inside its DDP (``job.track(model=net)``) recovers as one that tracks the DDP.
+    A collective on each DDP's group, in construction order: every rank calls it at the same point.
+
+    Raises ConfigError for a DDP whose parameters are not all held by tracked modules: a replaced rank
+    would not receive them, and its weights would silently differ from the survivors'."""
+    held = {id(p) for obj in tracked.objects.values() if isinstance(obj, torch.nn.Module) for p in obj.parameters()}
+    for ddp in ddps:
+        missing = sum(1 for p in ddp.parameters() if id(p) not in held)
+        if missing:
+            raise ConfigError(
+                f"rank {rank}: a DistributedDataParallel({type(ddp.module).__name__}) has {missing} parameters "
+                "that no tracked module holds, so a replaced rank would not get them: pass the DDP module (or the "
+                "module inside it) to job.track(model=...) before job.steps()")
+        rebuild_ddp_buckets(ddp)
 
 
 def in_flight_blocker(tracked: TrackedState, world_size: int) -> str:

@@ -9,7 +9,8 @@ import pytest
 from tests.controller.test_machine import commit, kinds, run, start
 from tests.controller.test_server_pieces import FakeHub
 from unbroken.controller import machine as sm
-from unbroken.controller.hangs import RankProgress, hung_after_loop
+from unbroken.controller import hangs
+from unbroken.controller.hangs import RankProgress
 from unbroken.names import Phase, WorkerState
 
 pytestmark = pytest.mark.timeout(10)
@@ -35,6 +36,7 @@ def test_a_hang_after_the_loop_while_others_still_train_waits_for_them():
     state, actions = run(start(world=2), sm.LoopFinished(1, 0), sm.WorkerHung(1, 0, 10, 6.0),
                          sm.RankExited(1, 0, None, 9, step=10))
     assert kinds(actions) == ["KillRank", "ExitedAfterLoop"] and state.phase is sm.JobPhase.RUNNING
+    assert actions[1] == sm.ExitedAfterLoop(1, None, 9, 10, hung=True)  # warned as a hang, not a crash
     state, actions = run(state, sm.LoopFinished(0, 0), sm.RankExited(0, 0, 0, None, step=10))
     assert state.phase is sm.JobPhase.SUCCEEDED and actions == [sm.Finish(0, actions[0].reason)]
 
@@ -62,10 +64,10 @@ def test_the_next_attempt_forgets_the_ranks_hung_after_their_loop():
 
 
 def test_only_a_stopped_or_zombie_process_past_its_timeout_is_hung_after_its_loop():
-    assert hung_after_loop([RankProgress(0, "finished", 100.0, 5.0)]) is None  # running: a long final save
-    assert hung_after_loop([RankProgress(0, "finished", 4.0, 5.0, process="stopped")]) is None
+    assert hangs.hung_after_loop([RankProgress(0, "finished", 100.0, 5.0)]) is None  # running: a long final save
+    assert hangs.hung_after_loop([RankProgress(0, "finished", 4.0, 5.0, process="stopped")]) is None
     late = [RankProgress(0, "finished", 6.0, 5.0, process="stopped"), RankProgress(1, "finished", 9.0, 5.0, "zombie")]
-    assert hung_after_loop(late).rank == 1
+    assert hangs.hung_after_loop(late).rank == 1
 
 
 def _finishing(hub: FakeHub, rank: int, process: str, process_t: float) -> None:

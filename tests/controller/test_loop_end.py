@@ -28,7 +28,8 @@ def test_a_rank_hung_after_its_loop_is_killed_once_and_the_job_succeeds_saying_s
     state, actions = run(state, sm.RankExited(3, 0, None, 9, step=10))
     assert actions[0] == sm.ExitedAfterLoop(3, None, 9, 10, hung=True)
     assert state.phase is sm.JobPhase.SUCCEEDED and actions[-1].exit_code == 0
-    assert "rank 3 hung after its step loop" in actions[-1].reason and "killed at the hang timeout" in actions[-1].reason
+    reason = actions[-1].reason
+    assert "rank 3 hung after its step loop" in reason and "killed at the hang timeout" in reason
     assert not [a for a in actions if isinstance(a, (sm.Decide, sm.StopAttempt, sm.RestartRanks))]
 
 

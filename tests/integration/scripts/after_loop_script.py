@@ -38,7 +38,6 @@ p.add_argument("--out", default="")
 p.add_argument("--wait-at", choices=POINTS, default=None)
 p.add_argument("--wait-rank", type=int, default=1)
 p.add_argument("--wait-s", type=float, default=60.0)
-p.add_argument("--step-sleep-s", type=float, default=0.0)
 args = p.parse_args()
 
 job = unbroken.init()
@@ -75,7 +74,6 @@ for step in job.steps(args.steps):
         opt.zero_grad()
     if step == args.steps - 1:
         wait_here("last-step-done")
-    time.sleep(args.step_sleep_s)
     if job.rank == 0:
         print(f"step {step} done", flush=True)
 

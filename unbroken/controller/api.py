@@ -102,6 +102,7 @@ class ExitedAfterLoop:
     exit_code: int | None
     signal: int | None
     step: int | None
+    hung: bool = False  # it hung after its loop and the controller killed it (loop_end.on_hung_after_loop)
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,7 @@ class JobState:
     finished_ranks: RankSet = RankSet()  # exited after their loop (cleanly, or as loop_finished)
     loop_finished: RankSet = RankSet()  # reported leaving their step loop, this attempt
     exited_after_loop: RankSet = RankSet()  # of those, exited abnormally afterwards (a warning)
+    hung_after_loop: RankSet = RankSet()  # of those, killed for a hang after their loop (loop_end.py)
     hung_ranks: frozenset[int] = frozenset()
     first_failure: Failure | None = None
     failures: tuple[Failure, ...] = field(default_factory=tuple)

@@ -201,7 +201,7 @@ def _worker_started(self: Connections, agent: int, msg: m.WorkerStarted) -> None
     now = time.monotonic()
     w.pid, w.attempt, w.started_t, w.last_progress_t = msg.pid, msg.attempt, now, now
     w.step, w.phase, w.state, w.steps_in_generation = None, Phase.STARTING, WorkerState.STARTING, 0
-    w.process = "running"
+    w.process, w.process_t = "running", now
     w.in_step_loop = w.relayed = False
     w.compute_s.clear()
     self._ctl.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
@@ -226,7 +226,7 @@ def _worker_status(self: Connections, agent: int, msg: m.WorkerStatus) -> None:
     evidence for the hang monitor (hangs.py). A report of another process of the rank is stale."""
     w = self._ctl.workers.get(msg.rank)
     if w is not None and w.pid == msg.pid and w.attempt == msg.attempt:
-        w.process = msg.status
+        w.process, w.process_t = msg.status, time.monotonic()
         self._ctl.events.emit("worker_status", rank=msg.rank, pid=msg.pid, status=msg.status)
 
 

@@ -86,9 +86,12 @@ class Executor:
 
     def _exited_after_loop(self, action: sm.ExitedAfterLoop) -> None:
         how = f"signal {action.signal}" if action.signal else f"exit code {action.exit_code}"
+        what = (f"rank {action.rank} hung after its step loop and was killed ({how}) at the hang timeout: see its "
+                "'hang_detected' event" if action.hung else
+                f"rank {action.rank} exited abnormally ({how}) after it finished its step loop")
         self._ctl.events.emit("exited_after_loop", rank=action.rank, exit_code=action.exit_code, signal=action.signal,
-                              step=action.step, warning=f"rank {action.rank} exited abnormally ({how}) after it "
-                              "finished its step loop: counted as finished, nothing recovered")
+                              step=action.step, hung=action.hung,
+                              warning=f"{what}: counted as finished, nothing recovered")
 
     def _restart_ranks(self, action: sm.RestartRanks) -> None:
         ctl = self._ctl

@@ -12,6 +12,10 @@ something hangs; *who* is decided among all live ranks, by evidence, strongest f
 During a recovery every survivor must answer the abort order (pause) within its hang
 timeout; one that does not is hung itself (:func:`silent_in_recovery`), and is handled
 like any hang, not left to the recovery deadline.
+
+After its step loop a rank reports no progress any more (a final save may take long), so
+only the agent's evidence counts there: a process stopped (or a zombie) for longer than its
+hang timeout is hung after its loop (:func:`hung_after_loop`; controller/loop_end.py).
 """
 
 from __future__ import annotations
@@ -59,3 +63,11 @@ def silent_in_recovery(ranks: Sequence[RankProgress], answered: Iterable[int]) -
     done = set(answered)
     late = [r for r in ranks if r.rank not in done and r.silent_s > r.timeout_s]
     return min(late, key=lambda r: (r.process not in NOT_RUNNING, -r.silent_s, r.rank)) if late else None
+
+
+def hung_after_loop(ranks: Sequence[RankProgress]) -> RankProgress | None:
+    """A rank past its step loop whose process has been stopped or a zombie (``silent_s``: since
+    its agent saw it so) for longer than its hang timeout, the longest first; ``None`` if none is.
+    A running process past its loop is never blamed: nothing tells a long final save from a hang."""
+    late = [r for r in ranks if r.process in NOT_RUNNING and r.silent_s > r.timeout_s]
+    return min(late, key=lambda r: (-r.silent_s, r.rank)) if late else None

@@ -67,6 +67,8 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if isinstance(event, AgentJoined):
         return _on_agent_joined(state, event)
     if isinstance(event, WorkerHung):
+        if loop_end.covers_hang(state, event):  # past its loop: killed, counted as finished (loop_end.py)
+            return loop_end.on_hung_after_loop(state, event)
         return _on_worker_hung(state, event)
     if isinstance(event, RankExited):
         return _on_worker_exited(state, event)
@@ -175,6 +177,8 @@ def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str
     if state.not_in_flight:
         rank, why = min(state.not_in_flight)
         return False, f"rank {rank} cannot be recovered in flight: {why}"
+    if left := loop_end.left_the_loop(state, dead):  # the others are done: nobody to redo a step with
+        return False, left
     alive = frozenset(state.ranks - dead)  # (a plain set for the replica maps)
     if not alive:
         return False, "no rank survived"
@@ -298,7 +302,7 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
     attempt = state.attempt + 1
     state = _replace(state, phase=JobPhase.RUNNING, attempt=attempt, restarts_used=state.restarts_used + 1,
                      stopped_agents=frozenset(), finished_ranks=RankSet(), loop_finished=RankSet(),
-                     exited_after_loop=RankSet(), hung_ranks=frozenset(),
+                     exited_after_loop=RankSet(), hung_after_loop=RankSet(), hung_ranks=frozenset(),
                      gen=0, committed_step=-1, sync_step=-1, synced=RankSet(), ready=RankSet(),
                      not_in_flight=(), mesh=(), mesh_replicate="", recovery=None, unconfirmed=None)
     return state, [StartAttempt(attempt)]

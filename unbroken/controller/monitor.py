@@ -17,7 +17,7 @@ from unbroken.config import HangConfig
 from unbroken.controller import hangs, health
 from unbroken.controller.api import Recovery
 from unbroken.controller.views import WorkerView
-from unbroken.names import LIVE_WORKER_STATES, Phase
+from unbroken.names import LIVE_WORKER_STATES, Phase, WorkerState
 
 MONITOR_INTERVAL_S = 0.1
 
@@ -38,9 +38,15 @@ class Monitor:
         """``--first-step-timeout-s`` for a rank's first step of its attempt and the first step after an
         in-flight recovery (every rank of the new generation: its peers wait in the redo step's first
         collective for the replacement's first step and its new connections); else the calibrated one."""
-        hang = self._hang
         if w.steps_in_generation == 0:
-            return hang.first_step_timeout_s
+            return self._hang.first_step_timeout_s
+        return self.steady_timeout_s()
+
+    def steady_timeout_s(self) -> float:
+        """``--hang-timeout-s``, else the one calibrated from step times. Also the timeout of a rank
+        whose process is stopped or a zombie, counted from when its agent saw it so, before its first
+        step and after its loop too: such a process is doing no set-up and no final save."""
+        hang = self._hang
         if hang.timeout_s is not None:
             return hang.timeout_s
         return max(hang.floor_s, hang.factor * (self.median_step_s() or 0.0))
@@ -58,10 +64,22 @@ class Monitor:
 
     def progress(self, workers: Iterable[WorkerView], attempt: int, now: float,
                  since_t: float | None = None) -> list[hangs.RankProgress]:
-        """Every live rank of ``attempt``, silent since its last step (or since ``since_t``)."""
-        return [hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
-                                   self.hang_timeout_s(w), w.process)
-                for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
+        """Every live rank of ``attempt``, silent since its last step (or since ``since_t``). A rank
+        whose process is stopped or a zombie counts instead as silent since then against the steady
+        timeout, where that is the further past its timeout (before its first step, where the first-step
+        timeout would leave a stopped process alone for a minute)."""
+        ranks = []
+        for w in workers:
+            if w.attempt != attempt or w.state not in LIVE_WORKER_STATES:
+                continue
+            rank = hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
+                                      self.hang_timeout_s(w), w.process)
+            if w.process in hangs.NOT_RUNNING:
+                stopped = hangs.RankProgress(w.rank, w.phase, now - w.process_t, self.steady_timeout_s(), w.process)
+                if stopped.silent_s - stopped.timeout_s > rank.silent_s - rank.timeout_s:
+                    rank = stopped
+            ranks.append(rank)
+        return ranks
 
     def find_hung(self, workers: Iterable[WorkerView], attempt: int,
                   now: float) -> tuple[hangs.RankProgress, str] | None:
@@ -70,13 +88,19 @@ class Monitor:
         ranks blocked in the collective are usually waiting for the one that is not progressing.
 
         Step progress is expected only of a job that runs an unbroken step loop: until some rank
-        of the attempt entered ``job.steps()``, nobody is a suspect (a plain torchrun script, or
-        one that called ``unbroken.init()`` only, reports no steps: crash detection only). Once
-        one has, a rank that has not entered it yet is judged by ``--first-step-timeout-s``.
+        of the attempt entered ``job.steps()``, only the agent's evidence counts (a plain torchrun
+        script, or one that called ``unbroken.init()`` only, reports no steps): a rank whose process
+        has been stopped or a zombie for ``--first-step-timeout-s``. Once one has, a rank that has
+        not entered it yet is judged by ``--first-step-timeout-s``, and a stopped one by the steady
+        timeout from when it was seen stopped (see :meth:`progress`).
         """
-        if not any(w.in_step_loop for w in workers if w.attempt == attempt):
-            return None
-        ranks = self.progress(workers, attempt, now)
+        workers = [w for w in workers if w.attempt == attempt]
+        if not any(w.in_step_loop for w in workers):
+            first = self._hang.first_step_timeout_s
+            ranks = [hangs.RankProgress(w.rank, w.phase, now - w.process_t, first, w.process) for w in workers
+                     if w.state in LIVE_WORKER_STATES and w.process in hangs.NOT_RUNNING]
+        else:
+            ranks = self.progress(workers, attempt, now)
         blamed = hangs.blame_hang(ranks)
         return None if blamed is None else (blamed, hangs.why(blamed, ranks))
 
@@ -86,6 +110,17 @@ class Monitor:
         ``ordered_t``) within its hang timeout; the replaced ranks are not asked."""
         ranks = [r for r in self.progress(workers, attempt, now, since_t=ordered_t) if r.rank not in rec.replaced]
         return hangs.silent_in_recovery(ranks, rec.paused)
+
+    def find_hung_after_loop(self, workers: Iterable[WorkerView], attempt: int, now: float,
+                             killed: Iterable[int] = ()) -> hangs.RankProgress | None:
+        """A rank of ``attempt`` past its step loop (it reported ``finished``, has not exited; not one
+        of ``killed`` already) whose process its agent has seen stopped or a zombie for longer than
+        its hang timeout."""
+        skip = set(killed)
+        ranks = [hangs.RankProgress(w.rank, w.phase, now - w.process_t, self.steady_timeout_s(), w.process)
+                 for w in workers
+                 if w.attempt == attempt and w.state is WorkerState.FINISHING and w.rank not in skip]
+        return hangs.hung_after_loop(ranks)
 
     def new_stragglers(self, workers: Iterable[WorkerView]) -> list[tuple[int, str]]:
         """(rank, why) of ranks the straggler rule (``--straggler-factor``) finds slow, each once."""

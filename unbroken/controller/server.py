@@ -179,6 +179,8 @@ class Controller:
         while not self.done.wait(MONITOR_INTERVAL_S):
             with self.lock:
                 now = time.monotonic()
+                if self.state.phase is sm.JobPhase.RUNNING:
+                    self._check_after_loop(now)
                 if self.state.phase is sm.JobPhase.RUNNING and not self.state.hung_ranks:
                     self._check_hangs(now)
                 elif self.state.phase is sm.JobPhase.RECOVERING:
@@ -200,6 +202,15 @@ class Controller:
             # The hang began when its progress stopped, not when we noticed.
             self.timing.fault_began(w.last_progress_t, self.workers.values())
             self._hung(w, blamed, why, during="step")
+
+    def _check_after_loop(self, now: float) -> None:
+        """A rank past its loop whose process stays stopped is hung there (hangs.hung_after_loop):
+        it is killed and counts as finished (loop_end.py), each rank once."""
+        blamed = self.monitor.find_hung_after_loop(self.workers.values(), self.state.attempt, now,
+                                                   killed=self.state.hung_after_loop)
+        if blamed is not None:
+            self._hung(self.workers[blamed.rank], blamed, f"its process is {blamed.process} after its step loop",
+                       during="after-loop")
 
     def _check_recovery_silence(self, now: float) -> None:
         """A survivor that does not answer the abort order within its hang timeout is hung too."""

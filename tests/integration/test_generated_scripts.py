@@ -60,7 +60,7 @@ def test_random_sample(tmp_path, references, index):
 
 def test_every_combination_renders_a_script_that_compiles():
     combos = all_combos()
-    assert len(combos) == len(set(combos)) > 1000
+    assert len(combos) == len(set(combos)) > 900
     for combo in combos:
         compile(render(combo), combo.key, "exec")
         assert Combo.parse(combo.key) == combo

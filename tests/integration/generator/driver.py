@@ -5,7 +5,9 @@ the worker of one RANK (its pid from the run directory's latest ``worker_started
 process whose environment has that ``RANK`` and the job's run dir), at one moment read from the
 script's progress lines: ``before-first-step`` (the rank printed ``setup``: it has built everything
 and is about to enter ``job.steps()``), ``mid`` (the rank began step k, 1 <= k <= STEPS - 2),
-``last-step`` (it began the last step) or ``after-loop`` (its loop ended, before its final save).
+``last-step`` (it began the last step) or ``after-loop`` (its loop ended and it wrote its weights:
+the fault hits ``job.close()`` and the exit; a kill between the loop and the script's own save would
+take away a file only the script writes, which no recovery of training state can bring back).
 
 Outcomes (:func:`judge`):
 
@@ -45,7 +47,7 @@ REF_TIMEOUT_S = 240.0
 EXIT_FATAL = 97
 #: The line unbroken logs when it refuses something (unbroken/worker/session.py, EXIT_FATAL).
 FATAL_LINE = re.compile(r"fatal error, exit code EXIT_FATAL=97 \(not restarted\): (\w+): (.*)")
-SYMPTOM = re.compile(r"\w+(Error|Exception)\b|mismatch|[Tt]imed out|Traceback|signal|root cause|failed")
+EXCEPTION = re.compile(r"\b\w+(Error|Exception): |mismatch|[Tt]imed out")
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class Fault:
     def marker(self, steps: int = STEPS) -> str:
         """The progress line of the target rank that fires the fault."""
         what = {"before-first-step": "setup", "mid": f"step {self.step}", "last-step": f"step {steps - 1}",
-                "after-loop": "loop-done"}[self.moment]
+                "after-loop": "saved"}[self.moment]
         return f"GEN rank={self.rank} {what}"
 
 
@@ -280,10 +282,14 @@ def differing_ranks(ref: dict[int, dict], got: dict[int, dict]) -> dict[int, str
 
 
 def symptom(output: str) -> str:
-    """The most telling line of a failed run's output (its last error-like line)."""
-    found = [line.strip() for line in output.splitlines() if SYMPTOM.search(line)]
-    line = found[-1] if found else (output.strip().splitlines() or [""])[-1]
-    return line[:240]
+    """The most telling lines of a failed run's output: the last exception line of a worker and the
+    launcher's verdict (``unbroken: job failed ...``)."""
+    lines = [line.strip() for line in output.splitlines()]
+    errors = [line for line in lines if EXCEPTION.search(line) and not line.startswith("unbroken:")]
+    verdict = [line for line in lines if line.startswith("unbroken: job")]
+    parts = [errors[-1][:200]] if errors else []
+    parts += [verdict[-1][:200]] if verdict else []
+    return " / ".join(parts) or (lines[-1][:200] if lines else "(no output)")
 
 
 def recovery_summary(events: list[dict]) -> str:
@@ -356,6 +362,4 @@ def run_case(case: Case, refs: References, work: Path) -> Outcome:
         return judge(case, ref, None)
     timeout_s = 2 * ref.wall_s + 75  # a SIGSTOP costs the hang timeout (<= 40 s before the first step)
     got = run_job(case.combo, work, "faulty", fault=case.fault, timeout_s=timeout_s)
-    outcome = judge(case, ref, got)
-    outcome.wall_s = ref.wall_s + got.wall_s
-    return outcome
+    return judge(case, ref, got)

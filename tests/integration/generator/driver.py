@@ -118,6 +118,7 @@ class RunResult:
     out: Path
     nproc: int
     fired: str = ""  # what was sent to whom, "" when the fault never fired
+    leftovers: list[str] = field(default_factory=list)  # what the job left behind after it exited by itself
     events: list[dict] = field(default_factory=list)
 
     @property
@@ -155,21 +156,31 @@ def read_events(run_dir: Path) -> list[dict]:
     return out
 
 
-def cleanup(run_dir: Path) -> None:
-    """Kill whatever of this job is still alive and remove its /dev/shm files (after a deadline)."""
+def _job_processes(run_dir: Path) -> list[psutil.Process]:
     procs = []
     for proc in psutil.process_iter():
         try:
             if proc.environ().get("UNBROKEN_RUN_DIR") == str(run_dir) or str(run_dir) in " ".join(proc.cmdline()):
-                procs.append(proc)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    procs.append(proc)
         except (psutil.Error, OSError):
             continue
+    return procs
+
+
+def cleanup(run_dir: Path, grace_s: float = 0.0) -> list[str]:
+    """Kill whatever of this job is still alive (after ``grace_s``) and remove its /dev/shm files;
+    returns what was left ("pid N", "/dev/shm/NAME")."""
+    deadline = time.monotonic() + grace_s
+    while (procs := _job_processes(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     for proc in procs:
         try:
             proc.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(procs, timeout=5)
+    left = [f"pid {p.pid}" for p in procs]
     for cfg in run_dir.glob("config.node*.json"):
         try:
             job_id = json.loads(cfg.read_text())["job_id"]
@@ -179,8 +190,10 @@ def cleanup(run_dir: Path) -> None:
             if name.startswith(f"unbroken-{job_id}-") or name == f"unbroken-{job_id}.owner":
                 try:
                     os.unlink(f"/dev/shm/{name}")
+                    left.append(f"/dev/shm/{name}")
                 except FileNotFoundError:
                     pass
+    return left
 
 
 def run_job(combo: Combo, work: Path, name: str, *, fault: Fault | None = None, timeout_s: float = REF_TIMEOUT_S,
@@ -224,7 +237,9 @@ def run_job(combo: Combo, work: Path, name: str, *, fault: Fault | None = None, 
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-        cleanup(run_dir)
+        left = cleanup(run_dir, grace_s=3.0)
+        if result.returncode is not None:  # after a deadline, what it left is ours to remove, not a finding
+            result.leftovers = left
         reader.join(timeout=10)
     result.output, result.wall_s, result.events = "".join(lines), time.monotonic() - t0, read_events(run_dir)
     return result
@@ -321,6 +336,8 @@ def judge(case: Case, ref: RunResult, got: RunResult | None) -> Outcome:
     refused = refusal(ref)
     if refused:
         return Outcome(case, "refused", refused)
+    if ref.returncode == 0 and ref.leftovers:
+        return Outcome(case, "fail", f"the fault-free run left behind {', '.join(ref.leftovers[:4])}")
     if ref.returncode != 0:
         return Outcome(case, "fail", f"the fault-free run failed (exit {ref.returncode}, {ref.wall_s:.0f} s): "
                                      f"{symptom(ref.output)}")
@@ -328,6 +345,9 @@ def judge(case: Case, ref: RunResult, got: RunResult | None) -> Outcome:
     how = f"{got.fired or 'fault never sent'}; {recovery_summary(got.events)}"
     if got.timed_out:
         return Outcome(case, "fail", f"timed out after {got.wall_s:.0f} s ({how}): {symptom(got.output)}", got.wall_s)
+    if got.leftovers:
+        return Outcome(case, "fail", f"exit {got.returncode} but left behind {', '.join(got.leftovers[:4])} ({how})",
+                       got.wall_s)
     if refusal(got) or FATAL_LINE.search(got.output):
         return Outcome(case, "fail", f"refused only with the fault (exit {got.returncode}; {how}): "
                                      f"{symptom(got.output)}", got.wall_s)

@@ -242,6 +242,7 @@ def run_job(combo: Combo, work: Path, name: str, *, fault: Fault | None = None, 
             result.leftovers = left
         reader.join(timeout=10)
     result.output, result.wall_s, result.events = "".join(lines), time.monotonic() - t0, read_events(run_dir)
+    (work / f"{name}.log").write_text(result.output)  # the job's whole output, for a failure's post-mortem
     return result
 
 

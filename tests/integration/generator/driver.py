@@ -345,7 +345,10 @@ def judge(case: Case, ref: RunResult, got: RunResult | None) -> Outcome:
     assert got is not None
     how = f"{got.fired or 'fault never sent'}; {recovery_summary(got.events)}"
     if got.timed_out:
-        return Outcome(case, "fail", f"timed out after {got.wall_s:.0f} s ({how}): {symptom(got.output)}", got.wall_s)
+        last = [e for e in got.events if e.get("event") not in ("step", "metrics", "control_messages")][-1:]
+        said = " ".join(f"{k}={v}" for k, v in last[0].items() if k != "t") if last else "no event"
+        return Outcome(case, "fail", f"timed out after {got.wall_s:.0f} s ({how}); last event: {said[:160]}; "
+                                     f"last output: {symptom(got.output)}", got.wall_s)
     if got.leftovers:
         return Outcome(case, "fail", f"exit {got.returncode} but left behind {', '.join(got.leftovers[:4])} ({how})",
                        got.wall_s)

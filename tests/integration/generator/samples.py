@@ -1,0 +1,20 @@
+"""The default run's fixed sample and the slow set's default seed."""
+
+from __future__ import annotations
+
+#: The slow set's seed and size unless UNBROKEN_GEN_SEED / UNBROKEN_GEN_COUNT say otherwise.
+DEFAULT_SEED = 32
+DEFAULT_COUNT = 60
+
+#: The default run: every wrapper once, fast combinations (2 ranks where the wrapper allows it),
+#: both fault kinds, every moment. ``<combination>@<fault>``, as :class:`.driver.Case` parses it.
+DEFAULT_CASES = [
+    "manual/ln-dropout/cursor/per-rank/clip+sched@SIGKILL:mid:rank1:step3",
+    "ddp-job-group/mlp/step/one-seed/-@SIGKILL:mid:rank1:step4",
+    "ddp-new-group/mlp/cursor/one-seed/accum@SIGKILL:before-first-step:rank0",
+    "sharded/mlp/step/per-rank/clip@SIGKILL:last-step:rank3",
+    "ddp/bn/step/one-seed/sched@SIGKILL:mid:rank2:step4",
+    "fsdp/mlp/step/one-seed/-@SIGSTOP:mid:rank1:step3",
+    "tp/ln-dropout/step/one-seed/sched@SIGKILL:mid:rank2:step3",
+    "pp/mlp/cursor/per-rank/-@SIGKILL:after-loop:rank3",
+]

@@ -274,20 +274,27 @@ def run_args(values: dict[str, Any], *, standby: bool = False) -> list[str]:
     return args + [values["script"], *(str(a) for a in values["scriptArgs"])]
 
 
-class _RaisingParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print and exit: report instead
-        raise RenderError(message)
+def _raising_parser() -> argparse.ArgumentParser:
+    """`unbroken run`'s own parser (its flags before the script, the script's words after it), whose
+    usage errors raise RenderError instead of printing and exiting."""
+    from unbroken.cli.main import Parser
+
+    class RaisingParser(Parser):
+        def error(self, message: str) -> None:  # argparse would print and exit: report instead
+            raise RenderError(message)
+
+    return RaisingParser(prog="unbroken run", launches_script=True)
 
 
 def check_command(args: list[str], *, warn: Callable[[str], None] = _warn) -> None:
     """Parse ``args`` (``unbroken run ...``) with unbroken's own flags and config checks, as
     node 0 would see them; RenderError on a usage error. Only `warn` is told anything."""
-    from unbroken.cli.main import _add_run_flags, launch_config
+    from unbroken.cli.main import add_run_flags, launch_config
     from unbroken.errors import ConfigError
     from unbroken.worker_config import ENV_SECRET
 
-    parser = _RaisingParser(prog="unbroken run")
-    _add_run_flags(parser)
+    parser = _raising_parser()
+    add_run_flags(parser)
     flags = [a.replace("$(UNBROKEN_NODE_RANK)", "0") for a in args[2:]]
     if "--shm-dir" in flags:  # the pod's /dev/shm; the machine rendering may have none (macOS)
         flags[flags.index("--shm-dir") + 1] = tempfile.gettempdir()

@@ -146,7 +146,7 @@ def _expanded_args(container: dict, node_rank: int) -> list[str]:
 
 
 def test_every_pod_runs_unbroken_run_with_flags_its_parser_accepts(monkeypatch):
-    from unbroken.cli.main import _add_run_flags, build_parser, launch_config
+    from unbroken.cli.main import add_run_flags, build_parser, launch_config
 
     manifests = _manifests(nodes=3, procPerNode=2, **{"storage.claimName": "ckpt"})
     service, pod = manifests["Service"], _pod(manifests)
@@ -155,7 +155,7 @@ def test_every_pod_runs_unbroken_run_with_flags_its_parser_accepts(monkeypatch):
     args = _expanded_args(container, node_rank=2)
     assert args[:2] == ["unbroken", "run"]
     run_flags = argparse.ArgumentParser()
-    _add_run_flags(run_flags)
+    add_run_flags(run_flags)
     if "--metrics-port" not in run_flags.format_help():  # issue 16's metrics work adds it; checked once there
         i = args.index("--metrics-port")
         del args[i:i + 2]

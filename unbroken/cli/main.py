@@ -18,7 +18,7 @@ from unbroken.errors import ConfigError, UnbrokenError
 from unbroken.worker_config import CheckpointConfig, WorkerSettings, setting_flag
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """Our parsers: usage errors exit with code 2, and a flag is never matched by abbreviation.
 
     ``launches_script`` (`unbroken run`): the launcher's flags come before the script path; the
@@ -85,7 +85,7 @@ def _nnodes(text: str) -> int:
     return _int(text)
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
+def add_run_flags(p: argparse.ArgumentParser) -> None:
     # torchrun's flags, in both spellings (--nproc-per-node and --nproc_per_node).
     def flag(name: str, **kw) -> None:
         names = [f"--{name}"] + ([f"--{name.replace('-', '_')}"] if "-" in name else [])
@@ -159,10 +159,10 @@ def _add_worker_settings(flag) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="unbroken", description="Keeps distributed PyTorch training running through failures.")
+    parser = Parser(prog="unbroken", description="Keeps distributed PyTorch training running through failures.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the library's info messages")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_run_flags(sub.add_parser("run", help="launch a training script (torchrun-compatible)", launches_script=True))
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    add_run_flags(sub.add_parser("run", help="launch a training script (torchrun-compatible)", launches_script=True))
     demo = sub.add_parser("demo", help="a 4-rank training run that survives injected faults")
     demo.add_argument("--steps", type=_int, default=60)
     demo.add_argument("--nproc-per-node", type=_int, default=4)

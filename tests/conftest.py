@@ -40,7 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ours(proc: psutil.Process, marker: str) -> bool:
+def ours(proc: psutil.Process, marker: str) -> bool:
     try:
         env = proc.environ()
         cmd = " ".join(proc.cmdline())
@@ -49,7 +49,7 @@ def _ours(proc: psutil.Process, marker: str) -> bool:
     return marker in env.get("UNBROKEN_RUN_DIR", "") or marker in cmd
 
 
-def _shm_files(job_ids: set[str] | None = None) -> set[str]:
+def shm_files(job_ids: set[str] | None = None) -> set[str]:
     """Our files in /dev/shm; only those of ``job_ids`` when given."""
     try:
         names = {n for n in os.listdir("/dev/shm") if n.startswith("unbroken")}
@@ -60,7 +60,7 @@ def _shm_files(job_ids: set[str] | None = None) -> set[str]:
     return {n for n in names if any(n.startswith(f"unbroken-{j}-") or n == f"unbroken-{j}.owner" for j in job_ids)}
 
 
-def _job_ids(root: Path) -> set[str]:
+def job_ids(root: Path) -> set[str]:
     """Job ids of every launcher run under ``root`` (from the resolved configs they wrote)."""
     ids = set()
     for cfg in root.glob("**/config.node*.json"):
@@ -77,14 +77,14 @@ def no_leftovers(tmp_path):
     yield
     me = psutil.Process()
     left = [p for p in me.children(recursive=True)]
-    left += [p for p in psutil.process_iter() if p.pid != me.pid and p not in left and _ours(p, str(tmp_path))]
+    left += [p for p in psutil.process_iter() if p.pid != me.pid and p not in left and ours(p, str(tmp_path))]
     for p in left:
         try:
             p.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(left, timeout=5)
-    leftover_shm = _shm_files(_job_ids(tmp_path))
+    leftover_shm = shm_files(job_ids(tmp_path))
     for name in leftover_shm:
         try:
             os.unlink(f"/dev/shm/{name}")
@@ -97,7 +97,7 @@ def no_leftovers(tmp_path):
 
 def pytest_sessionfinish(session, exitstatus):
     """After the whole suite: nothing of ours may be left in /dev/shm."""
-    left = _shm_files()
+    left = shm_files()
     if left and exitstatus == 0 and os.environ.get("CI"):
         session.exitstatus = 1
         print(f"\n/dev/shm files left behind by the test suite: {sorted(left)}")

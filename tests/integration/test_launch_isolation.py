@@ -30,7 +30,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import EXAMPLE, _ours
+from tests.conftest import EXAMPLE, ours
 from tests.integration.helpers import TRAIN_ARGS, assert_same_weights, events, train
 from unbroken.controller import rendezvous
 from unbroken.errors import AuthError, ConnectionClosed, ProtocolError
@@ -206,7 +206,7 @@ def _listening(run_dir: Path) -> set[tuple[str, int, str]]:
     """(address, port, process name) of every TCP socket a process of the job listens on."""
     found = set()
     for proc in psutil.process_iter():
-        if not _ours(proc, str(run_dir)):
+        if not ours(proc, str(run_dir)):
             continue
         try:
             conns = proc.net_connections(kind="tcp")

@@ -39,19 +39,19 @@ class Parser(argparse.ArgumentParser):
             return super().parse_known_args(args, namespace)
         words = list(sys.argv[1:] if args is None else args)
         cut = self._script_index(words)
+        if words[cut:cut + 1] == ["--"]:  # `unbroken run [flags] -- script.py ...`
+            del words[cut]
         namespace, extra = super().parse_known_args(words[:cut + 1], namespace)
         namespace.script_args = words[cut + 1:]
         return namespace, extra
 
     def _script_index(self, words: list[str]) -> int:
-        """Index of the script path in ``words`` (len(words): none, argparse then says so)."""
+        """Index of the script path in ``words``, or of a ``--`` before it (len(words): none; argparse
+        then says so)."""
         i = 0
         while i < len(words):
             word = words[i]
-            if word == "--":  # `unbroken run [flags] -- script.py ...`
-                del words[i]
-                return i
-            if not word.startswith("-") or word == "-":
+            if word == "--" or not word.startswith("-") or word == "-":
                 return i
             name, has_value, _ = word.partition("=")
             action = self._option_string_actions.get(name)

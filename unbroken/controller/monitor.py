@@ -75,7 +75,7 @@ class Monitor:
             rank = hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
                                       self.hang_timeout_s(w), w.process)
             if w.process in hangs.NOT_RUNNING:
-                stopped = hangs.RankProgress(w.rank, w.phase, now - w.process_t, self.steady_timeout_s(), w.process)
+                stopped = _since_seen(w, now, self.steady_timeout_s())
                 if stopped.silent_s - stopped.timeout_s > rank.silent_s - rank.timeout_s:
                     rank = stopped
             ranks.append(rank)
@@ -97,7 +97,7 @@ class Monitor:
         workers = [w for w in workers if w.attempt == attempt]
         if not any(w.in_step_loop for w in workers):
             first = self._hang.first_step_timeout_s
-            ranks = [hangs.RankProgress(w.rank, w.phase, now - w.process_t, first, w.process) for w in workers
+            ranks = [_since_seen(w, now, first) for w in workers
                      if w.state in LIVE_WORKER_STATES and w.process in hangs.NOT_RUNNING]
         else:
             ranks = self.progress(workers, attempt, now)
@@ -117,8 +117,8 @@ class Monitor:
         of ``killed`` already) whose process its agent has seen stopped or a zombie for longer than
         its hang timeout."""
         skip = set(killed)
-        ranks = [hangs.RankProgress(w.rank, w.phase, now - w.process_t, self.steady_timeout_s(), w.process)
-                 for w in workers
+        timeout_s = self.steady_timeout_s()
+        ranks = [_since_seen(w, now, timeout_s) for w in workers
                  if w.attempt == attempt and w.state is WorkerState.FINISHING and w.rank not in skip]
         return hangs.hung_after_loop(ranks)
 
@@ -131,3 +131,8 @@ class Monitor:
                 self._stragglers.add(rank)
                 found.append((rank, health.describe(median_s, job_s)))
         return found
+
+
+def _since_seen(w: WorkerView, now: float, timeout_s: float) -> hangs.RankProgress:
+    """``w`` as silent since its agent last reported its process state (stopped, a zombie)."""
+    return hangs.RankProgress(w.rank, w.phase, now - w.process_t, timeout_s, w.process)

@@ -226,12 +226,9 @@ class TrackedState:
     # -- the state tree --------------------------------------------------------------------
     def state_of(self, obj: Any) -> Any:
         """``obj``'s state; for a sharded object (FSDP2's DTensors) this rank's local shards only."""
-        if isinstance(obj, torch.Tensor):
-            return obj
-        if loaders.is_loader(obj):
-            return loaders.state_of(obj)
-        state = obj.state_dict()
-        return dtensor_state.local_tree(state) if dtensor_state.has_dtensors(obj) else state
+        state = _plain_state(obj)
+        sharded = not isinstance(obj, torch.Tensor) and dtensor_state.has_dtensors(obj)
+        return dtensor_state.local_tree(state) if sharded else state
 
     def tree(self) -> dict[str, Any]:
         """The state tree of a checkpoint: every tracked object's state, and the RNG streams."""

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.conftest import job_ids, ours, shm_files
 from tests.integration.generator.render import STEPS, WRAPPERS, Combo, all_combos, render
 
 REPO = Path(__file__).resolve().parents[3]
@@ -160,9 +161,8 @@ def _job_processes(run_dir: Path) -> list[psutil.Process]:
     procs = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("UNBROKEN_RUN_DIR") == str(run_dir) or str(run_dir) in " ".join(proc.cmdline()):
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    procs.append(proc)
+            if ours(proc, str(run_dir)) and proc.status() != psutil.STATUS_ZOMBIE:
+                procs.append(proc)
         except (psutil.Error, OSError):
             continue
     return procs
@@ -181,18 +181,12 @@ def cleanup(run_dir: Path, grace_s: float = 0.0) -> list[str]:
             pass
     psutil.wait_procs(procs, timeout=5)
     left = [f"pid {p.pid}" for p in procs]
-    for cfg in run_dir.glob("config.node*.json"):
+    for name in sorted(shm_files(job_ids(run_dir))):
         try:
-            job_id = json.loads(cfg.read_text())["job_id"]
-        except (OSError, ValueError, KeyError):
-            continue
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(f"unbroken-{job_id}-") or name == f"unbroken-{job_id}.owner":
-                try:
-                    os.unlink(f"/dev/shm/{name}")
-                    left.append(f"/dev/shm/{name}")
-                except FileNotFoundError:
-                    pass
+            os.unlink(f"/dev/shm/{name}")
+            left.append(f"/dev/shm/{name}")
+        except FileNotFoundError:
+            pass
     return left
 
 

@@ -20,18 +20,24 @@ SAMPLES, BATCH = 24, 4  # 2 ranks: 3 batches per epoch and rank
 EPOCH_KEY = "unbroken_sampler_epoch"  # unbroken.worker.loaders.EPOCH_KEY (a literal: the state format is fixed)
 
 
-class Script:
-    """The usual loop's data side: ``it = iter(loader)`` once, ``set_epoch`` + a new iterator at each
-    rollover (``counter``: the epoch from a script variable, as many scripts do; else from the sampler)."""
+def _loader(num_workers: int = 0, persistent: bool = False) -> tuple[StatefulDataLoader, DistributedSampler]:
+    dataset = TensorDataset(torch.arange(SAMPLES))
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+    return StatefulDataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=num_workers,
+                              persistent_workers=persistent), sampler
 
-    def __init__(self, num_workers: int = 0, counter: bool = False) -> None:
-        dataset = TensorDataset(torch.arange(SAMPLES))
-        self.sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
-        self.loader = StatefulDataLoader(dataset, batch_size=BATCH, sampler=self.sampler, num_workers=num_workers)
+
+class Script:
+    """The exact loop's data side: ``it = iter(loader)`` once, a new iterator at each rollover, the
+    epoch left to unbroken (``counter``: the usual torch loop's ``set_epoch`` from a script variable)."""
+
+    def __init__(self, num_workers: int = 0, counter: bool = False, persistent: bool = False) -> None:
+        self.loader, self.sampler = _loader(num_workers, persistent)
         self.tracked = TrackedState()
         self.tracked.add("loader", self.loader, HOOKS)
         self.counter = 0 if counter else None
-        self.sampler.set_epoch(0)
+        if self.counter is not None:
+            self.sampler.set_epoch(self.counter)
         self.it = iter(self.loader)
 
     def batch(self) -> list[int]:
@@ -41,8 +47,6 @@ class Script:
             if self.counter is not None:
                 self.counter += 1
                 self.sampler.set_epoch(self.counter)
-            else:
-                self.sampler.set_epoch(self.sampler.epoch + 1)
             self.it = iter(self.loader)
             (x,) = next(self.it)
         return x.tolist()
@@ -59,11 +63,20 @@ def _fault_free(total: int, at: int, **kw) -> tuple[list[list[int]], dict, dict]
     return seen + script.batches(total - at), per_rank, tree
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_replacements_iterator_made_before_its_state_arrives_follows_it(num_workers):
-    want, per_rank, _ = _fault_free(14, 7, num_workers=num_workers)  # batch 7: epoch 2, mid-epoch
+def test_each_pass_reshuffles_as_set_epoch_would():
+    loader, sampler = _loader()
+    by_hand = []
+    for epoch in range(3):  # the stock loop, untracked
+        sampler.set_epoch(epoch)
+        by_hand += [x.tolist() for (x,) in loader]
+    assert Script().batches(9) == by_hand
+
+
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)])
+def test_a_replacements_iterator_made_before_its_state_arrives_follows_it(num_workers, persistent):
+    want, per_rank, _ = _fault_free(14, 7, num_workers=num_workers, persistent=persistent)  # epoch 2, mid-epoch
     assert per_rank["objects"]["loader"][EPOCH_KEY] == 2
-    replacement = Script(num_workers=num_workers)  # it = iter(loader) already made, at epoch 0
+    replacement = Script(num_workers=num_workers, persistent=persistent)  # it = iter(loader) made, at epoch 0
     replacement.tracked.load_per_rank(per_rank)
     assert replacement.sampler.epoch == 2
     assert replacement.batches(7) == want[7:]  # across the rollovers to epochs 3 and 4 too
@@ -71,9 +84,10 @@ def test_a_replacements_iterator_made_before_its_state_arrives_follows_it(num_wo
     gc.collect()  # the loaders' worker processes end with them, before the no-leftovers check
 
 
-def test_a_survivors_rollback_repositions_the_iterator_it_holds_across_a_rollover():
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, True)])
+def test_a_survivors_rollback_repositions_the_iterator_it_holds_across_a_rollover(num_workers, persistent):
     want = Script().batches(10)
-    script = Script()
+    script = Script(num_workers=num_workers, persistent=persistent)
     script.batches(5)  # batch 5 is the last of epoch 1
     local, per_rank = script.tracked.step_start()
     dropped = script.batches(2)  # the dropped step rolled over: a new iterator, epoch 2
@@ -81,6 +95,8 @@ def test_a_survivors_rollback_repositions_the_iterator_it_holds_across_a_rollove
     script.tracked.load_rollback(local, per_rank)
     assert script.sampler.epoch == 1
     assert script.batches(5) == want[5:]  # the redo: the same batches, the same rollover
+    del script
+    gc.collect()
 
 
 def test_a_checkpoint_restores_the_epoch_and_position_and_loads_by_hand_too():
@@ -88,28 +104,19 @@ def test_a_checkpoint_restores_the_epoch_and_position_and_loads_by_hand_too():
     restarted = Script()
     restarted.tracked.load_tree(tree)
     assert restarted.batches(5) == want[4:]
-    by_hand = Script()  # the state is loader.state_dict() plus one key load_state_dict ignores
-    by_hand.loader.load_state_dict(tree["tracked"]["loader"])
-    by_hand.sampler.set_epoch(tree["tracked"]["loader"][EPOCH_KEY])
-    by_hand.it = iter(by_hand.loader)
-    assert by_hand.batches(5) == want[4:]
+    loader, sampler = _loader()  # untracked: the state is loader.state_dict() plus one key it ignores
+    loader.load_state_dict(tree["tracked"]["loader"])
+    sampler.set_epoch(tree["tracked"]["loader"][EPOCH_KEY])
+    by_hand = [x.tolist() for (x,) in loader]
+    sampler.set_epoch(sampler.epoch + 1)
+    by_hand += [x.tolist() for (x,) in loader]
+    assert by_hand[:5] == want[4:]
 
 
-def test_an_epoch_counter_the_load_did_not_restore_is_refused_at_the_next_rollover():
-    _, per_rank, _ = _fault_free(10, 9, counter=True)  # epoch 2, its last batch taken
-    replacement = Script(counter=True)  # its counter starts again at 0
-    replacement.tracked.load_per_rank(per_rank)
-    with pytest.raises(ConfigError, match=r"set_epoch\(1\) at an epoch rollover after unbroken restored .* to "
-                                          r"epoch 2.*sampler.set_epoch\(sampler.epoch \+ 1\)"):
-        replacement.batch()
-
-
-def test_an_epoch_counter_in_step_with_the_loaded_epoch_passes():
-    want, per_rank, _ = _fault_free(10, 4, counter=True)
-    survivor = Script(counter=True)
-    survivor.batches(4)  # its counter is where the fault-free run's was
-    survivor.tracked.load_per_rank(per_rank)
-    assert survivor.batches(6) == want[4:]
+def test_an_epoch_set_by_the_script_is_refused_at_its_first_call_in_every_run():
+    with pytest.raises(ConfigError, match=r"rank 1: sampler.set_epoch\(0\) on the sampler of a loader given to "
+                                          r"job.track.*Remove the set_epoch calls"):
+        Script(counter=True)  # before any batch: the usual loop's set_epoch(0) before its first step
 
 
 def test_a_distributed_sampler_tracked_alone_names_the_loader_to_track():

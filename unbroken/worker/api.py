@@ -50,11 +50,16 @@ class SessionHooks:
     ``defer_completion``: under `unbroken run`, a step that committed but whose completion
     (the parameter gather) was cut must not raise; the object marks ``step_pending`` and the
     session completes it during the regroup.
+
+    ``fail``: called with a :class:`~unbroken.errors.FatalError` the object is about to raise from
+    the script's own code, outside the session's calls: under `unbroken run` it ends the process
+    with EXIT_FATAL (the job fails at once, not restarted); elsewhere it returns.
     """
 
     on_phase: PhaseCallback
     should_abort: AbortCheck
     defer_completion: bool
+    fail: Callable[[Exception], None] = lambda exc: None
 
 
 class RecoverableState(abc.ABC):

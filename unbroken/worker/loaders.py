@@ -1,7 +1,7 @@
 """A tracked torchdata ``StatefulDataLoader``: its live iterator follows its state, its sampler's epoch is state.
 
 The usual loop makes its iterator once (``it = iter(loader)`` before ``job.steps()``) and a new
-one at each epoch rollover (``sampler.set_epoch(e); it = iter(loader)``). torchdata's
+one at each epoch rollover (``it = iter(loader)`` after ``StopIteration``). torchdata's
 ``StatefulDataLoader.load_state_dict`` only affects the *next* ``iter(loader)``: the iterator
 the script holds keeps its old position, so a state unbroken loads (a survivor's rollback of a
 dropped step, a replacement's own state, a restart's checkpoint) would be silently ignored by
@@ -18,14 +18,20 @@ tracked ``StatefulDataLoader`` (and nothing else):
   from the state (its worker processes, if any, are shut down and started again), so the next
   ``next(it)`` yields what the saved run's next ``next(it)`` yielded. Without a live iterator
   it is ``loader.load_state_dict``.
-* the script's **epoch counter** is the script's, not state: a ``set_epoch(e)`` from a counter
-  unbroken did not restore would silently reshuffle differently from the fault-free run.
-  :class:`EpochGuard` checks the first ``set_epoch`` after each load: at a rollover (the live
-  iterator is exhausted) it must move to the loaded epoch + 1, elsewhere keep it or move to the
-  next; any other value raises a :class:`~unbroken.errors.ConfigError` that says what to write.
+* **the epoch moves with the passes**: ``iter(loader)`` that starts a new pass after the last
+  one ended (its iterator, or the state loaded into the loader, is finished) first moves the
+  sampler to the next epoch, so every pass reshuffles as ``set_epoch`` would, and the epoch
+  is always the one the restored state implies.
+* **the script does not set the epoch**: ``sampler.set_epoch(e)`` on a tracked loader's sampler
+  raises a :class:`~unbroken.errors.ConfigError` at its first call (in the usual script,
+  before the first step). An ``e`` counted in a script variable is not training state: after
+  a rollback or in a replacement it would disagree with the restored epoch, and the data order
+  would silently differ from the fault-free run. No value can tell such a counter from a
+  correct one until a fault, so every call is refused, the same way in every run.
 
 Private torchdata / torch APIs used (torchdata 0.11, torch 2.13): ``StatefulDataLoader._iterator``
-(the live iterator), the iterators' ``__init__(loader, next_iter_state)``, ``_finished`` and a
+(the live iterator) and ``next_iter_state`` (a state loaded without one), the iterators'
+``__init__(loader, next_iter_state)``, ``_finished``, the state key ``_iterator_finished`` and a
 multi-process iterator's ``_shutdown_workers()``.
 
 Runs in the training thread of one rank, called by :class:`~unbroken.worker.tracked.TrackedState`.
@@ -33,14 +39,17 @@ Runs in the training thread of one rank, called by :class:`~unbroken.worker.trac
 
 from __future__ import annotations
 
+import functools
 import sys
-import weakref
+from collections.abc import Callable
 from typing import Any
 
 from unbroken.errors import ConfigError
 
 #: The key of the sampler's epoch in a tracked loader's state.
 EPOCH_KEY = "unbroken_sampler_epoch"
+#: torchdata's key, in an iterator's state, of whether its pass ended.
+_FINISHED_KEY = "_iterator_finished"
 
 
 def _loader_class() -> type | None:
@@ -62,11 +71,14 @@ def epoch_sampler(loader: Any) -> Any | None:
     return None
 
 
-def watch(loader: Any) -> None:
-    """At ``job.track``: put an :class:`EpochGuard` on the loader's epoch sampler (once)."""
+def watch(loader: Any, fail: Callable[[Exception], None]) -> None:
+    """At ``job.track``: the loader starts each new pass at the next epoch, and its sampler refuses
+    ``set_epoch`` (``fail``, the session's :attr:`~unbroken.worker.api.SessionHooks.fail`, first)."""
     sampler = epoch_sampler(loader)
-    if sampler is not None and not isinstance(sampler.__dict__.get("set_epoch"), EpochGuard):
-        sampler.set_epoch = EpochGuard(sampler, loader)
+    if sampler is None or isinstance(sampler.__dict__.get("set_epoch"), _RefuseSetEpoch):
+        return
+    sampler.set_epoch = _RefuseSetEpoch(getattr(sampler, "rank", "?"), fail)
+    loader.__class__ = _epoch_advancing(type(loader))
 
 
 def state_of(loader: Any) -> dict[str, Any]:
@@ -82,11 +94,7 @@ def load(loader: Any, state: dict[str, Any]) -> None:
     epoch = state.pop(EPOCH_KEY, None)
     sampler = epoch_sampler(loader)
     if epoch is not None and sampler is not None:
-        guard = sampler.__dict__.get("set_epoch")
-        if isinstance(guard, EpochGuard):
-            guard.loaded(int(epoch))
-        else:
-            sampler.epoch = int(epoch)
+        _set_epoch(sampler, int(epoch))
     live = getattr(loader, "_iterator", None)
     if live is None or not state:
         loader.load_state_dict(state)
@@ -97,44 +105,47 @@ def load(loader: Any, state: dict[str, Any]) -> None:
     type(live).__init__(live, loader, state)  # the iterator the script holds, now at the state's position
 
 
-class EpochGuard:
-    """The ``set_epoch`` of a tracked loader's sampler (an instance attribute over the class's method).
+def _set_epoch(sampler: Any, epoch: int) -> None:
+    type(sampler).set_epoch(sampler, epoch)  # the class's own method, under the instance's refusal
 
-    Lives in the training thread of one rank. States: idle (calls pass through) -> armed by a load
-    of epoch E (:meth:`loaded`) -> the next call is checked (see the module docstring) -> idle."""
 
-    def __init__(self, sampler: Any, loader: Any) -> None:
-        # Weak references: the sampler holds this guard, and the loader its sampler (no cycle to collect:
-        # a multi-process iterator's workers go when the loader does).
-        self._sampler, self._loader = weakref.ref(sampler), weakref.ref(loader)
-        self._rank = getattr(sampler, "rank", "?")  # a DistributedSampler's rank
-        self._armed: int | None = None  # the epoch a load set, until the next call is checked
+def _starts_next_pass(loader: Any) -> bool:
+    """Whether ``iter(loader)`` now starts a new pass after one that ended (see the module docstring)."""
+    live = getattr(loader, "_iterator", None)
+    if live is not None:
+        return bool(getattr(live, "_finished", False))
+    pending = getattr(loader, "next_iter_state", None)  # a state loaded while no iterator was live
+    return isinstance(pending, dict) and bool(pending.get(_FINISHED_KEY, False))
 
-    def _set(self, epoch: int) -> None:
-        sampler = self._sampler()
-        type(sampler).set_epoch(sampler, epoch)  # the class's own method
 
-    def loaded(self, epoch: int) -> None:
-        self._set(epoch)
-        self._armed = epoch
+@functools.cache
+def _epoch_advancing(cls: type) -> type:
+    """``cls`` whose ``iter()`` moves the sampler to the next epoch before a new pass (one class per loader class)."""
+
+    def __iter__(self):  # noqa: N807 (the protocol's name)
+        if _starts_next_pass(self):
+            sampler = epoch_sampler(self)
+            _set_epoch(sampler, int(sampler.epoch) + 1)
+        return super(advancing, self).__iter__()
+
+    advancing = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__})
+    return advancing
+
+
+class _RefuseSetEpoch:
+    """The ``set_epoch`` of a tracked loader's sampler (an instance attribute over the class's method)."""
+
+    def __init__(self, rank: Any, fail: Callable[[Exception], None]) -> None:
+        self._rank, self._fail = rank, fail
 
     def __call__(self, epoch: int) -> None:
-        if self._armed is not None:
-            self._check(int(epoch), self._armed)
-            self._armed = None
-        self._set(epoch)
-
-    def _check(self, epoch: int, loaded: int) -> None:
-        live = getattr(self._loader(), "_iterator", None)
-        rollover = live is not None and bool(getattr(live, "_finished", False))
-        allowed = (loaded + 1,) if rollover else (loaded, loaded + 1)
-        if epoch in allowed:
-            return
-        raise ConfigError(
-            f"rank {self._rank}: sampler.set_epoch({epoch}) {'at an epoch rollover ' if rollover else ''}after "
-            f"unbroken restored this tracked loader's sampler to epoch {loaded} (a dropped step's rollback, a "
-            "replacement's own state or a checkpoint): "
-            "the epoch this call sets comes from a counter that is not training state, so it was not restored "
-            "with the loader, and the data order would silently differ from the fault-free run. The sampler's "
-            "epoch is tracked with its loader: at each rollover write `sampler.set_epoch(sampler.epoch + 1)` "
-            "(or compute the epoch from the step index) instead of counting epochs in the script")
+        error = ConfigError(
+            f"rank {self._rank}: sampler.set_epoch({epoch}) on the sampler of a loader given to job.track: "
+            "unbroken keeps that sampler's epoch as training state and moves it to the next epoch itself "
+            "whenever `iter(loader)` starts a new pass after the last one ended. An epoch set by the script "
+            "comes from a counter that is not restored after a fault, so the data order would silently "
+            "differ from the fault-free run. Remove the set_epoch calls (keep `it = iter(loader)` at each "
+            "rollover); read the epoch as `sampler.epoch`")
+        self._fail(error)  # under `unbroken run`: EXIT_FATAL here
+        raise error

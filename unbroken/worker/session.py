@@ -117,7 +117,7 @@ class Job:
         name tracked objects whose class differs from the default. Recoverable objects
         (:class:`unbroken.worker.api.RecoverableState`) are wired to this session."""
         hooks = SessionHooks(on_phase=self._boundary.on_optimizer_phase, should_abort=self._inflight.should_abort,
-                             defer_completion=self.cfg.mode == "managed")
+                             defer_completion=self.cfg.mode == "managed", fail=self._exit_if_fatal)
         with self._fatal_exits():
             for name, obj in objects.items():
                 if obj is not None:

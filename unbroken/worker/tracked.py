@@ -78,7 +78,7 @@ class TrackedState:
         if isinstance(obj, RecoverableState):
             obj.attach(hooks)
         if loaders.is_loader(obj):
-            loaders.watch(obj)  # its sampler's epoch is state: see unbroken.worker.loaders
+            loaders.watch(obj, hooks.fail)  # its sampler's epoch is state: see unbroken.worker.loaders
 
     def classify(self, per_rank: Iterable[str], replicated: Iterable[str]) -> None:
         """Override the default class of tracked plain objects by name (ConfigError if a name is

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 WRAPPERS = ("manual", "sharded", "ddp", "ddp-job-group", "ddp-new-group", "fsdp", "tp", "pp")
 MODELS = ("mlp", "bn", "ln-dropout")
-DATA = ("step", "cursor", "loader")
+DATA = ("step", "cursor", "loader", "loader-counter")
 RNG = ("one-seed", "per-rank")
 EXTRAS = ("clip", "accum", "sched")
 
@@ -226,8 +226,9 @@ def _fetch(data: str) -> list[str]:
         return ["x, y = batch_of(step, micro, dp_rank)"]
     if data == "cursor":
         return ["x, y = cursor.next_batch()"]
+    counter = ["    epoch += 1", "    sampler.set_epoch(epoch)"] if data == "loader-counter" else []
     return ["try:", "    x, y = next(it)", "except StopIteration:  # the epoch is over: a new order, a new iterator",
-            "    epoch += 1", "    sampler.set_epoch(epoch)", "    it = iter(loader)", "    x, y = next(it)"]
+            *counter, "    it = iter(loader)", "    x, y = next(it)"]
 
 
 def _setup(c: Combo) -> list[str]:
@@ -252,14 +253,16 @@ def _setup(c: Combo) -> list[str]:
     if c.data == "cursor":
         lines += ["cursor = Cursor(dp_rank, dp_size)"]
         tracked.append("data=cursor")
-    elif c.data == "loader":
+    elif c.data.startswith("loader"):
         lines += ["sampler = DistributedSampler(TensorDataset(X, Y), num_replicas=dp_size, rank=dp_rank, shuffle=True,",
                   "                             seed=SEED, drop_last=True)",
                   "loader = StatefulDataLoader(TensorDataset(X, Y), batch_size=BATCH, sampler=sampler, drop_last=True)"]
         tracked.append("loader=loader")
     lines += [f"job.track({', '.join(tracked)})"]
-    if c.data == "loader":
-        lines += ["epoch = 0", "sampler.set_epoch(epoch)", "it = iter(loader)"]
+    if c.data == "loader-counter":  # the stock torch loop's epoch counter, which unbroken refuses
+        lines += ["epoch = 0", "sampler.set_epoch(epoch)"]
+    if c.data.startswith("loader"):
+        lines += ["it = iter(loader)"]
     return lines + ['mark(job.rank, "setup")']
 
 
@@ -310,10 +313,10 @@ def render(c: Combo, steps: int = STEPS) -> str:
     reason = skip_reason(c)
     assert reason is None, f"{c.key} is ruled out: {reason}"
     imports = [IMPORTS[k] for k in ("ddp", "fsdp", "tp", "pp") if c.wrapper.startswith(k)]
-    imports += [IMPORTS["loader"]] if c.data == "loader" else []
+    imports += [IMPORTS["loader"]] if c.data.startswith("loader") else []
     source = HEADER.format(key=c.key, imports="\n".join(imports), steps=steps, head=HEADS[c.model],
                            micro=2 if "accum" in c.extras else 1)
-    source += {"step": STEP_DATA, "cursor": CURSOR_DATA, "loader": ""}[c.data]
+    source += {"step": STEP_DATA, "cursor": CURSOR_DATA, "loader": "", "loader-counter": ""}[c.data]
     main = [*_setup(c), "for step in job.steps(STEPS):", "    with job.step():",
             *["        " + line for line in _step(c)], *_finish()]
     source += "\n\ndef main():\n" + "".join(f"    {line}\n" for line in main)

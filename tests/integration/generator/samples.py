@@ -10,7 +10,8 @@ DEFAULT_COUNT = 60
 #: both fault kinds, every moment. ``<combination>@<fault>``, as :class:`.driver.Case` parses it.
 DEFAULT_CASES = [
     "manual/ln-dropout/cursor/per-rank/clip+sched@SIGKILL:mid:rank1:step3",
-    "ddp-job-group/mlp/step/one-seed/-@SIGKILL:mid:rank1:step4",
+    "ddp-job-group/mlp/loader/one-seed/-@SIGKILL:mid:rank1:step4",  # rolled back across a rollover
+    "manual/mlp/loader-counter/one-seed/-@SIGKILL:mid:rank1:step4",  # refused up front
     "ddp-new-group/mlp/cursor/one-seed/accum@SIGKILL:before-first-step:rank0",
     "sharded/mlp/step/per-rank/clip@SIGKILL:last-step:rank3",
     "ddp/bn/step/one-seed/sched@SIGKILL:mid:rank2:step4",

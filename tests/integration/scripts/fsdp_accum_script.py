@@ -6,10 +6,10 @@ with ``set_requires_gradient_sync(False)`` on all but the last. Data:
 
 * ``--data step``: every micro-batch a pure function of (step, micro, rank);
 * ``--data loader``: a torchdata ``StatefulDataLoader`` over ``DistributedSampler(shuffle=True)``,
-  tracked as ``job.track(loader=loader)``, its iterator made the usual way (``it = iter(loader)``
-  before the loop; at each rollover ``set_epoch`` and ``it = iter(loader)``); the epoch comes from
-  the sampler (``--epoch-from sampler``: ``sampler.set_epoch(sampler.epoch + 1)``, the README's
-  pattern) or from a script variable (``--epoch-from counter``, which is not state).
+  tracked as ``job.track(loader=loader)``, its iterator made before the loop (``it = iter(loader)``)
+  and again at each rollover; the epoch is left to unbroken (``--epoch-from unbroken``, the
+  documented pattern) or set from a script variable (``--epoch-from counter``: the stock torch
+  loop's ``sampler.set_epoch(epoch)``, which unbroken refuses).
 
 ``--micro-sleep-s S``: after the first micro-batch's backward rank 0 prints
 ``step <k> micro 0 done`` and every rank sleeps S, so a test can kill a rank while the
@@ -62,7 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--data", choices=("step", "loader"), default="step")
-    p.add_argument("--epoch-from", choices=("sampler", "counter"), default="sampler")
+    p.add_argument("--epoch-from", choices=("unbroken", "counter"), default="unbroken")
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--blocks", type=int, default=2)
@@ -102,7 +102,8 @@ def main() -> None:
 
     epoch = 0
     if sampler is not None:
-        sampler.set_epoch(epoch)
+        if args.epoch_from == "counter":
+            sampler.set_epoch(epoch)
         it = iter(loader)
 
     def next_batch(step: int, micro: int):
@@ -114,8 +115,9 @@ def main() -> None:
             return next(it)
         except StopIteration:  # a new epoch: a new shuffle
             epoch += 1
-            sampler.set_epoch(epoch if args.epoch_from == "counter" else sampler.epoch + 1)
-            it = iter(loader)
+            if args.epoch_from == "counter":
+                sampler.set_epoch(epoch)
+            it = iter(loader)  # a tracked loader's sampler moves to the next epoch here
             return next(it)
 
     for step in job.steps(args.steps):

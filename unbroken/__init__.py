@@ -22,8 +22,10 @@ def __getattr__(name: str):
     # `unbroken.optim` pays nothing for it.
     import importlib
 
-    if name in ("Job", "init"):
-        return getattr(importlib.import_module("unbroken.worker.session"), name)
+    if name == "Job":
+        return importlib.import_module("unbroken.worker.session").Job
+    if name == "init":
+        return importlib.import_module("unbroken.worker.entry").init
     if name == "optim":
         return importlib.import_module("unbroken.optim")
     raise AttributeError(f"module 'unbroken' has no attribute {name!r}")

@@ -66,7 +66,7 @@ def test_world_size_device_and_track_need_no_rank():
 @pytest.mark.parametrize("read,where", [
     (lambda job: job.rank, "job.rank"),
     (lambda job: job.process_group, "job.process_group"),
-    (lambda job: job.all_reduce, "job.all_reduce"),
+    (lambda job: job.all_reduce(torch.ones(1)), "job.all_reduce"),
     (lambda job: list(job.steps(2)), AT_STEPS),
 ], ids=["rank", "process_group", "all_reduce", "steps"])
 def test_the_first_rank_dependent_read_blocks_until_the_order(read, where):
@@ -117,6 +117,22 @@ def test_stdio_orders_end_the_spare_quietly_when_the_agent_closes_stdin(monkeypa
 def test_prerun_from_env_reads_the_fd_and_the_world_size():
     assert prerun_from_env({"WORLD_SIZE": "4"}) is None
     assert prerun_from_env({"UNBROKEN_PRERUN": "7", "WORLD_SIZE": "4"}) == (7, 4)
+
+
+def test_the_unassigned_job_is_a_job_that_overrides_every_public_member():
+    """No proxy: init() returns a Job; each public member of Job (its methods and properties, and the
+    attributes its constructor sets) is PrerunJob's own, so none reads a Job field never set."""
+    import inspect
+
+    from unbroken.worker.session import Job
+
+    assert issubclass(PrerunJob, Job)
+    set_in_init = {n for n in ("cfg", "rank", "world_size", "local_rank", "attempt", "device")
+                   if f"self.{n}" in inspect.getsource(Job.__init__)}
+    public = {n for n in vars(Job) if not n.startswith("_")} | set_in_init
+    job = PrerunJob(world_size=2, device=None, orders=FakeOrders(), build=lambda order: None)
+    missed = {n for n in public if n not in vars(PrerunJob) and n not in vars(job)}
+    assert not missed, f"PrerunJob must override: {sorted(missed)}"
 
 
 def test_init_returns_the_unassigned_job_in_a_prerun_spare(monkeypatch):

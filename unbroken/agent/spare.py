@@ -41,7 +41,7 @@ def main() -> None:
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
-    import unbroken.worker.session  # noqa: F401  - what unbroken.init() imports
+    import unbroken.worker.entry  # noqa: F401  - what unbroken.init() imports
     from unbroken.protocol.messages import spare_import_names
 
     warm_up()

@@ -6,8 +6,8 @@ job's argv and the worker environment minus everything rank-dependent (no ``RANK
 
 * known at once: ``job.world_size``, ``job.device`` on CPU; ``job.track(...)`` records its
   objects (the real session tracks them at assignment, before any step);
-* every other read (``job.rank``, ``job.process_group``, ``job.all_reduce``, ``job.steps()``,
-  ``job.step()``, ``job.mesh()``, ...) is rank-dependent: the first one reports the spare ready
+* every other member (``job.rank``, ``job.process_group``, ``job.all_reduce(...)``, ``job.steps()``,
+  ``job.step()``, ``job.mesh()``, ...) is rank-dependent: the first use reports the spare ready
   (:class:`StdioOrders`: one JSON line ``{"where": "job.rank"}`` on the fd the agent gave it) and
   blocks until the agent's order assigns a rank (a line ``{"env": {...}, "argv": [...]}`` on stdin).
   It then applies the order's environment and builds the real :class:`~unbroken.worker.session.Job`,
@@ -17,6 +17,10 @@ job's argv and the worker environment minus everything rank-dependent (no ``RANK
 What the script built before the block point from rank-independent inputs (a seeded model, its
 optimizer) is overwritten by the transfer, as in a replacement. A value computed early from the
 rank without asking unbroken (``os.environ["RANK"]``) is the unsafe case: docs/recovery.md, *Pre-run spares*.
+
+:class:`PrerunJob` is a :class:`~unbroken.worker.session.Job` (``init()`` returns what its
+annotation says) that overrides every public member of Job by name, each one building the real
+session first and then going on on it (tests/worker/test_prerun_job.py checks that none is missed).
 
 Lives in the training (main) thread of the spare's process; the blocked read is that thread.
 """
@@ -31,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
+from unbroken.worker.session import Job
 from unbroken.worker_config import ENV_PRERUN
 
 #: ``where`` of a block at ``job.steps()``: all of the script before its loop ran ahead.
@@ -89,14 +94,15 @@ def _apply(order: dict[str, Any], join: Callable[[], Any]) -> Any:
     return join()
 
 
-class PrerunJob:
+class PrerunJob(Job):
     """What ``unbroken.init()`` returns in a pre-run spare (module docstring). Unassigned
-    (``assigned`` False, the ``track`` calls recorded) -> the first rank-dependent read: ready
+    (``assigned`` False, the ``track`` calls recorded) -> the first rank-dependent use: ready
     reported, blocked, assigned (a real Job built, the recorded ``track`` calls replayed on it) ->
-    every attribute is the real Job's. Lives in the spare's training thread."""
+    every member is the real Job's. Job's constructor never runs on this object: each public member
+    of Job is overridden below. Lives in the spare's training thread."""
 
     def __init__(self, *, world_size: int, device: torch.device | None, orders: Orders,
-                 build: Callable[[dict[str, Any]], Any]) -> None:
+                 build: Callable[[dict[str, Any]], Any]) -> None:  # noqa: D107 (no Job.__init__: no rank yet)
         self.world_size = world_size
         if device is not None or not torch.cuda.is_available():  # a GPU's index is the rank's local rank
             self.device = device if device is not None else torch.device("cpu")
@@ -121,10 +127,61 @@ class PrerunJob:
         """The real session's ``steps(total)``; the normal block point of a pre-run spare."""
         return self._assigned(AT_STEPS).steps(total)
 
-    def __getattr__(self, name: str) -> Any:  # only names not set on the proxy: rank-dependent ones
-        if name.startswith("__") or name in ("_job", "_orders", "_build", "_tracks"):
-            raise AttributeError(name)
-        return getattr(self._assigned(f"job.{name}"), name)
+    # -- the rank-dependent members: the real session's, once assigned ----------------------
+    @property
+    def cfg(self) -> Any:
+        return self._assigned("job.cfg").cfg
+
+    @property
+    def rank(self) -> int:
+        return self._assigned("job.rank").rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._assigned("job.local_rank").local_rank
+
+    @property
+    def attempt(self) -> int:
+        return self._assigned("job.attempt").attempt
+
+    @property
+    def process_group(self) -> Any:
+        return self._assigned("job.process_group").process_group
+
+    @property
+    def step_completed(self) -> bool:
+        return self._assigned("job.step_completed").step_completed
+
+    @property
+    def step_index(self) -> int:
+        return self._assigned("job.step_index").step_index
+
+    def mesh(self, *dims: tuple[str, int], replicate: str = "dp") -> Any:
+        return self._assigned("job.mesh").mesh(*dims, replicate=replicate)
+
+    def step(self) -> Any:
+        return self._assigned("job.step").step()
+
+    def phase(self, name: str, step: int | None = None) -> None:
+        self._assigned("job.phase").phase(name, step)
+
+    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._assigned("job.all_reduce").all_reduce(tensor, *args, **kwargs)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self._assigned("job.all_gather").all_gather(tensor)
+
+    def report_degraded(self, reason: str) -> None:
+        self._assigned("job.report_degraded").report_degraded(reason)
+
+    def report(self, **metrics: Any) -> None:
+        self._assigned("job.report").report(**metrics)
+
+    def checkpoint(self) -> None:
+        self._assigned("job.checkpoint").checkpoint()
+
+    def close(self) -> None:
+        self._assigned("job.close").close()
 
     def _assigned(self, where: str) -> Any:
         if self._job is None:

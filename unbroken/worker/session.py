@@ -38,7 +38,7 @@ from unbroken.worker.control import ControlClient
 from unbroken.worker.inflight import InFlight
 from unbroken.worker.step_boundary import StepBoundary
 from unbroken.worker.tracked import TrackedState
-from unbroken.worker_config import WorkerConfig, managed_from_env, prerun_from_env, worker_config_from_env
+from unbroken.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class Job:
             self.close()
         except Exception as close_exc:  # noqa: BLE001  (exiting anyway: keep the first error)
             log.warning("rank %d: closing the session before a fatal exit failed: %s", self.rank, close_exc)
-        _exit_fatal(exc, f"rank {self.rank}")
+        exit_fatal(exc, f"rank {self.rank}")
 
     def phase(self, name: str, step: int | None = None) -> None:
         """Record the phase of the step in flight; fires injected faults planned for it."""
@@ -361,36 +361,7 @@ class Job:
         return restore.restore(sources, self._tracked, self._event)
 
 
-def init(**overrides: Any) -> Job:
-    """Join the job this process belongs to and return its session.
-
-    Works under `unbroken run`, under plain `torchrun`, and in a plain ``python`` process (world size 1).
-    Keyword arguments override the environment: ``save_dir``, ``load_dir``, ``every_steps``, ``keep``,
-    ``run_dir``, ``inject``, and every field of :class:`unbroken.worker_config.WorkerSettings` (``pg_timeout_s``,
-    ...); ``device`` and ``backend`` choose the device and the process-group backend. In a pre-run spare
-    (``--prerun-spares``) the session is unassigned until the agent gives it a rank (worker/prerun.py).
-
-    Under `unbroken run`, a FatalError here (e.g. a ConfigError) and in ``job.track()``, ``job.steps()`` or
-    a ``with job.step():`` block is logged at ERROR and ends the process with :data:`unbroken.EXIT_FATAL`:
-    the job fails at once instead of restarting. Elsewhere it propagates as raised.
-    """
-    device, backend = overrides.pop("device", None), overrides.pop("backend", None)
-    if (prerun := prerun_from_env()) is not None:
-        from unbroken.worker.prerun import unassigned_job
-        return unassigned_job(prerun, device, functools.partial(_join, overrides, device, backend))
-    return _join(overrides, device, backend)
-
-
-def _join(overrides: dict[str, Any], device: torch.device | None, backend: str | None) -> Job:
-    try:
-        return Job(worker_config_from_env(**overrides), device=device, backend=backend)
-    except FatalError as exc:
-        if managed_from_env():
-            _exit_fatal(exc, "worker")
-        raise
-
-
-def _exit_fatal(exc: FatalError, who: str) -> NoReturn:
+def exit_fatal(exc: FatalError, who: str) -> NoReturn:
     """Log `exc` and end this worker with EXIT_FATAL (SystemExit: `finally` blocks still run)."""
     log.error("%s: fatal error, exit code EXIT_FATAL=%d (not restarted): %s: %s", who, EXIT_FATAL,
               type(exc).__name__, exc)

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from unbroken.controller.values import Chain, RankSet
 from unbroken.names import Rung
 from unbroken.protocol.messages import CommitStep
+from unbroken.recovery.policy import JobPolicy
 from unbroken.recovery.restore_point import RankOffer, RestorePoint
 
-__all__ = ["CommitStep"]  # the wire's noun this module uses as its own
+__all__ = ["CommitStep", "JobPolicy"]  # the nouns of the wire and of recovery this module uses as its own
 
 
 class JobPhase(enum.Enum):
@@ -251,23 +252,6 @@ class Unconfirmed:
     gen: int
     resume_step: int
     tries: int
-
-
-@dataclass(frozen=True)
-class JobPolicy:
-    """What the user decided for the job (flags of `unbroken run`): fixed for its whole life.
-    The machine reads it and never changes it; :class:`JobState` holds what changes."""
-
-    world_size: int
-    nnodes: int
-    max_restarts: int
-    allowed: tuple[str, ...] = (Rung.EXIT,)  # --recover-strategy, in ladder order
-    max_recovery_tries: int = 3
-    replicas_allowed: bool = True  # False: --no-replica-restore
-    can_dump: bool = False  # a storage tier exists (--save)
-    sub_health_policy: str = "ignore"  # "grace-exit": a degraded rank -> dump, clean restart
-    crash_loop_limit: int = 3  # the same failure this many times in a row fails the job (0: never)
-    max_recurring: int = 2  # in-flight recoveries of a fault that recurs before one held; then a job restart
 
 
 @dataclass(frozen=True)

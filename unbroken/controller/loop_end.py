@@ -22,7 +22,8 @@ reports it hung (:class:`WorkerHung`); it is killed, and its exit is one after i
 
 A rank that dies *before* reporting it finished its loop is a failure, recovered as always
 (machine.py); once some other rank has left its loop, no survivor can redo a step in flight
-(:func:`left_the_loop`), so the ladder goes to a job restart. The exit code is 0 ("succeeded")
+(``FaultFacts.left_loop``, :func:`unbroken.recovery.ladder.in_flight_refusal`), so the ladder goes to a job
+restart. The exit code is 0 ("succeeded")
 when every rank finished its loop, whether or not some exited abnormally or hung afterwards:
 the training the job was asked for is complete, every step of it committed.
 """
@@ -68,15 +69,6 @@ def on_exit_after_loop(state: JobState, event: RankExited) -> tuple[JobState, li
     warning = ExitedAfterLoop(event.rank, event.exit_code, event.signal, event.step,
                               hung=event.rank in state.hung_after_loop)
     return finished(state, event.rank, [warning])
-
-
-def left_the_loop(state: JobState, dead: frozenset[int]) -> str:
-    """Why no in-flight rung can replace ``dead`` ("" if nothing here prevents it): other ranks
-    already left their step loops, so none of them can pause and redo a step with a replacement."""
-    gone = sorted((state.loop_finished | state.finished_ranks) - dead)
-    if not gone:
-        return ""
-    return f"ranks {gone} already left their step loops (training done there): no survivor can redo a step in flight"
 
 
 def finished(state: JobState, rank: int, actions: list[Action] | None = None) -> tuple[JobState, list[Action]]:

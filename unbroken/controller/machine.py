@@ -42,14 +42,8 @@ from unbroken.recovery.mesh_map import MeshReplicaMap
 from unbroken.recovery.replica_map import ReplicaMap
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
 from unbroken.recovery import crash_loop
-from unbroken.recovery.ladder import GIVE_UP, choose_rung
-from unbroken.names import IN_FLIGHT_RUNGS, REPLACING_RUNGS, Rung
-
-
-
-# Faults that leave every process usable: only state is damaged (rung `retry`, the seeds' UCE
-# and TRE). Any other pending fault rules `retry` out.
-RETRY_KINDS = frozenset({"memory-fault", "non-finite", "sdc"})
+from unbroken.recovery.ladder import GIVE_UP, RETRY_KINDS, Decision, FaultFacts, choose
+from unbroken.names import REPLACING_RUNGS, Rung
 
 
 def _replace(state: JobState, **changes) -> JobState:
@@ -146,48 +140,24 @@ def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, lis
         kind = "fatal"
     failure = Failure(rank=event.rank, attempt=event.attempt, kind=kind, exit_code=event.exit_code,
                       signal=event.signal, step=event.step, last_lines=event.last_lines, gen=state.gen)
-    if kind == "fatal":
-        return _fail_fatal(state, failure)
-    if state.policy.crash_loop_limit and crash_loop.repeats(state.failures + (failure,)) >= state.policy.crash_loop_limit:
-        state = _replace(state, failures=state.failures + (failure,))
-        last = " | ".join(line.strip() for line in failure.last_lines[-3:] if line.strip()) or "no output"
-        return _fail(state, failure, f"crash loop: {failure.describe()}, the same failure "
-                                     f"{state.policy.crash_loop_limit} times in a row ({last!r}); restarting "
-                                     "cannot help (--crash-loop-limit)")
-    return _recover(state, failure)
+    return _recover(state, failure)  # EXIT_FATAL and a crash loop included: the ladder says no rung helps
 
 
-def _fail_fatal(state: JobState, failure: Failure) -> tuple[JobState, list[Action]]:
-    """A rank exited with EXIT_FATAL ("do not restart me"): no rung can help a deterministic
-    error, so the job fails now, whatever restarts are left or recovery is in flight."""
-    last = " | ".join(line.strip() for line in failure.last_lines[-3:] if line.strip()) or "no output"
-    why = f"rank {failure.rank} exited with EXIT_FATAL ({EXIT_FATAL}: fatal error, not restarted): {last}"
-    state = _replace(state, failures=state.failures + (failure,), recovery=None)
-    return _fail(state, failure, why, exit_code=EXIT_FATAL)  # the cluster manager must not restart it either
-
-
-def in_flight_feasible(state: JobState, dead: frozenset[int]) -> tuple[bool, str]:
-    """Can the dead ranks be replaced in flight? (Every piece of their state has a live holder.)"""
-    if not state.policy.replicas_allowed:
-        return False, "restoring from replicas is off (--no-replica-restore)"
-    if state.ready != state.ranks:
-        missing = sorted(state.ranks - state.ready)
-        return False, (f"ranks {missing} have not committed a step through unbroken in this attempt (that "
-                       "needs job.steps() with gradients reduced by job.all_reduce or ShardedOptimizer)")
-    if state.not_in_flight:
-        rank, why = min(state.not_in_flight)
-        return False, f"rank {rank} cannot be recovered in flight: {why}"
-    if left := loop_end.left_the_loop(state, dead):  # the others are done: nobody to redo a step with
-        return False, left
-    alive = frozenset(state.ranks - dead)  # (a plain set for the replica maps)
-    if not alive:
-        return False, "no rank survived"
-    replicas = _replica_map(state)
-    for rank in sorted(dead):
-        for piece in replicas.pieces_of(rank):
-            if replicas.live_source(piece, alive) is None:
-                return False, f"no live replica of {piece} of rank {rank} (holders {replicas.holders(piece)} all lost)"
-    return True, "every piece of the lost ranks' state has a live replica"
+def _facts(state: JobState, failure: Failure, lost: frozenset[int] = frozenset(), detail: str = "") -> FaultFacts:
+    """What the ladder is told of a failure (``lost``: further ranks lost with it)."""
+    rec = state.recovery
+    prior = state.unconfirmed if rec is None else None  # a recovery that finished but has not held
+    failed = lost | {failure.rank}
+    dead = (rec.replaced if rec else frozenset()) | failed
+    return FaultFacts(
+        rank=failure.rank, kind=failure.kind, what=failure.describe(), dead=dead, last_lines=failure.last_lines,
+        detail=detail, replicas=_replica_map(state), not_ready=tuple(sorted(state.ranks - state.ready)),
+        not_in_flight=state.not_in_flight, left_loop=tuple(sorted((state.loop_finished | state.finished_ranks) - dead)),
+        recovering=rec.rung if rec else "", tries=rec.tries + 1 if rec else (prior.tries + 1 if prior else 1),
+        recurring_step=prior.resume_step if prior else None,
+        home_agents_up={state.agent_of(r) for r in failed} <= state.agents, standby=bool(state.standbys),
+        lost_agents=tuple(sorted(state.hosts() - state.agents)), restarts_used=state.restarts_used,
+        repeats=crash_loop.repeats(state.failures + (failure,)))
 
 
 def _replica_map(state: JobState) -> ReplicaMap | MeshReplicaMap:
@@ -200,89 +170,51 @@ def _replica_map(state: JobState) -> ReplicaMap | MeshReplicaMap:
 
 
 def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()) -> tuple[JobState, list[Action]]:
-    """Pick the rung for a failure (``lost``: further ranks lost with it) and start it."""
-    state = _replace(state, first_failure=state.first_failure or failure,
-                     failures=state.failures + (failure,))
-    recovery = state.recovery
-    failed = lost | {failure.rank}
-    dead = (recovery.replaced if recovery else frozenset()) | failed
-    prior = state.unconfirmed if recovery is None else None  # a recovery that finished but has not held
-    tries = recovery.tries + 1 if recovery else (prior.tries + 1 if prior else 1)
-    in_flight, why = in_flight_feasible(state, dead)
-    if in_flight and prior and tries > state.policy.max_recurring:
-        in_flight, why = False, (f"the in-flight recovery to step {prior.resume_step} did not hold: a rank failed "
-                                 f"again before every rank completed that step ({tries - 1} in-flight recoveries of "
-                                 f"this fault, at most {state.policy.max_recurring}: --max-recurring-recoveries)")
-    elif in_flight and tries > state.policy.max_recovery_tries:
-        in_flight, why = False, f"{tries - 1} in-flight tries used, at most {state.policy.max_recovery_tries}"
-    own_agents = {state.agent_of(r) for r in failed}
-    feasible = {Rung.RETRY: in_flight and failure.kind in RETRY_KINDS and recovery is None,
-                Rung.RECOVER_IN_PLACE: in_flight and own_agents <= state.agents,
-                Rung.RECOVER: in_flight and bool(state.standbys),
-                Rung.DUMP: in_flight and state.policy.can_dump and (recovery is None or recovery.rung != Rung.DUMP),
-                Rung.EXIT: state.restarts_used < state.policy.max_restarts and state.hosts() <= state.agents}
-    rung = choose_rung(state.policy.allowed, feasible)
-    if failure.kind in RETRY_KINDS and rung != Rung.RETRY:
-        # Not repairable in place: the damaged process goes, and its exit takes the ladder on.
-        return state, [Decide(rung, failure, f"{failure.describe()}; no retry ({why})"),
-                       KillRank(failure.rank, f"state damaged in memory, not repairable in place ({why})")]
+    """Ask the ladder for a failure's rung (``lost``: further ranks lost with it) and start it."""
+    facts = _facts(state, failure, lost)
+    decision = choose(facts, state.policy)
+    rung, reason, recovery = decision.rung, decision.reason, state.recovery
+    state = _replace(state, first_failure=state.first_failure or failure, failures=state.failures + (failure,))
+    if decision.kill:  # not repairable in place: the damaged process goes, and its exit takes the ladder on
+        return state, [Decide(rung, failure, reason), KillRank(failure.rank, decision.kill)]
     if rung == Rung.RETRY:  # no process exits: the damaged rank receives its state from replicas
         gen = state.gen + 1
-        reason = f"{failure.describe()}; {why}; repairing rank {failure.rank} from replicas"
         state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(),
-                         recovery=Recovery(rung, gen, frozenset({failure.rank}), tries))
+                         recovery=Recovery(rung, gen, frozenset({failure.rank}), facts.tries))
         return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
     if rung == Rung.DUMP:  # survivors write one consistent copy from replicas, then the job restarts
         gen = (recovery.gen if recovery else state.gen) + 1
-        reason = f"{failure.describe()}; {why}; survivors dump the state, then the job restarts"
-        state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(), recovery=Recovery(rung, gen, dead, tries))
+        state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(),
+                         recovery=Recovery(rung, gen, facts.dead, facts.tries))
         return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
     if rung in REPLACING_RUNGS:
-        gen = (recovery.gen if recovery else state.gen) + 1
-        placement = tuple(state.agent_of(r) for r in range(state.world_size))
-        restarts: list[Action] = []
-        if rung == Rung.RECOVER:  # the failed ranks move to a spare agent
-            spare = min(state.standbys)
-            placement = tuple(spare if r in failed else a for r, a in enumerate(placement))
-            state = _replace(state, standbys=state.standbys - {spare}, agents=state.agents | {spare})
-            restarts.append(RestartRanks(failed, gen, spare))
-        else:
-            for agent in sorted(own_agents):
-                restarts.append(RestartRanks(frozenset(r for r in failed if state.agent_of(r) == agent), gen, agent))
-        reason = f"{failure.describe()}; {why}; replacing ranks {sorted(dead)} (try {tries})"
-        state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(), placement=placement,
-                         recovery=Recovery(rung, gen, dead, tries))
-        return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason), *restarts]
+        return _replace_ranks(state, failure, decision, facts, lost | {failure.rank})
     if state.recovery is not None:
         state = _replace(state, recovery=None)
     if rung == GIVE_UP:
-        return _fail(state, failure, _why_no_rung(state, why))
-    in_flight_rungs = IN_FLIGHT_RUNGS & set(state.policy.allowed)
-    not_in_flight = f" ({', '.join(sorted(in_flight_rungs))}: no; {why})" if in_flight_rungs else ""
-    decision = Decide(rung, failure, f"{failure.describe()}; restart {state.restarts_used + 1} "
-                                     f"of {state.policy.max_restarts}{not_in_flight}")
+        return _fail(state, failure, reason, exit_code=decision.exit_code)
     stop = StopAttempt(state.attempt, f"{rung}: {failure.describe()}")
-    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [decision, stop]
+    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [Decide(rung, failure, reason), stop]
 
 
-def _why_no_rung(state: JobState, in_flight_why: str) -> str:
-    """The true reason no allowed rung can handle a fault: the restart budget, agents lost with
-    their ranks, or the allowed strategies."""
-    if Rung.EXIT in state.policy.allowed and state.restarts_used >= state.policy.max_restarts:
-        return f"restart budget spent ({state.restarts_used} of --max-restarts {state.policy.max_restarts} used)"
-    lost = sorted(state.hosts() - state.agents)
-    if lost:
-        if not state.standbys:
-            spare = "no standby agent to host their ranks (unbroken run --standby)"
-        elif Rung.RECOVER not in state.policy.allowed:
-            spare = f"rung recover (onto a standby agent) is not in --recover-strategy {','.join(state.policy.allowed)}"
-        else:
-            spare = f"their ranks cannot move to a standby agent in flight: {in_flight_why}"
-        return f"the agent of node(s) {lost} was lost, so the job cannot restart on all its nodes; {spare}"
-    if Rung.EXIT not in state.policy.allowed:
-        return (f"none of the allowed strategies ({', '.join(state.policy.allowed)}; --recover-strategy) can handle this "
-                f"fault ({in_flight_why}); add 'exit' to restart the job from its newest checkpoint")
-    return f"no recovery rung is allowed and feasible (--recover-strategy {','.join(state.policy.allowed)}; {in_flight_why})"
+def _replace_ranks(state: JobState, failure: Failure, decision: Decision, facts: FaultFacts,
+                   failed: frozenset[int]) -> tuple[JobState, list[Action]]:
+    """Rungs recover-in-place and recover: new processes for the dead ranks, on their own agents or a spare."""
+    rung, recovery = decision.rung, state.recovery
+    gen = (recovery.gen if recovery else state.gen) + 1
+    placement = tuple(state.agent_of(r) for r in range(state.world_size))
+    restarts: list[Action] = []
+    if rung == Rung.RECOVER:  # the failed ranks move to a spare agent
+        spare = min(state.standbys)
+        placement = tuple(spare if r in failed else a for r, a in enumerate(placement))
+        state = _replace(state, standbys=state.standbys - {spare}, agents=state.agents | {spare})
+        restarts.append(RestartRanks(failed, gen, spare))
+    else:
+        for agent in sorted({state.agent_of(r) for r in failed}):
+            restarts.append(RestartRanks(frozenset(r for r in failed if state.agent_of(r) == agent), gen, agent))
+    state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(), placement=placement,
+                     recovery=Recovery(rung, gen, facts.dead, facts.tries))
+    return state, [Decide(rung, failure, decision.reason), AbortGeneration(gen, decision.reason), *restarts]
 
 
 def _fail(state: JobState, failure: Failure, why: str, exit_code: int = 1) -> tuple[JobState, list[Action]]:
@@ -350,21 +282,17 @@ def _on_worker_degraded(state: JobState, event: WorkerDegraded) -> tuple[JobStat
     if state.policy.sub_health_policy != "grace-exit" or state.phase is not JobPhase.RUNNING or state.recovery:
         return state, []
     failure = Failure(rank=event.rank, attempt=event.attempt, kind="sub-health", step=event.step)
+    decision = choose(_facts(state, failure, detail=event.reason), state.policy)
     state = _replace(state, first_failure=state.first_failure or failure, failures=state.failures + (failure,))
-    if state.restarts_used >= state.policy.max_restarts:
-        return state, [Decide(GIVE_UP, failure, f"{failure.describe()}: {event.reason}; no restart left, "
-                                                  "training goes on (--max-restarts)")]
-    if state.policy.can_dump and state.ready == state.ranks:
+    if decision.rung == GIVE_UP:  # no restart left: the degraded rank trains on
+        return state, [Decide(GIVE_UP, failure, decision.reason)]
+    if decision.rung == Rung.DUMP:
         gen = state.gen + 1
-        reason = (f"{failure.describe()}: {event.reason}; every rank dumps its state, then the job restarts "
-                  "(--sub-health-policy grace-exit)")
         state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(),
                          recovery=Recovery(Rung.DUMP, gen, frozenset(), state.policy.max_recovery_tries))
-        return state, [Decide(Rung.DUMP, failure, reason), AbortGeneration(gen, reason)]
-    reason = (f"{failure.describe()}: {event.reason}; clean restart {state.restarts_used + 1} of "
-              f"{state.policy.max_restarts} (no storage tier to dump to: --save)")
+        return state, [Decide(Rung.DUMP, failure, decision.reason), AbortGeneration(gen, decision.reason)]
     return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [
-        Decide(Rung.EXIT, failure, reason), StopAttempt(state.attempt, f"exit: {failure.describe()}")]
+        Decide(decision.rung, failure, decision.reason), StopAttempt(state.attempt, f"exit: {failure.describe()}")]
 
 
 def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Action]]:

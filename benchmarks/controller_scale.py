@@ -55,9 +55,9 @@ from unbroken.protocol import messages as m
 row, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
 def started(n):
-    state = sm.JobState(sm.JobPolicy(world_size=n, nnodes=max(1, n // 8), max_restarts=3,
-                                     allowed=("recover-in-place", "recover", "exit")))
-    for node in range(state.policy.nnodes):
+    state = sm.JobState(sm.JobPolicy(max_restarts=3, allowed=("recover-in-place", "recover", "exit")),
+                        world_size=n, nnodes=max(1, n // 8))
+    for node in range(state.nnodes):
         state, _ = sm.transition(state, sm.AgentJoined(node))
     for r in range(n):
         state, _ = sm.transition(state, sm.SessionReady(r, 0, 0))
@@ -144,9 +144,9 @@ def handlers(n, relayed=False):
     cfg = LaunchConfig(script="train.py", nproc_per_node=n, run_dir=run_dir, secret="bench-secret-" + "x1y2z3w4" * 4)
     ctl = Controller(cfg, host="127.0.0.1", port=0, events=EventLog(run_dir))
     ctl.state = started(n)
-    per_node = n // ctl.state.policy.nnodes
+    per_node = n // ctl.state.nnodes
     conns = [WireConn() for _ in range(n)]
-    agents = {a: WireConn() for a in range(ctl.state.policy.nnodes)}
+    agents = {a: WireConn() for a in range(ctl.state.nnodes)}
     for r, w in ctl.workers.items():
         w.conn, w.state, w.attempt, w.pid, w.relayed = conns[r], WorkerState.RUNNING, 0, 1000 + r, relayed
     if relayed:

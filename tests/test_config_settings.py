@@ -9,6 +9,7 @@ import pytest
 from unbroken.cli.main import build_parser, launch_config
 from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConfigError
+from unbroken.recovery.policy import JobPolicy
 from unbroken.worker_config import WorkerSettings, setting_env, setting_flag, worker_config_from_env
 
 FIELDS = dataclasses.fields(WorkerSettings)
@@ -69,3 +70,31 @@ def test_the_derived_names_are_the_documented_ones():
     assert names["lazy_connect"] == ("lazy-connect", "UNBROKEN_LAZY_CONNECT")
     assert names["node_reports"] == ("node-reports", "UNBROKEN_NODE_REPORTS")
     assert LaunchConfig(script="x").worker == WorkerSettings()
+
+
+def test_the_recovery_flags_are_one_section_that_is_the_ladders_policy():
+    """`unbroken run`'s recovery flags land in LaunchConfig.recovery, the JobPolicy the controller's state
+    machine and the ladder read: no second set of names on the way (issue 31, item 4)."""
+    args = build_parser().parse_args(["run", "--max-restarts", "7", "--recover-strategy", "recover-in-place,exit",
+                                      "--no-replica-restore", "--sub-health-policy", "grace-exit",
+                                      "--crash-loop-limit", "0", "--max-recurring-recoveries", "4", "train.py"])
+    cfg = launch_config(args)
+    assert cfg.recovery == JobPolicy(max_restarts=7, allowed=("recover-in-place", "exit"), replicas_allowed=False,
+                                     sub_health_policy="grace-exit", crash_loop_limit=0, max_recurring=4)
+    assert launch_config(build_parser().parse_args(["run", "train.py"])).recovery == JobPolicy()  # one set of defaults
+    assert worker_env(cfg, rank=0, local_rank=0, attempt=0, controller="h:1", store_host="h",
+                      store_port=2)["TORCHELASTIC_MAX_RESTARTS"] == "7"
+
+
+@pytest.mark.parametrize("change, flag", [
+    ({"max_restarts": -1}, "--max-restarts must be >= 0"),
+    ({"allowed": ()}, "--recover-strategy must name at least one strategy"),
+    ({"allowed": ("elastic",)}, "--recover-strategy: 'elastic' is not built"),
+    ({"allowed": ("bogus",)}, "--recover-strategy: unknown strategy 'bogus'"),
+    ({"crash_loop_limit": -1}, "--crash-loop-limit must be >= 0"),
+    ({"max_recurring": 0}, "--max-recurring-recoveries must be >= 1"),
+    ({"sub_health_policy": "reboot"}, "--sub-health-policy: unknown policy 'reboot'"),
+])
+def test_a_bad_recovery_policy_is_refused_naming_its_flag(change, flag):
+    with pytest.raises(ConfigError, match=flag):
+        JobPolicy(**change)

@@ -18,7 +18,7 @@ from typing import Mapping
 
 from unbroken.limits import (  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
     IMPLEMENTED_RUNGS, MAX_TIMEOUT_S, require, require_strategy, require_timeout)
-from unbroken.names import Rung
+from unbroken.recovery.policy import JobPolicy
 from unbroken.worker_config import (  # CheckpointConfig, WorkerSettings: LaunchConfig's parts (benchmarks/ too)
     ENV_CKPT_EVERY, ENV_CONTROLLER, ENV_GEN, ENV_INJECT, ENV_JOB_ID, ENV_KEEP, ENV_LOAD_DIR, ENV_PERSIST_EVERY,
     ENV_RELAY, ENV_RUN_DIR, ENV_SAVE_DIR, ENV_SECRET, ENV_SHM_DIR, ENV_STORE_PREFIX, CheckpointConfig,
@@ -27,9 +27,6 @@ from unbroken.worker_config import (  # CheckpointConfig, WorkerSettings: Launch
 #: A user-given job secret (multi-node, standby) needs this many characters, this many distinct.
 SECRET_MIN_CHARS = 32
 SECRET_MIN_DISTINCT = 10
-
-#: What a rank reported degraded (sub-health) leads to: nothing, or a dump and a clean restart.
-SUB_HEALTH_POLICIES = ("ignore", "grace-exit")
 
 
 def check_secret_strength(secret: str) -> None:
@@ -76,14 +73,11 @@ class LaunchConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free port (single node only)
-    max_restarts: int = 32767
     run_dir: Path = Path("runs/latest")
     secret: str = ""
     job_id: str = ""
     inject: str = ""
-    recover_strategy: tuple[str, ...] = (Rung.RETRY, Rung.RECOVER_IN_PLACE, Rung.RECOVER, Rung.EXIT)
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
-    no_replica_restore: bool = False  # never restore from replicas: checkpoints only (seeds' no-replica)
     prerun_spares: bool = False  # spares run the script up to its first rank-dependent read (agent/prerun.py)
     stop_grace_s: float = 3.0
     # SIGTERM with --save: how long the job may take to dump its newest committed step before it
@@ -91,11 +85,9 @@ class LaunchConfig:
     # cluster's kill deadline: Kubernetes' terminationGracePeriodSeconds (30 s unless set) >= this + 10 s.
     sigterm_dump_timeout_s: float = 20.0
     omp_num_threads: int = 1
-    sub_health_policy: str = "ignore"
-    crash_loop_limit: int = 3  # the same failure this many times in a row ends the job (0: never)
-    max_recurring_recoveries: int = 2  # in-flight recoveries of a fault that recurs before one held
     straggler_factor: float = 0.0  # a rank computing this many times slower than the job's median is degraded
     metrics_port: int | None = None  # Prometheus /metrics, /status.json and the live page (None: off; 0: a free port)
+    recovery: JobPolicy = field(default_factory=JobPolicy)  # the recovery flags, as the ladder reads them
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hang: HangConfig = field(default_factory=HangConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
@@ -116,22 +108,13 @@ class LaunchConfig:
             check_secret_strength(self.secret)
         require(self.metrics_port is None or 0 <= self.metrics_port < 65536,
                 f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
-        require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")
         require(self.stop_grace_s >= 0, f"stop grace must be >= 0 s, got {self.stop_grace_s}")
         require(isinstance(self.sigterm_dump_timeout_s, (int, float)) and math.isfinite(self.sigterm_dump_timeout_s)
                 and 0 <= self.sigterm_dump_timeout_s <= MAX_TIMEOUT_S, f"--sigterm-dump-timeout-s must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}] "
                 f"(0: no dump on SIGTERM), got {self.sigterm_dump_timeout_s}")
         require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
-        for name in self.recover_strategy:
-            require_strategy(name)
-        require(bool(self.recover_strategy), "--recover-strategy must name at least one strategy")
-        require(self.crash_loop_limit >= 0, f"--crash-loop-limit must be >= 0 (0: off), got {self.crash_loop_limit}")
-        require(self.max_recurring_recoveries >= 1,
-                f"--max-recurring-recoveries must be >= 1, got {self.max_recurring_recoveries}")
         require(self.straggler_factor == 0 or 1 < self.straggler_factor < math.inf,
                 f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
-        require(self.sub_health_policy in SUB_HEALTH_POLICIES, f"--sub-health-policy: unknown policy "
-                f"{self.sub_health_policy!r} (allowed: {', '.join(SUB_HEALTH_POLICIES)})")
 
     @property
     def world_size(self) -> int:
@@ -181,7 +164,7 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         "MASTER_ADDR": store_host,
         "MASTER_PORT": str(store_port),
         "TORCHELASTIC_RESTART_COUNT": str(attempt),
-        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.recovery.max_restarts),
         "TORCHELASTIC_RUN_ID": cfg.job_id,
         # The store lives in the controller (a fresh one per attempt): every rank is a client.
         "TORCHELASTIC_USE_AGENT_STORE": "True",

@@ -53,7 +53,7 @@ def test_plain_strings_and_the_enum_are_the_same_rung():
 
 
 def test_no_allowed_rung_feasible_fails_the_job_with_that_reason_and_restarts_nothing():
-    state = sm.JobState(sm.JobPolicy(world_size=2, nnodes=1, max_restarts=5, allowed=("recover-in-place",)))
+    state = sm.JobState(sm.JobPolicy(max_restarts=5, allowed=("recover-in-place",)), world_size=2)
     # rank 1 never ran a step loop: in-flight recovery is infeasible, `exit` is not allowed
     state, _ = run(state, sm.AgentJoined(0), sm.SessionReady(0, 0, 0))
     state, actions = run(state, sm.RankExited(1, 0, 1, None))

@@ -10,8 +10,10 @@ from tests.conftest import run_machine as run
 from unbroken.errors import EXIT_FATAL
 
 
-def start(world=4, nnodes=1, max_restarts=3, allowed=("recover-in-place", "recover", "exit"), replicas=0, **kw):
-    state = sm.JobState(sm.JobPolicy(world_size=world, nnodes=nnodes, max_restarts=max_restarts, allowed=allowed, **kw))
+def start(world=4, nnodes=1, max_restarts=3, allowed=("recover-in-place", "recover", "exit"), replicas=0,
+          can_dump=False, **kw):
+    state = sm.JobState(sm.JobPolicy(max_restarts=max_restarts, allowed=allowed, **kw), world_size=world, nnodes=nnodes,
+                        can_dump=can_dump)
     for node in range(nnodes):
         state, actions = sm.transition(state, sm.AgentJoined(node))
     assert actions == [sm.StartAttempt(0)]
@@ -107,7 +109,7 @@ def test_two_ranks_in_different_blocks_are_replaced_in_flight():
 
 
 def test_without_a_step_loop_everywhere_only_exit_is_feasible():
-    state = sm.JobState(sm.JobPolicy(world_size=2, nnodes=1, max_restarts=1, allowed=("recover-in-place", "exit")))
+    state = sm.JobState(sm.JobPolicy(max_restarts=1, allowed=("recover-in-place", "exit")), world_size=2)
     state, _ = run(state, sm.AgentJoined(0), sm.SessionReady(0, 0, 0))
     state, actions = run(state, sm.RankExited(1, 0, 1, None))
     assert actions[0].rung == "exit" and "have not committed a step through unbroken" in actions[0].reason

@@ -10,8 +10,7 @@ PP_DP = (["pp", "dp", "tp"], [2, 2, 1])  # ranks 0, 1: stage pp=0; ranks 2, 3: s
 
 
 def start(mesh=PP_DP, world=4, num_replicas=0):
-    state = sm.JobState(sm.JobPolicy(world_size=world, nnodes=1, max_restarts=3,
-                                     allowed=("recover-in-place", "recover", "exit")))
+    state = sm.JobState(sm.JobPolicy(max_restarts=3, allowed=("recover-in-place", "recover", "exit")), world_size=world)
     state, _ = sm.transition(state, sm.AgentJoined(0))
     for rank in range(world):
         state, _ = sm.transition(state, sm.SessionReady(rank, 0, num_replicas, mesh_names=mesh[0], mesh_sizes=mesh[1],

@@ -18,8 +18,10 @@ pytestmark = pytest.mark.timeout(10)
 
 
 def start(world=4, nnodes=1, ready=True, **kw):
-    state = sm.JobState(sm.JobPolicy(world_size=world, nnodes=nnodes, max_restarts=kw.pop("max_restarts", 3),
-                                     allowed=kw.pop("allowed", ("recover-in-place", "recover", "exit")), **kw))
+    can_dump = kw.pop("can_dump", False)
+    state = sm.JobState(sm.JobPolicy(max_restarts=kw.pop("max_restarts", 3),
+                                     allowed=kw.pop("allowed", ("recover-in-place", "recover", "exit")), **kw),
+                        world_size=world, nnodes=nnodes, can_dump=can_dump)
     for node in range(nnodes):
         state, _ = sm.transition(state, sm.AgentJoined(node))
     if ready:

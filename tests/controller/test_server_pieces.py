@@ -74,7 +74,7 @@ class FakeHub:
         self.host = "127.0.0.1"
         self.events = FakeEvents()
         self.lock = threading.RLock()
-        self.state = sm.JobState(sm.JobPolicy(world_size=world_size, nnodes=1, max_restarts=1))
+        self.state = sm.JobState(sm.JobPolicy(max_restarts=1), world_size=world_size)
         self.workers = {r: WorkerView(rank=r, attempt=0, pid=100 + r) for r in range(world_size)}
         self.fired: set[str] = set()
         self.outcome = None

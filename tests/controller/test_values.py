@@ -60,7 +60,7 @@ def test_a_chain_is_a_persistent_list_newest_first():
 
 
 def test_replace_copies_a_frozen_dataclass_and_refuses_unknown_fields():
-    state = sm.JobState(sm.JobPolicy(world_size=4, nnodes=1, max_restarts=1))
+    state = sm.JobState(sm.JobPolicy(max_restarts=1), world_size=4)
     new = replace(state, gen=3, committed_step=7)
     assert (new.gen, new.committed_step, state.gen, state.committed_step) == (3, 7, 0, -1)
     assert new == dataclasses.replace(state, gen=3, committed_step=7)
@@ -73,7 +73,7 @@ def test_replace_copies_a_frozen_dataclass_and_refuses_unknown_fields():
 def test_a_survivor_that_pauses_twice_counts_with_its_latest_position():
     """The pause positions are a chain now: a second pause of one rank (it reported again) must
     shadow its first, as the tuple that dropped the old entry did."""
-    state = sm.JobState(sm.JobPolicy(world_size=3, nnodes=1, max_restarts=3, allowed=("recover-in-place",)))
+    state = sm.JobState(sm.JobPolicy(max_restarts=3, allowed=("recover-in-place",)), world_size=3)
     state, _ = sm.transition(state, sm.AgentJoined(0))
     for r in range(3):
         state, _ = sm.transition(state, sm.SessionReady(r, 0, 0))

@@ -1,8 +1,8 @@
 """The recovery ladder, table-driven: one row per (facts, policy) -> (rung, reason), for every rung
 and every reason a rung is refused (milliseconds, no processes, no state machine).
 
-Each row starts from one fault, a crash of rank 2 of 4 on 2 nodes with full replication, every
-strategy allowed and a storage tier, and changes only what the row is about."""
+Each row starts from one fault, a crash of rank 2 of 4 with full replication, every strategy
+allowed and a storage tier, and changes only what the row is about."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from unbroken.recovery.replica_map import ReplicaMap
 WHAT = "rank 2 crashed (exit code 1) at step 5, attempt 0"
 LIVE = "every piece of the lost ranks' state has a live replica"
 ALL = (Rung.RETRY, Rung.RECOVER_IN_PLACE, Rung.RECOVER, Rung.DUMP, Rung.EXIT)
-POLICY = JobPolicy(world_size=4, nnodes=2, max_restarts=3, allowed=ALL, can_dump=True)
-FACTS = FaultFacts(rank=2, kind="crash", what=WHAT, dead=frozenset({2}), replicas=ReplicaMap.full(4))
+POLICY = JobPolicy(max_restarts=3, allowed=ALL)
+FACTS = FaultFacts(rank=2, kind="crash", what=WHAT, world_size=4, storage=True, dead=frozenset({2}),
+                   replicas=ReplicaMap.full(4))
 NOT_IN_FLIGHT = "dump, recover, recover-in-place, retry: no"  # the exit reason names the in-flight rungs refused
 NO_DDP = "it tracks a DistributedDataParallel module"
 NOT_READY = ("ranks [0, 1] have not committed a step through unbroken in this attempt (that needs job.steps() "
@@ -60,7 +61,7 @@ ROWS = [
     row("dump", Rung.DUMP, f"{WHAT}; {LIVE}; survivors dump the state, then the job restarts", home_agents_up=False),
     row("no-second-dump", Rung.EXIT, f"{WHAT}; restart 1 of 3 ({NOT_IN_FLIGHT}; {LIVE})", **DUMP_AGAIN),
     row("no-dump-without-storage", Rung.EXIT, f"{WHAT}; restart 1 of 3 ({NOT_IN_FLIGHT}; {LIVE})",
-        home_agents_up=False, policy={"can_dump": False}),
+        home_agents_up=False, storage=False),
     # -- exit: a job restart, and every reason the in-flight rungs are refused
     row("exit-only", Rung.EXIT, f"{WHAT}; restart 1 of 3", policy={"allowed": (Rung.EXIT,)}),
     row("exit-second-restart", Rung.EXIT, f"{WHAT}; restart 3 of 3", restarts_used=2, policy={"allowed": (Rung.EXIT,)}),
@@ -91,7 +92,7 @@ ROWS = [
         restarts_used=3, policy={"replicas_allowed": False}),
     row("node-lost-no-standby", GIVE_UP, "the agent of node(s) [1] was lost, so the job cannot restart on all its "
         "nodes; no standby agent to host their ranks (unbroken run --standby)",
-        kind="node-lost", home_agents_up=False, lost_agents=(1,), policy={"can_dump": False}),
+        kind="node-lost", home_agents_up=False, lost_agents=(1,), storage=False),
     row("node-lost-recover-not-allowed", GIVE_UP, "the agent of node(s) [1] was lost, so the job cannot restart on "
         "all its nodes; rung recover (onto a standby agent) is not in --recover-strategy recover-in-place,exit",
         kind="node-lost", home_agents_up=False, lost_agents=(1,), standby=True,
@@ -121,7 +122,7 @@ ROWS = [
     row("sub-health-dump", Rung.DUMP, f"{WHAT}: ecc; every rank dumps its state, then the job restarts "
         "(--sub-health-policy grace-exit)", kind="sub-health", detail="ecc"),
     row("sub-health-no-storage", Rung.EXIT, f"{WHAT}: ecc; clean restart 1 of 3 (no storage tier to dump to: --save)",
-        kind="sub-health", detail="ecc", policy={"can_dump": False}),
+        kind="sub-health", detail="ecc", storage=False),
     row("sub-health-not-ready", Rung.EXIT, f"{WHAT}: ecc; clean restart 2 of 3 (no storage tier to dump to: --save)",
         kind="sub-health", detail="ecc", not_ready=(1,), restarts_used=1),
     row("sub-health-no-restart-left", GIVE_UP, f"{WHAT}: ecc; no restart left, training goes on (--max-restarts)",
@@ -156,7 +157,7 @@ def test_the_table_meets_every_reason_an_in_flight_rung_is_refused():
 def test_a_rung_the_job_does_not_allow_is_never_taken_whatever_the_facts():
     for p in ROWS:
         facts, policy = dataclasses.replace(FACTS, **p.values[0]), dataclasses.replace(POLICY, **p.values[1])
-        for allowed in [(), (Rung.RETRY,), (Rung.DUMP,), (Rung.EXIT,), (Rung.RECOVER, Rung.EXIT)]:
+        for allowed in [(Rung.RETRY,), (Rung.DUMP,), (Rung.EXIT,), (Rung.RECOVER, Rung.EXIT)]:
             decision = choose(facts, dataclasses.replace(policy, allowed=allowed))
             if facts.kind != "sub-health":  # a degraded rank restarts cleanly whatever is allowed (machine.py)
                 assert decision.rung in (*allowed, GIVE_UP), (p.id, allowed, decision)

@@ -80,7 +80,7 @@ class Agent:
         self._spare: subprocess.Popen | None = None
         self._spare_imports: list[str] = []  # what the script imported: each spare imports it too
         self._spare_due_t: float | None = None  # when the next spare starts (after one was taken)
-        self._use_spare = bool(REPLACING_RUNGS & set(cfg.recover_strategy))
+        self._use_spare = bool(REPLACING_RUNGS & set(cfg.recovery.allowed))
         self._prerun = cfg.prerun_spares  # False after a pre-run spare failed: warm spares for the rest of the job
         self._prerun_spare: prerun.PrerunSpare | None = None
         ckpt = cfg.checkpoint

@@ -27,6 +27,7 @@ from unbroken.agent.launcher import JobResult, resolve, run_job
 from unbroken.config import LaunchConfig
 from unbroken.controller.eventlog import read_events
 from unbroken.controller.server import Controller
+from unbroken.recovery.policy import JobPolicy
 from unbroken.worker_config import CheckpointConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -159,7 +160,8 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
              script: str = "gpt") -> int:
     console = Console(width=None if sys.stdout.isatty() else 170)  # logs: no truncated columns
     root = Path(run_dir or f"runs/demo-{secrets.token_hex(3)}").absolute()
-    common = dict(script=str(EXAMPLES / SCRIPTS[script]), nproc_per_node=nproc, max_restarts=3, omp_num_threads=1)
+    common = dict(script=str(EXAMPLES / SCRIPTS[script]), nproc_per_node=nproc, recovery=JobPolicy(max_restarts=3),
+                  omp_num_threads=1)
     args = ("--steps", str(steps), "--step-sleep-s", "0.02")
     console.rule("[bold]unbroken demo")
     console.print(f"{nproc} ranks, example GPT ({SCRIPTS[script]}), {steps} steps. Run directory: {escape(str(root))}")

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from unbroken.config import HangConfig, LaunchConfig, parse_strategies, secret_from_env
 from unbroken.errors import ConfigError, UnbrokenError
+from unbroken.recovery.policy import JobPolicy
 from unbroken.worker_config import CheckpointConfig, WorkerSettings, setting_flag
 
 
@@ -204,21 +205,18 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         node_rank=args.node_rank,
         master_addr=master_addr,
         master_port=master_port,
-        max_restarts=args.max_restarts,
         run_dir=run_dir or Path("runs") / (job_id or "latest"),
         secret=secret_from_env(),
         job_id=job_id,
         inject=args.inject,
-        recover_strategy=parse_strategies(args.recover_strategy),
         standby=args.standby,
-        no_replica_restore=args.no_replica_restore,
         prerun_spares=args.prerun_spares,
-        sub_health_policy=args.sub_health_policy,
         straggler_factor=args.straggler_factor,
-        crash_loop_limit=args.crash_loop_limit,
-        max_recurring_recoveries=args.max_recurring_recoveries,
         metrics_port=args.metrics_port,
         sigterm_dump_timeout_s=args.sigterm_dump_timeout_s,
+        recovery=JobPolicy(max_restarts=args.max_restarts, allowed=parse_strategies(args.recover_strategy),
+                           replicas_allowed=not args.no_replica_restore, sub_health_policy=args.sub_health_policy,
+                           crash_loop_limit=args.crash_loop_limit, max_recurring=args.max_recurring_recoveries),
         checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
         worker=WorkerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkerSettings)}),

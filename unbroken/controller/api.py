@@ -259,6 +259,9 @@ class JobState:
     """What the controller knows of the job now; every transition returns a new one."""
 
     policy: JobPolicy
+    world_size: int  # the job's shape, fixed like its policy: ranks, and agents that host them
+    nnodes: int = 1
+    can_dump: bool = False  # a storage tier exists to dump to (--save)
     phase: JobPhase = JobPhase.STARTING
     attempt: int = 0
     restarts_used: int = 0
@@ -289,19 +292,15 @@ class JobState:
     terminating: str = ""  # why the job is stopping on SIGTERM ("": it is not); see controller/terminate.py
 
     @property
-    def world_size(self) -> int:
-        return self.policy.world_size
-
-    @property
     def ranks(self) -> RankSet:
         return RankSet.full(self.world_size)
 
     def agent_of(self, rank: int) -> int:
-        return self.placement[rank] if self.placement else rank // (self.world_size // self.policy.nnodes)
+        return self.placement[rank] if self.placement else rank // (self.world_size // self.nnodes)
 
     def hosts(self) -> frozenset[int]:
         """The agents that host ranks now."""
         if self.placement:
             return frozenset(self.placement)
-        per_agent = self.world_size // self.policy.nnodes  # agent_of without a placement
+        per_agent = self.world_size // self.nnodes  # agent_of without a placement
         return frozenset(range((self.world_size - 1) // per_agent + 1)) if self.world_size else frozenset()

@@ -150,7 +150,8 @@ def _facts(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()
     failed = lost | {failure.rank}
     dead = (rec.replaced if rec else frozenset()) | failed
     return FaultFacts(
-        rank=failure.rank, kind=failure.kind, what=failure.describe(), dead=dead, last_lines=failure.last_lines,
+        rank=failure.rank, kind=failure.kind, what=failure.describe(), world_size=state.world_size,
+        storage=state.can_dump, dead=dead, last_lines=failure.last_lines,
         detail=detail, replicas=_replica_map(state), not_ready=tuple(sorted(state.ranks - state.ready)),
         not_in_flight=state.not_in_flight, left_loop=tuple(sorted((state.loop_finished | state.finished_ranks) - dead)),
         recovering=rec.rung if rec else "", tries=rec.tries + 1 if rec else (prior.tries + 1 if prior else 1),

@@ -56,11 +56,8 @@ class Controller:
         self.host = host
         self.events = events
         self.lock = threading.RLock()
-        self.state = sm.JobState(sm.JobPolicy(
-            world_size=cfg.world_size, nnodes=cfg.nnodes, max_restarts=cfg.max_restarts,
-            allowed=cfg.recover_strategy, replicas_allowed=not cfg.no_replica_restore,
-            can_dump=bool(cfg.checkpoint.save_dir), sub_health_policy=cfg.sub_health_policy,
-            crash_loop_limit=cfg.crash_loop_limit, max_recurring=cfg.max_recurring_recoveries))
+        self.state = sm.JobState(cfg.recovery, world_size=cfg.world_size, nnodes=cfg.nnodes,
+                                 can_dump=bool(cfg.checkpoint.save_dir))
         self.workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
         self.fired: set[str] = set()  # fault ids of the injection plan already claimed
         self.outcome: Outcome | None = None
@@ -98,8 +95,8 @@ class Controller:
         self._monitor_thread.start()
         self.live.start()
         self.events.emit("controller_started", address=self.address, world_size=self.cfg.world_size,
-                         nnodes=self.cfg.nnodes, max_restarts=self.cfg.max_restarts,
-                         recover_strategy=list(self.cfg.recover_strategy))
+                         nnodes=self.cfg.nnodes, max_restarts=self.cfg.recovery.max_restarts,
+                         recover_strategy=list(self.cfg.recovery.allowed))
 
     def wait(self, timeout_s: float | None = None) -> Outcome | None:
         self.done.wait(timeout_s)
@@ -152,9 +149,9 @@ class Controller:
     def degraded(self, rank: int, attempt: int, reason: str) -> None:
         """A rank reported (or found) degraded: log it; the state machine applies the policy."""
         step = self.workers[rank].step
-        if self.cfg.sub_health_policy == "grace-exit":
+        if self.cfg.recovery.sub_health_policy == "grace-exit":
             self.timing.fault_began(time.monotonic(), self.workers.values())
-        self.events.emit("sub_health", rank=rank, reason=reason, step=step, policy=self.cfg.sub_health_policy)
+        self.events.emit("sub_health", rank=rank, reason=reason, step=step, policy=self.cfg.recovery.sub_health_policy)
         self.apply(sm.WorkerDegraded(rank, attempt, reason, step))
 
     def terminate(self, reason: str) -> None:

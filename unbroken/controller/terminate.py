@@ -101,7 +101,7 @@ def _on_requested(state: JobState, event: TerminateRequested) -> tuple[JobState,
 
 def _why_no_dump(state: JobState) -> str:
     """Why the job cannot dump now ("": it can)."""
-    if not state.policy.can_dump:
+    if not state.can_dump:
         return "no --save DIR to dump to"
     if state.phase is not JobPhase.RUNNING:
         return f"the job was {state.phase.value} (between attempts or in a recovery), not at a step boundary"

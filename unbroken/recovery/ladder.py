@@ -38,6 +38,8 @@ class FaultFacts:
     rank: int  # the failed rank (the lowest of a lost node's)
     kind: str  # Failure.kind: "crash", "exit", "hang", "fatal", "node-lost", a RETRY_KINDS one, "sub-health", ...
     what: str  # Failure.describe(): every reason starts with it
+    world_size: int  # ranks in the job
+    storage: bool = False  # a storage tier to dump to exists (--save)
     dead: frozenset[int] = frozenset()  # the ranks to replace: lost now, and in the recovery in progress
     last_lines: tuple[str, ...] = ()  # the failed rank's last output (crash loop, EXIT_FATAL)
     detail: str = ""  # sub-health: what the degraded rank reported
@@ -82,7 +84,7 @@ def choose(facts: FaultFacts, policy: JobPolicy) -> Decision:
     feasible = {Rung.RETRY: in_flight and facts.kind in RETRY_KINDS and not facts.recovering,
                 Rung.RECOVER_IN_PLACE: in_flight and facts.home_agents_up,
                 Rung.RECOVER: in_flight and facts.standby,
-                Rung.DUMP: in_flight and policy.can_dump and facts.recovering != Rung.DUMP,
+                Rung.DUMP: in_flight and facts.storage and facts.recovering != Rung.DUMP,
                 Rung.EXIT: facts.restarts_used < policy.max_restarts and not facts.lost_agents}
     rung = choose_rung(policy.allowed, feasible)
     if facts.kind in RETRY_KINDS and rung != Rung.RETRY:  # the damaged process goes; its exit takes the ladder on
@@ -105,10 +107,10 @@ def in_flight_refusal(facts: FaultFacts, policy: JobPolicy) -> str:
     if facts.left_loop:  # the others are done: nobody to redo a step with
         return (f"ranks {list(facts.left_loop)} already left their step loops (training done there): no survivor "
                 "can redo a step in flight")
-    alive = frozenset(range(policy.world_size)) - facts.dead
+    alive = frozenset(range(facts.world_size)) - facts.dead
     if not alive:
         return "no rank survived"
-    replicas = facts.replicas or ReplicaMap.full(policy.world_size)
+    replicas = facts.replicas or ReplicaMap.full(facts.world_size)
     for rank in sorted(facts.dead):
         for piece in replicas.pieces_of(rank):
             if replicas.live_source(piece, alive) is None:
@@ -141,7 +143,7 @@ def _sub_health(facts: FaultFacts, policy: JobPolicy) -> Decision:
     what = f"{facts.what}: {facts.detail}"
     if facts.restarts_used >= policy.max_restarts:
         return Decision(GIVE_UP, f"{what}; no restart left, training goes on (--max-restarts)")
-    if policy.can_dump and not facts.not_ready:
+    if facts.storage and not facts.not_ready:
         return Decision(Rung.DUMP, f"{what}; every rank dumps its state, then the job restarts "
                                    "(--sub-health-policy grace-exit)")
     return Decision(Rung.EXIT, f"{what}; clean restart {facts.restarts_used + 1} of {policy.max_restarts} "

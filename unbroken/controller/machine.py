@@ -20,6 +20,9 @@ States of a job (:class:`JobPhase`)::
     any --SIGTERM--> (a dump of the newest committed step, where possible) TERMINATED (exit code 143):
         see :mod:`unbroken.controller.terminate`
 
+Which rung handles a fault, and why, is the ladder's (:func:`unbroken.recovery.ladder.choose`): the
+machine gathers what it knows of the fault (:func:`_facts`) and carries out the decision.
+
 Steps commit here too: a step is committed when every rank reported that its gradient
 reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistency`.
 """

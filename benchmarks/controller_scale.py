@@ -134,23 +134,30 @@ def handlers(n, relayed=False):
     each node's agent (agent/relay.py, --node-reports)."""
     import tempfile, msgpack
     from unbroken.config import LaunchConfig
-    from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS
+    from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS, Connections
     from unbroken.controller.eventlog import EventLog
     from unbroken.controller.server import Controller
-    from unbroken.names import WorkerState
+    from unbroken.ops.live_view import LiveView
     from unbroken.protocol.framing import pack_frame
     from unbroken.protocol.schema import decode, encode
     run_dir = tempfile.mkdtemp(prefix="ctl-bench-")
     cfg = LaunchConfig(script="train.py", nproc_per_node=n, run_dir=run_dir, secret="bench-secret-" + "x1y2z3w4" * 4)
-    ctl = Controller(cfg, host="127.0.0.1", port=0, events=EventLog(run_dir))
-    ctl.state = started(n)
+    events = EventLog(run_dir)
+    ctl = Controller(cfg, host="127.0.0.1", port=0, events=events)
+    live = LiveView(run_dir=run_dir, job_id="bench", world_size=n, events=events, snapshot=ctl.snapshot)
+    events.listeners.append(live.on_record)  # as the launcher joins them (agent/launcher.py), not started
+    ctl.add_step_listener(live.on_step)
+    ctl._state = started(n)  # mid-job, on n // 8 nodes: set directly (only apply() replaces it in a job)
+    handling = Connections(ctl)  # the serving threads' handlers (no state of their own)
     per_node = n // ctl.state.nnodes
     conns = [WireConn() for _ in range(n)]
     agents = {a: WireConn() for a in range(ctl.state.nnodes)}
-    for r, w in ctl.workers.items():
-        w.conn, w.state, w.attempt, w.pid, w.relayed = conns[r], WorkerState.RUNNING, 0, 1000 + r, relayed
+    for r in range(n):  # each rank's process started and registered (connections.py)
+        ctl.board.process_started(r, 1000 + r, 0, time.monotonic())
+        ctl.board.connected(r, conns[r], relayed=relayed)
     if relayed:
-        ctl.connections.agents.update(agents)
+        for a, conn in agents.items():
+            ctl.board.agent_joined(a, conn, standby=False)
     def reports(step):
         def metrics(r):  # what a session reports (worker/progress.py), the compute time feeding the straggler rule
             return {"loss": 1.0, "step_s": 0.5, "compute_s": 0.3 + r % 7 * 1e-3, "ckpt_s": 0.0}
@@ -170,9 +177,9 @@ def handlers(n, relayed=False):
             msg = decode(msgpack.unpackb(frame[4:], raw=False))
             with ctl.lock:
                 if relayed:
-                    AGENT_HANDLERS[type(msg)](ctl.connections, who, msg)
+                    AGENT_HANDLERS[type(msg)](handling, who, msg)
                 else:
-                    WORKER_HANDLERS[type(msg)](ctl.connections, who, 0, conns[who], msg)
+                    WORKER_HANDLERS[type(msg)](handling, who, 0, conns[who], msg)
     from unbroken.controller.health import WINDOW
     for step in range(1, WINDOW + 2):  # warm: the imports, and every rank's compute times for the straggler rule
         feed(frames(step))

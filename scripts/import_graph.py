@@ -33,6 +33,8 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("unbroken.controller", "unbroken.optim", "the controller must not know the optimizer"),
     ("unbroken.controller", "unbroken.worker", "the controller and the worker meet only on the wire"),
     ("unbroken.controller", "unbroken.agent", "the agent hosts the controller, not the reverse"),
+    ("unbroken.controller", "unbroken.ops", "the launcher hands the live view to the controller"),
+    ("unbroken.ops", "unbroken.controller", "the live view reads what it is given, not the controller"),
     ("unbroken.worker_config", "unbroken.config", "the launcher's config builds on what a worker is told"),
     ("unbroken.worker", "unbroken.config", "a worker reads its environment (worker_config), not the launcher's flags"),
     ("unbroken.worker", "unbroken.controller", "the controller and the worker meet only on the wire"),

@@ -14,6 +14,7 @@ import pytest
 
 from unbroken.agent import prerun
 from unbroken.agent.agent import Agent
+from unbroken.agent.spares import Spares
 from unbroken.config import LaunchConfig
 from unbroken.protocol import messages as m
 from unbroken.worker_config import ENV_GEN, ENV_PRERUN
@@ -128,23 +129,23 @@ class _Conn:
 
 
 @pytest.mark.timeout(30)
-def test_the_agent_falls_back_to_warm_spares_when_its_prerun_spare_dies(tmp_path: Path):
-    agent = Agent(LaunchConfig(script="train.py", nproc_per_node=4, prerun_spares=True, run_dir=tmp_path),
-                  "127.0.0.1", 1)
-    agent._conn = _Conn()
+def test_the_node_falls_back_to_warm_spares_when_its_prerun_spare_dies(tmp_path: Path):
+    sent: list[m.Message] = []
+    spares = Spares(LaunchConfig(script="train.py", nproc_per_node=4, prerun_spares=True, run_dir=tmp_path),
+                    base_env=lambda: None, send=sent.append)
     started: list[bool] = []
-    agent._start_spare = lambda: started.append(agent._prerun)  # type: ignore[method-assign]
-    agent._prerun_spare = spare = _child(FAILING_CHILD)
+    spares.start = lambda: started.append(spares.prerun_allowed)  # type: ignore[method-assign]
+    spares._prerun = spare = _child(FAILING_CHILD)
     deadline = time.monotonic() + 20
-    while agent._prerun_spare is not None:
+    while spares.kind == "prerun":
         assert time.monotonic() < deadline
-        agent._check_prerun()  # what the command loop does every prerun.POLL_S
+        spares.tick()  # what the agent's command loop does every prerun.POLL_S
         time.sleep(0.02)
-    (event,) = agent._conn.sent
+    (event,) = sent
     assert isinstance(event, m.AgentEvent) and event.name == "prerun_failed" and event.fields["exit_code"] == 1
     assert started == [False]  # a warm spare next, and for the rest of the job
     assert spare.popen.poll() is not None
-    assert agent._spare_wait_s() is None  # no pre-run spare left to look at
+    assert spares.wait_s() is None  # no pre-run spare left to look at
 
 
 @pytest.mark.timeout(30)
@@ -154,15 +155,17 @@ def test_the_agent_gives_a_ready_prerun_spare_the_lost_rank(tmp_path: Path):
     agent = Agent(LaunchConfig(script="train.py", script_args=("--steps", "3"), nproc_per_node=4, prerun_spares=True,
                                run_dir=tmp_path), "127.0.0.1", 1)
     agent._conn = _Conn()
-    agent._prerun_spare = spare = _child(READY_CHILD)
+    agent._spares._prerun = spare = _child(READY_CHILD)
     _poll_until(spare, "ready")
     try:
-        proc = agent._take_prerun(WorkerProc(2, 2, 0, None), dict(GIVEN, RANK="2"), ["train.py", "--steps", "3"])
+        proc = agent._from_prerun(WorkerProc(2, 2, 0, None), dict(GIVEN, RANK="2"), ["train.py", "--steps", "3"])
         assert proc is not None and proc.popen is spare.popen and proc.reader is spare.reader
         assert proc.popen.wait(10) == 0
         proc.reader.join(5)
-        assert list(proc.tail) == ["assigned rank 2"]
-        assert agent._prerun and agent._prerun_spare is None and agent._spare_due_t is not None  # the next pre-runs too
+        assert list(proc.tail) == ["assigned rank 2"]  # its output is the rank's now
+        spares = agent._spares
+        assert spares.prerun_allowed and spares.kind == "none"  # the next pre-runs too,
+        assert spares.wait_s() is not None  # after the restart delay
         assert not agent._conn.sent  # its spare_ready went out earlier, from the command loop
     finally:
         spare.drop()

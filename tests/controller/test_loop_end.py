@@ -72,7 +72,7 @@ def test_only_a_stopped_or_zombie_process_past_its_timeout_is_hung_after_its_loo
 
 
 def _finishing(hub: FakeHub, rank: int, process: str, process_t: float) -> None:
-    w = hub.workers[rank]
+    w = hub.board.view(rank)
     w.state, w.phase, w.in_step_loop, w.steps_in_generation = WorkerState.FINISHING, Phase.FINISHED, True, 5
     w.process, w.process_t = process, process_t
 
@@ -81,33 +81,33 @@ def test_the_monitor_finds_a_rank_stopped_after_its_loop_within_the_hang_timeout
     hub = FakeHub(world_size=3)
     _finishing(hub, 1, "running", 0.0)
     _finishing(hub, 2, "stopped", 10.0)
-    timeout_s = hub.monitor.steady_timeout_s()
-    find = hub.monitor.find_hung_after_loop
-    assert find(hub.workers.values(), 0, now=10.0 + timeout_s) is None
-    assert find(hub.workers.values(), 0, now=10.5 + timeout_s).rank == 2
-    assert find(hub.workers.values(), 0, now=10.5 + timeout_s, killed={2}) is None  # rank 1 runs: never blamed
-    assert find(hub.workers.values(), 1, now=10.5 + timeout_s) is None  # another attempt's
+    timeout_s = hub.watchdog.steady_timeout_s()
+    find = hub.watchdog.find_hung_after_loop
+    assert find(hub.board.views(), 0, now=10.0 + timeout_s) is None
+    assert find(hub.board.views(), 0, now=10.5 + timeout_s).rank == 2
+    assert find(hub.board.views(), 0, now=10.5 + timeout_s, killed={2}) is None  # rank 1 runs: never blamed
+    assert find(hub.board.views(), 1, now=10.5 + timeout_s) is None  # another attempt's
 
 
 def test_a_rank_stopped_before_its_first_step_is_blamed_at_the_steady_timeout_not_the_first_step_one():
     hub = FakeHub(world_size=2)
-    for w in hub.workers.values():
+    for w in hub.board.views():
         w.state, w.last_progress_t = WorkerState.RUNNING, 0.0
-    hub.workers[0].phase, hub.workers[0].in_step_loop = Phase.COMPUTE, True  # waits in step 0
-    hub.workers[1].process, hub.workers[1].process_t = "stopped", 20.0  # stopped before its first step
-    steady, first = hub.monitor.steady_timeout_s(), hub.cfg.hang.first_step_timeout_s
+    hub.board.view(0).phase, hub.board.view(0).in_step_loop = Phase.COMPUTE, True  # waits in step 0
+    hub.board.view(1).process, hub.board.view(1).process_t = "stopped", 20.0  # stopped before its first step
+    steady, first = hub.watchdog.steady_timeout_s(), hub.cfg.hang.first_step_timeout_s
     assert steady < first
-    assert hub.monitor.find_hung(hub.workers.values(), 0, now=20.0 + steady - 0.1) is None
-    blamed, why = hub.monitor.find_hung(hub.workers.values(), 0, now=20.5 + steady)
+    assert hub.watchdog.find_hung(hub.board.views(), 0, now=20.0 + steady - 0.1) is None
+    blamed, why = hub.watchdog.find_hung(hub.board.views(), 0, now=20.5 + steady)
     assert blamed.rank == 1 and why == "its process is stopped"
 
 
 def test_before_any_step_loop_only_a_stopped_process_is_suspect_at_the_first_step_timeout():
     hub = FakeHub(world_size=2)
-    for w in hub.workers.values():
+    for w in hub.board.views():
         w.state, w.last_progress_t = WorkerState.RUNNING, 0.0  # a plain script: no step reports
     first = hub.cfg.hang.first_step_timeout_s
-    assert hub.monitor.find_hung(hub.workers.values(), 0, now=10 * first) is None  # silence alone: no suspect
-    hub.workers[1].process, hub.workers[1].process_t = "stopped", 5.0
-    assert hub.monitor.find_hung(hub.workers.values(), 0, now=5.0 + first - 0.1) is None
-    assert hub.monitor.find_hung(hub.workers.values(), 0, now=5.5 + first)[0].rank == 1
+    assert hub.watchdog.find_hung(hub.board.views(), 0, now=10 * first) is None  # silence alone: no suspect
+    hub.board.view(1).process, hub.board.view(1).process_t = "stopped", 5.0
+    assert hub.watchdog.find_hung(hub.board.views(), 0, now=5.0 + first - 0.1) is None
+    assert hub.watchdog.find_hung(hub.board.views(), 0, now=5.5 + first)[0].rank == 1

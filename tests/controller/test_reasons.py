@@ -10,7 +10,7 @@ from unbroken.controller import machine as sm
 
 from tests.conftest import run_machine as run
 from unbroken.controller.executor import _committed
-from unbroken.controller.monitor import Monitor
+from unbroken.controller.watchdog import Watchdog
 from unbroken.controller.views import WorkerView
 from unbroken.names import Phase, WorkerState
 
@@ -109,13 +109,13 @@ def _view(rank: int, started_t: float, *, in_loop: bool = False, phase: str = Ph
 
 
 def test_a_job_without_a_step_loop_is_never_suspected_of_hanging():
-    monitor = Monitor(HangConfig(first_step_timeout_s=2.0), 0.0)
+    monitor = Watchdog(HangConfig(first_step_timeout_s=2.0), 0.0)
     workers = [_view(r, 0.0) for r in range(4)]
     assert monitor.find_hung(workers, 0, now=3 * 2.0 + 1) is None  # a plain torchrun script at 3x the timeout
 
 
 def test_once_a_rank_entered_the_step_loop_a_rank_that_did_not_is_the_suspect():
-    monitor = Monitor(HangConfig(first_step_timeout_s=2.0), 0.0)
+    monitor = Watchdog(HangConfig(first_step_timeout_s=2.0), 0.0)
     workers = [_view(0, 0.0, in_loop=True, phase=Phase.SYNC), _view(1, 0.0)]
     workers[0].last_progress_t = 0.5
     hung = monitor.find_hung(workers, 0, now=3.0)

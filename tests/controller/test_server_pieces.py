@@ -1,5 +1,6 @@
 """The controller's handlers (message -> event) and executor (action -> message), with a fake
-hub and fake connections: milliseconds, no sockets, no processes."""
+hub (the real board, watchdog and step handling) and fake connections: milliseconds, no sockets,
+no processes."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import pytest
 
 from unbroken.config import LaunchConfig
 from unbroken.controller import machine as sm
+from unbroken.controller.board import Board
 from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS, Connections
 from unbroken.controller.executor import Executor
-from unbroken.controller.monitor import Monitor
 from unbroken.controller.rank_state import RankStates
+from unbroken.controller.server import Controller
 from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import WorkerView
+from unbroken.controller.watchdog import Watchdog
 from unbroken.names import Phase, WorkerState
 from unbroken.protocol import messages as m
 from unbroken.protocol.framing import unpack_payload
@@ -67,7 +70,8 @@ class FakeLive:
 
 
 class FakeHub:
-    """What the handlers and the executor use of the Controller; `apply` records the events."""
+    """The Hub the handlers and the executor use: the real board, watchdog, executor and the
+    Controller's own step handling; `apply` records the events (and runs the machine if asked)."""
 
     def __init__(self, world_size: int = 2, *, run_machine: bool = False) -> None:
         self.cfg = LaunchConfig(script="x", nproc_per_node=world_size)
@@ -75,22 +79,23 @@ class FakeHub:
         self.events = FakeEvents()
         self.lock = threading.RLock()
         self.state = sm.JobState(sm.JobPolicy(max_restarts=1), world_size=world_size)
-        self.workers = {r: WorkerView(rank=r, attempt=0, pid=100 + r) for r in range(world_size)}
-        self.fired: set[str] = set()
-        self.outcome = None
-        self.done = threading.Event()
-        self.recovery_deadline = None
+        self.board = Board(world_size, nnodes=1)
+        for r in range(world_size):  # every rank's process of attempt 0 started (pid 100 + rank)
+            self.board.process_started(r, 100 + r, 0, now=0.0)
         self.storage = FakeStorage()
         self.timing = RecoveryTiming()
-        self.monitor = Monitor(self.cfg.hang, 0.0)
+        self.watchdog = self._watchdog = Watchdog(self.cfg.hang, 0.0)
         self.rank_states = RankStates(limit_bytes=1 << 16)
         self.connections = Connections(self)
         self.store_service = StoreService()
         self.live = FakeLive()
+        self._step_listeners = [self.live.on_step]
         self.applied: list = []
         self.degraded_calls: list = []
         self._run_machine = run_machine
         self.executor = Executor(self)
+
+    step_completed = Controller.step_completed  # the real one, over this hub's pieces
 
     def apply(self, event) -> None:
         self.applied.append(event)
@@ -98,11 +103,23 @@ class FakeHub:
             self.state, actions = sm.transition(self.state, event)
             self.executor.execute(actions)
 
+    def reply(self, action) -> None:
+        self.executor.execute([action])
+
     def degraded(self, rank, attempt, reason) -> None:
         self.degraded_calls.append((rank, attempt, reason))
 
     def check_recovered(self) -> None:
         pass
+
+    def connect(self, rank: int, conn, *, relayed: bool = False, phase: str | None = None) -> None:
+        """Rank ``rank``'s worker registered on ``conn`` (and, with ``phase``, reported it)."""
+        self.board.connected(rank, conn, relayed=relayed)
+        if phase is not None:
+            self.board.reported(rank, phase, in_loop=True)
+
+    def agent(self, node: int, conn) -> None:
+        self.board.agent_joined(node, conn, standby=False)
 
 
 def worker_msg(hub, rank, msg, conn=None):
@@ -119,10 +136,10 @@ def test_progress_done_moves_the_view_and_times_the_step():
     hub = FakeHub()
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=0, phase="compute", metrics={}))
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=0, phase="sync", metrics={}))
-    assert len(hub.workers[0].compute_s) == 0  # the rank measures its compute time and sends it with 'done'
+    assert len(hub.board.view(0).compute_s) == 0  # the rank measures its compute time and sends it with 'done'
     done = {"loss": 2.0, "compute_s": 0.25}
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="done", metrics=done))
-    w = hub.workers[0]
+    w = hub.board.view(0)
     assert (w.step, w.steps_in_generation, w.metrics, w.phase) == (1, 1, done, Phase.DONE)
     assert hub.live.steps == [(0, 1, done)] and list(w.compute_s) == [0.25]
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="finished", metrics={}))
@@ -134,7 +151,7 @@ def test_a_compute_report_with_the_previous_steps_done_folded_in_counts_both():
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=0, phase="compute", metrics={}))
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=1, phase="compute", metrics={"loss": 1.5},
                                   state=b"s1", done=True))
-    w = hub.workers[0]
+    w = hub.board.view(0)
     assert (w.step, w.steps_in_generation, w.metrics, w.phase, w.in_step_loop) == (1, 1, {"loss": 1.5}, Phase.COMPUTE,
                                                                                True)
     assert hub.live.steps == [(0, 1, {"loss": 1.5})]
@@ -144,16 +161,16 @@ def test_a_compute_report_with_the_previous_steps_done_folded_in_counts_both():
 def test_step_synced_puts_the_rank_in_sync_and_the_commit_moves_every_rank_to_update():
     hub = FakeHub(run_machine=True)
     hub.state = dataclasses.replace(hub.state, phase=sm.JobPhase.RUNNING)
-    conns = {r: FakeConn() for r in hub.workers}
-    for r, w in hub.workers.items():
-        w.conn, w.state, w.phase = conns[r], WorkerState.RUNNING, Phase.COMPUTE  # no 'sync' report came
+    conns = {r: FakeConn() for r in hub.board.ranks()}
+    for r in hub.board.ranks():
+        hub.connect(r, conns[r], phase=Phase.COMPUTE)  # no 'sync' report came
     worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=3))
-    assert (hub.workers[0].phase, hub.workers[1].phase) == (Phase.SYNC, Phase.COMPUTE)  # rank 1: still computing
+    assert (hub.board.view(0).phase, hub.board.view(1).phase) == (Phase.SYNC, Phase.COMPUTE)  # rank 1: still computing
     worker_msg(hub, 1, m.StepSynced(rank=1, attempt=0, gen=0, step=3))
-    assert {w.phase for w in hub.workers.values()} == {Phase.UPDATE}
+    assert {w.phase for w in hub.board.views()} == {Phase.UPDATE}
     assert all(c.sent == [m.CommitStep(gen=0, step=3)] for c in conns.values())
-    assert hub.connections.counts.received["StepSynced"] == 0  # counted by the serving loop, not the handlers
-    assert hub.connections.counts.sent["CommitStep"] == 2
+    assert hub.board.counts.received["StepSynced"] == 0  # counted by the serving loop, not the handlers
+    assert hub.board.counts.sent["CommitStep"] == 2
 
 
 def test_a_death_after_the_loop_is_no_fault_to_time():
@@ -166,11 +183,11 @@ def test_a_death_after_the_loop_is_no_fault_to_time():
 
 def test_a_worker_exit_becomes_rank_exited_with_the_step_the_controller_saw():
     hub = FakeHub()
-    hub.workers[1].step = 9
+    hub.board.view(1).step = 9
     AGENT_HANDLERS[m.WorkerExited](hub.connections, 0, m.WorkerExited(rank=1, pid=101, attempt=0, exit_code=None,
                                                                        signal=9, last_lines=["boom"]))
     assert hub.applied == [sm.RankExited(1, 0, None, 9, 9, ("boom",))]
-    assert hub.workers[1].state == WorkerState.FAILED and hub.timing.fault_t is not None
+    assert hub.board.view(1).state == WorkerState.FAILED and hub.timing.fault_t is not None
     AGENT_HANDLERS[m.WorkerExited](hub.connections, 0, m.WorkerExited(rank=0, pid=100, attempt=5, exit_code=0,
                                                                        signal=None, last_lines=[]))
     assert len(hub.applied) == 1  # another attempt's exit is ignored
@@ -195,7 +212,7 @@ def test_restore_rounds_decide_once_every_rank_offered_and_answer_a_repeat():
     hub = FakeHub(run_machine=True)
     conns = {r: FakeConn() for r in range(2)}
     for r, conn in conns.items():
-        hub.workers[r].conn, hub.workers[r].state = conn, WorkerState.RUNNING
+        hub.connect(r, conn)
     worker_msg(hub, 0, m.RestoreOffer(rank=0, attempt=0, round=0, memory_steps=[4, 2], storage_steps=[]), conns[0])
     assert all(not c.sent for c in conns.values())
     worker_msg(hub, 1, m.RestoreOffer(rank=1, attempt=0, round=0, memory_steps=[2], storage_steps=[4]), conns[1])
@@ -220,15 +237,15 @@ def test_a_step_persisted_by_every_rank_commits_and_supersedes_older_ones():
 def test_the_executor_turns_actions_into_the_messages_agents_and_workers_get():
     hub = FakeHub()
     agent, worker = FakeConn(), FakeConn()
-    hub.connections.agents[0] = agent
-    hub.workers[0].conn, hub.workers[0].state = worker, WorkerState.RUNNING
+    hub.agent(0, agent)
+    hub.connect(0, worker)
     hub.executor.execute([sm.KillRank(1, "hung"), sm.CommitStep(gen=0, step=3),
                           sm.OrderRegroup(2, 3, frozenset({1, 0})), sm.AbortGeneration(2, "lost rank 1")])
     assert agent.sent == [m.KillWorker(rank=1, pid=101, reason="hung")]
     assert worker.sent == [m.CommitStep(gen=0, step=3),
                            m.Regroup(gen=2, resume_step=3, replaced=[0, 1], fallback=[0, 1]),
                            m.Abort(gen=2, reason="lost rank 1")]
-    assert hub.recovery_deadline[0] == 2
+    assert hub.board.recovery_deadline[0] == 2
     assert hub.events.names() == ["kill_worker", "regroup", "per_rank_state", "per_rank_state", "abort_generation"]
 
 
@@ -236,7 +253,7 @@ def test_a_replaced_rank_gets_its_own_per_rank_state_in_its_regroup_order():
     hub = FakeHub(world_size=3)
     conns = {r: FakeConn() for r in range(3)}
     for r, conn in conns.items():
-        hub.workers[r].conn, hub.workers[r].state = conn, WorkerState.RUNNING
+        hub.connect(r, conn)
     # What rank 1 reported: the start of step 3 (compute), then the state after computing 3.
     WORKER_HANDLERS[m.Progress](hub.connections, 1, 0, conns[1], m.Progress(
         rank=1, attempt=0, step=3, phase="compute", metrics={}, state=b"start-3"))
@@ -255,10 +272,11 @@ def test_a_replaced_rank_gets_its_own_per_rank_state_in_its_regroup_order():
 def test_the_executor_finishes_the_job_and_tells_every_agent():
     hub = FakeHub()
     agents = {0: FakeConn(), 1: FakeConn()}
-    hub.connections.agents.update(agents)
+    for node, conn in agents.items():
+        hub.agent(node, conn)
     point = RestorePoint(step=-1, tiers=(), reason="nothing")
     hub.executor.execute([sm.RestoreDecided(0, 0, point, None), sm.Finish(0, "done")])
-    assert hub.outcome.exit_code == 0 and hub.done.is_set()
+    assert hub.board.outcome.exit_code == 0 and hub.board.is_done()
     assert all(c.sent == [m.Shutdown(exit_code=0, reason="done")] for c in agents.values())
 
 
@@ -284,38 +302,38 @@ def test_an_agents_process_status_reaches_the_view_only_for_the_current_process(
     hub = FakeHub()
     AGENT_HANDLERS[m.WorkerStatus](hub.connections, 0, m.WorkerStatus(rank=1, pid=101, attempt=0, status="stopped"))
     AGENT_HANDLERS[m.WorkerStatus](hub.connections, 0, m.WorkerStatus(rank=0, pid=999, attempt=0, status="zombie"))
-    assert (hub.workers[1].process, hub.workers[0].process) == ("stopped", "running")
+    assert (hub.board.view(1).process, hub.board.view(0).process) == ("stopped", "running")
     assert hub.events.lines == [("worker_status", {"rank": 1, "pid": 101, "status": "stopped"})]
     AGENT_HANDLERS[m.WorkerStarted](hub.connections, 0, m.WorkerStarted(rank=1, pid=102, attempt=0))
-    assert hub.workers[1].process == "running"  # a new process of the rank starts running
+    assert hub.board.view(1).process == "running"  # a new process of the rank starts running
 
 
-def test_the_monitor_blames_the_rank_that_never_reached_the_collective():
+def test_the_watchdog_blames_the_rank_that_never_reached_the_collective():
     hub = FakeHub(world_size=3)
-    for w in hub.workers.values():
+    for w in hub.board.views():
         w.state, w.phase, w.last_progress_t, w.in_step_loop = WorkerState.RUNNING, Phase.SYNC, 0.0, True
-    hub.workers[2].phase, hub.workers[2].last_progress_t = Phase.COMPUTE, 1.0  # silent for less time
+    hub.board.view(2).phase, hub.board.view(2).last_progress_t = Phase.COMPUTE, 1.0  # silent for less time
     timeout_s = hub.cfg.hang.first_step_timeout_s
-    assert hub.monitor.find_hung(hub.workers.values(), 0, now=timeout_s) is None
-    blamed, why = hub.monitor.find_hung(hub.workers.values(), 0, now=timeout_s + 0.5)
+    assert hub.watchdog.find_hung(hub.board.views(), 0, now=timeout_s) is None
+    blamed, why = hub.watchdog.find_hung(hub.board.views(), 0, now=timeout_s + 0.5)
     assert blamed.rank == 2 and "never reached the collective (phase compute)" in why
 
 
-def test_the_monitor_finds_a_survivor_silent_since_the_abort_order():
+def test_the_watchdog_finds_a_survivor_silent_since_the_abort_order():
     hub = FakeHub(world_size=3)
-    for w in hub.workers.values():
+    for w in hub.board.views():
         w.state = WorkerState.RUNNING
     rec = sm.Recovery("recover-in-place", 1, frozenset({2}), 1, paused=frozenset({0}))
     timeout_s = hub.cfg.hang.first_step_timeout_s
-    find = hub.monitor.find_silent_in_recovery
-    assert find(hub.workers.values(), 0, rec, ordered_t=10.0, now=10.0 + timeout_s) is None
-    assert find(hub.workers.values(), 0, rec, ordered_t=10.0, now=10.5 + timeout_s).rank == 1
+    find = hub.watchdog.find_silent_in_recovery
+    assert find(hub.board.views(), 0, rec, ordered_t=10.0, now=10.0 + timeout_s) is None
+    assert find(hub.board.views(), 0, rec, ordered_t=10.0, now=10.5 + timeout_s).rank == 1
 
 
 def test_every_attempt_gets_a_fresh_store_key_prefix_handed_out_over_the_control_plane():
     hub = FakeHub()
     agent = FakeConn()
-    hub.connections.agents[0] = agent
+    hub.agent(0, agent)
     try:
         hub.executor.execute([sm.StartAttempt(0), sm.RestartRanks(frozenset({1}), 1, 0)])
         start, restart = agent.sent
@@ -335,13 +353,14 @@ def test_a_job_finishes_once_the_first_outcome_wins():
     hub = FakeHub()
     hub.executor.execute([sm.Finish(143, "terminated: SIGTERM"), sm.Finish(143, "a second SIGTERM")])
     assert hub.events.names().count("job_finished") == 1
-    assert hub.outcome.reason == "terminated: SIGTERM"
+    assert hub.board.outcome.reason == "terminated: SIGTERM"
 
 
 def test_what_the_script_imported_goes_to_every_agent_once_checked():
     hub = FakeHub()
     agents = {0: FakeConn(), 1: FakeConn()}
-    hub.connections.agents.update(agents)
+    for node, conn in agents.items():
+        hub.agent(node, conn)
     modules = ["numpy", "torch.distributed.fsdp", "os; rm -rf /", 7]
     worker_msg(hub, 0, m.WorkerEvent(rank=0, attempt=0, name="script_imports", fields={"modules": modules}))
     worker_msg(hub, 1, m.WorkerEvent(rank=1, attempt=0, name="script_imports", fields={"modules": ["other"]}))
@@ -355,11 +374,11 @@ def _relayed_hub(world_size: int = 4) -> tuple[FakeHub, dict[int, FakeConn], Fak
     """A running job on one node whose agent relays for ranks 1..N-1; rank 0 reports directly."""
     hub = FakeHub(world_size, run_machine=True)
     hub.state = dataclasses.replace(hub.state, phase=sm.JobPhase.RUNNING)
-    conns = {r: FakeConn() for r in hub.workers}
-    for r, w in hub.workers.items():
-        w.conn, w.state, w.phase, w.relayed = conns[r], WorkerState.RUNNING, Phase.COMPUTE, r > 0
+    conns = {r: FakeConn() for r in hub.board.ranks()}
+    for r in hub.board.ranks():
+        hub.connect(r, conns[r], relayed=r > 0, phase=Phase.COMPUTE)
     agent = FakeConn()
-    hub.connections.agents[0] = agent
+    hub.agent(0, agent)
     return hub, conns, agent
 
 
@@ -376,10 +395,10 @@ def test_a_nodes_reports_count_for_each_of_its_ranks_and_the_commit_goes_once_to
     _node_reports(hub, [m.StepSynced(rank=r, attempt=0, gen=0, step=3) for r in (1, 2, 3)])
     assert agent.sent == [] and hub.state.committed_step == -1  # rank 0 has not reported: no commit
     worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=3))
-    assert hub.state.committed_step == 3 and {w.phase for w in hub.workers.values()} == {Phase.UPDATE}
+    assert hub.state.committed_step == 3 and {w.phase for w in hub.board.views()} == {Phase.UPDATE}
     assert agent.sent == [m.CommitStep(gen=0, step=3)]  # once for the node's three relayed ranks (it fans out)
     assert conns[0].sent == [m.CommitStep(gen=0, step=3)] and all(conns[r].sent == [] for r in (1, 2, 3))
-    counts = hub.connections.counts
+    counts = hub.board.counts
     assert (counts.received["NodeReports"], counts.sent["CommitStep"]) == (2, 2)
     assert (counts.relayed["Progress"], counts.relayed["StepSynced"]) == (3, 3)
 
@@ -389,7 +408,7 @@ def test_a_missing_rank_in_the_nodes_reports_holds_the_commit():
     worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=1))
     _node_reports(hub, [m.StepSynced(rank=r, attempt=0, gen=0, step=1) for r in (1, 3)])
     assert hub.state.committed_step == -1 and agent.sent == []
-    assert [hub.workers[r].phase for r in range(4)] == [Phase.SYNC, Phase.SYNC, Phase.COMPUTE, Phase.SYNC]
+    assert [hub.board.view(r).phase for r in range(4)] == [Phase.SYNC, Phase.SYNC, Phase.COMPUTE, Phase.SYNC]
     _node_reports(hub, [m.StepSynced(rank=2, attempt=0, gen=0, step=1)])
     assert hub.state.committed_step == 1 and agent.sent == [m.CommitStep(gen=0, step=1)]
 
@@ -405,7 +424,7 @@ def test_a_run_of_relayed_step_synced_is_one_transition_in_the_batch_order():
     assert [type(e).__name__ for e in hub.applied] == ["StepSynced", "RanksSynced", "WorkerPaused", "RanksSynced"]
     assert (hub.applied[1].ranks, hub.applied[3].ranks) == ({1, 2}, {3})
     assert hub.state.committed_step == 1 and agent.sent == [m.CommitStep(gen=0, step=1)]
-    assert hub.connections.counts.relayed["StepSynced"] == 3
+    assert hub.board.counts.relayed["StepSynced"] == 3
 
 
 def test_relayed_reports_of_another_process_attempt_or_node_are_fenced():
@@ -414,7 +433,7 @@ def test_relayed_reports_of_another_process_attempt_or_node_are_fenced():
     _node_reports(hub, [m.StepSynced(rank=1, attempt=3, gen=0, step=1)])  # another attempt's
     AGENT_HANDLERS[m.NodeReports](hub.connections, 0, m.NodeReports(
         entries=[m.encode(m.ClaimFault(rank=1, fault_id="f")), {"type": "bogus"}], pids=[101, 101]))
-    assert hub.applied == [] and hub.connections.counts.relayed == {}
+    assert hub.applied == [] and hub.board.counts.relayed == {}
 
 
 def test_an_abort_order_carries_the_committed_step():
@@ -429,12 +448,12 @@ def test_the_redo_step_after_an_in_flight_recovery_gets_the_first_step_timeout_o
     be blamed as hung at the calibrated timeout while the replacement is within its first-step allowance."""
     hub = FakeHub(world_size=3)
     hang = hub.cfg.hang
-    for w in hub.workers.values():
+    for w in hub.board.views():
         w.steps_in_generation = 7
-    calibrated = hub.monitor.hang_timeout_s(hub.workers[0])
+    calibrated = hub.watchdog.hang_timeout_s(hub.board.view(0))
     assert calibrated == hang.floor_s < hang.first_step_timeout_s
     hub.executor.execute([sm.Recovered(gen=1, resume_step=7, replaced=frozenset({2}))])
-    assert [hub.monitor.hang_timeout_s(w) for w in hub.workers.values()] == [hang.first_step_timeout_s] * 3
+    assert [hub.watchdog.hang_timeout_s(w) for w in hub.board.views()] == [hang.first_step_timeout_s] * 3
     worker_msg(hub, 0, m.Progress(rank=0, attempt=0, step=8, phase="done", metrics={}))  # the redo step done
-    assert hub.monitor.hang_timeout_s(hub.workers[0]) == calibrated
-    assert hub.monitor.median_step_s() is None  # the redo step is not a steady step: not in the median
+    assert hub.watchdog.hang_timeout_s(hub.board.view(0)) == calibrated
+    assert hub.watchdog.median_step_s() is None  # the redo step is not a steady step: not in the median

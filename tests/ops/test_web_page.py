@@ -1,7 +1,7 @@
 """The live page on the metrics port, in a real headless browser (Chromium).
 
 Skipped, with the reason, where no Chromium is installed (`apt-get install chromium`). The
-page is served by a real MetricsServer over a JobMonitor fed with event-log records; the
+page is served by a real MetricsServer over a LiveView fed with event-log records; the
 browser loads it, takes a screenshot and dumps the DOM it rendered: each rank's row must be
 there, with its state, and the timeline SVG with each rank's lane.
 """
@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import free_port
 from unbroken.controller.eventlog import EventLog
-from unbroken.ops.monitor import JobMonitor
+from unbroken.ops.live_view import LiveView
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 WORLD = 4
@@ -37,7 +37,7 @@ def _chromium(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (apt-get install chromium) for the browser test")
 def test_live_page_shows_every_rank_in_a_real_browser(tmp_path):
     events = EventLog(tmp_path)
-    monitor = JobMonitor(run_dir=tmp_path, job_id="webtest", world_size=WORLD, events=events,
+    monitor = LiveView(run_dir=tmp_path, job_id="webtest", world_size=WORLD, events=events,
                          snapshot=_snapshot, metrics_port=free_port())
     events.listeners.append(monitor.on_record)
     monitor.start()

@@ -1,4 +1,5 @@
-"""The agent: one per node. Spawns, watches and stops this node's worker processes.
+"""The agent: one per node, the node's process manager. Spawns, watches and stops this node's
+worker processes; its spare process (warm or pre-run) is held by a :class:`~unbroken.agent.spares.Spares`.
 
 It runs the controller's orders (start an attempt, stop it, kill one hung worker, shut
 down) received over its control connection, in the thread that calls :meth:`Agent.run`.
@@ -13,7 +14,6 @@ Worker states (``WorkerProc.state``): running -> exited (on its own) | stopped (
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -26,26 +26,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from unbroken.agent import prerun
 from unbroken.agent.placement import Placement
 from unbroken.agent.processes import die_with_parent, process_state, signal_group
 from unbroken.agent.relay import NodeRelay
+from unbroken.agent.spares import Spares
 from unbroken.checkpoint import shm_files
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
 from unbroken.protocol.wire import Connection, connect
-from unbroken.names import REPLACING_RUNGS
 
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05
 STATUS_EVERY = 5  # watch rounds between looks at the workers' process states (stopped, zombie)
 TAIL_LINES = 20
-#: After a spare became a replacement, the next one starts this much later: its imports (seconds of
-#: CPU) would otherwise compete with the recovery in progress (the replacement's script, the transfer).
-SPARE_RESTART_DELAY_S = 3.0
 #: After SIGTERM, how much longer than --sigterm-dump-timeout-s an agent waits for the
 #: controller's shutdown order before it stops its node on its own (the controller is gone or stuck).
 SIGTERM_MARGIN_S = 5.0
@@ -77,12 +73,7 @@ class Agent:
         self._conn: Connection | None = None
         self.standby = cfg.standby
         self._placement = Placement(cfg.node_rank, cfg.nproc_per_node, cfg.standby)
-        self._spare: subprocess.Popen | None = None
-        self._spare_imports: list[str] = []  # what the script imported: each spare imports it too
-        self._spare_due_t: float | None = None  # when the next spare starts (after one was taken)
-        self._use_spare = bool(REPLACING_RUNGS & set(cfg.recovery.allowed))
-        self._prerun = cfg.prerun_spares  # False after a pre-run spare failed: warm spares for the rest of the job
-        self._prerun_spare: prerun.PrerunSpare | None = None
+        self._spares = Spares(cfg, self._prerun_env, self._send)
         ckpt = cfg.checkpoint
         self._persister = None
         if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id:
@@ -110,14 +101,13 @@ class Agent:
         if self._persister is not None:
             self._persister.start()
         if self.standby:
-            self._start_spare()
+            self._spares.start()
         try:
             while True:
                 try:
-                    msg = self._conn.recv(timeout_s=self._spare_wait_s())
+                    msg = self._conn.recv(timeout_s=self._spares.wait_s())
                 except TimeoutError:  # (an OSError) a spare is due to start, or to be looked at
-                    self._start_spare_when_due()
-                    self._check_prerun()
+                    self._spares.tick()
                     continue
                 except (ConnectionClosed, ProtocolError, OSError) as exc:
                     return 1, f"lost the controller at {self.controller}: {exc}"
@@ -133,12 +123,12 @@ class Agent:
                 elif isinstance(msg, m.RestartWorker):
                     self._restart(msg)
                 elif isinstance(msg, m.SpareImports):
-                    self._set_spare_imports(msg.modules)
+                    self._spares.set_imports(msg.modules)
                 elif isinstance(msg, m.Shutdown):
                     return msg.exit_code, msg.reason
         finally:
             self._stop.set()
-            self._drop_spare()
+            self._spares.drop()
             self._stop_all(None)
             if self._persister is not None:
                 self._persister.stop()  # its last report still goes out on the open connection
@@ -195,7 +185,7 @@ class Agent:
     def _start(self, msg: m.StartWorkers) -> None:
         for rank in self._placement.start(msg):
             self._spawn(rank, msg.attempt, gen=0)
-        self._start_spare()
+        self._spares.start()
 
     def _restart(self, msg: m.RestartWorker) -> None:
         """Start one worker again (in-flight recovery); the old process is already dead."""
@@ -211,9 +201,9 @@ class Agent:
         local_rank = self._placement.local_rank(rank)
         env = dict(os.environ, **self._worker_env(rank, local_rank, attempt, gen))
         argv = [self.cfg.script, *self.cfg.script_args]
-        proc = self._take_prerun(WorkerProc(rank, local_rank, attempt, None), env, argv) if gen > 0 else None
+        proc = self._from_prerun(WorkerProc(rank, local_rank, attempt, None), env, argv) if gen > 0 else None
         if proc is None:
-            popen = self._take_spare(env, argv) if gen > 0 else None
+            popen = self._spares.take_warm(env, argv) if gen > 0 else None
             if popen is None:
                 popen = subprocess.Popen([sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -234,115 +224,18 @@ class Agent:
                           store_prefix=self._placement.store_prefix,
                           relay=self._relay.address if self._relay is not None else "")
 
-    # -- the warm spare ----------------------------------------------------------------------
-    def _start_spare(self) -> None:
-        """Pre-start a process that imports torch, to replace a lost rank without that wait."""
-        if not self._use_spare or self._spare is not None or self._prerun_spare is not None:
-            return
-        if self._prerun and self._placement.world_size:  # (a standby agent's first spare: warm)
-            self._prerun_spare = prerun.PrerunSpare.start(dict(os.environ), self._worker_env(0, 0, 0, 0),
-                                                          [self.cfg.script, *self.cfg.script_args], die_with_parent)
-            return
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.omp_num_threads), PYTHONUNBUFFERED="1")
-        # -P: the working directory is not put on sys.path, so a folder named `unbroken` there
-        # cannot shadow the installed package; the spare then sets sys.path[0] to the script's
-        # folder, as `python script.py` does for a worker started without it.
-        self._spare = subprocess.Popen([sys.executable, "-u", "-P", "-m", "unbroken.agent.spare"], env=env,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       start_new_session=True, preexec_fn=die_with_parent)
-        if self._spare_imports:
-            self._tell_spare({"imports": self._spare_imports})
+    # -- the spare (agent/spares.py) --------------------------------------------------------
+    def _prerun_env(self) -> dict[str, str] | None:
+        """The worker environment a pre-run spare starts from; None before this node knows its job."""
+        return self._worker_env(0, 0, 0, 0) if self._placement.world_size else None
 
-    def _set_spare_imports(self, modules: list[str]) -> None:
-        """The modules the script imported (the controller's SpareImports): the idle spare imports
-        them now (a line on its stdin, read once its own imports are done), every later one at start."""
-        self._spare_imports = m.spare_import_names(modules)
-        if self._spare is not None and self._spare_imports and not self._tell_spare({"imports": self._spare_imports}):
-            self._start_spare()  # that one could not take the line (it died): a new one gets it at start
-
-    def _tell_spare(self, line: dict) -> bool:
-        """One JSON line to the idle spare's stdin (it reads them in order: agent/spare.py); a spare
-        that cannot take it is dropped (the next replacement then starts cold or from a new spare)."""
-        spare = self._spare
-        try:
-            assert spare is not None and spare.stdin is not None
-            spare.stdin.write((json.dumps(line) + "\n").encode())
-            spare.stdin.flush()
-            return True
-        except OSError:
-            self._drop_spare()
-            return False
-
-    def _take_spare(self, env: dict[str, str], argv: list[str]) -> subprocess.Popen | None:
-        spare = self._spare
-        if spare is None or spare.poll() is not None:
-            self._spare = None
+    def _from_prerun(self, proc: WorkerProc, env: dict[str, str], argv: list[str]) -> WorkerProc | None:
+        """``proc`` run by the pre-run spare if it can take the order; else None."""
+        taken = self._spares.take_prerun(env, argv, lambda line: self._show_line(proc, line))
+        if taken is None:
             return None
-        if not self._tell_spare({"env": env, "argv": argv}):
-            return None
-        self._spare = None
-        try:
-            assert spare.stdin is not None
-            spare.stdin.close()
-        except OSError:
-            pass
-        # The next spare starts later (SPARE_RESTART_DELAY_S), from this (the command) thread:
-        # PR_SET_PDEATHSIG follows the thread that forked, and this one lives as long as the agent.
-        self._spare_due_t = time.monotonic() + SPARE_RESTART_DELAY_S
-        return spare
-
-    def _spare_wait_s(self) -> float | None:
-        """How long the command loop may wait for a message before the next spare is due or the
-        pre-run spare is to be looked at (None: neither)."""
-        due_s = None if self._spare_due_t is None else max(0.0, self._spare_due_t - time.monotonic())
-        if self._prerun_spare is not None:
-            return prerun.POLL_S if due_s is None else min(due_s, prerun.POLL_S)
-        return due_s
-
-    # -- the pre-run spare (agent/prerun.py) -----------------------------------------------
-    def _check_prerun(self) -> None:
-        """From the command loop: report the pre-run spare ready, or exited (-> warm spares)."""
-        spare = self._prerun_spare
-        for name, fields in spare.poll() if spare is not None else ():
-            self._send(m.AgentEvent(name=name, fields=fields))
-        if spare is not None and spare.state == "exited":
-            self._release_prerun()
-            self._start_spare()
-
-    def _take_prerun(self, proc: WorkerProc, env: dict[str, str], argv: list[str]) -> WorkerProc | None:
-        """``proc`` run by the pre-run spare if it can take the order (prerun.take_decision); else None."""
-        self._check_prerun()
-        spare = self._prerun_spare
-        decision = spare.take(env, argv, lambda line: self._show_line(proc, line)) if spare is not None else "cold"
-        if decision == "cold":
-            return None
-        if spare.failure is not None:
-            self._send(m.AgentEvent(name="prerun_failed", fields=spare.failure))
-        self._release_prerun()  # taken or dropped: the next one starts later, from this thread
-        self._spare_due_t = time.monotonic() + SPARE_RESTART_DELAY_S
-        if decision != "use":
-            return None
-        proc.popen, proc.reader = spare.popen, spare.reader
+        proc.popen, proc.reader = taken
         return proc
-
-    def _release_prerun(self) -> None:
-        """Let the pre-run spare go (taken: a worker now); one not taken is dropped, warm spares from now on."""
-        spare, self._prerun_spare = self._prerun_spare, None
-        if spare is not None and spare.state != "taken":
-            self._prerun = False
-            spare.drop()
-
-    def _start_spare_when_due(self) -> None:
-        if self._spare_due_t is not None and time.monotonic() >= self._spare_due_t:
-            self._spare_due_t = None
-            self._start_spare()
-
-    def _drop_spare(self) -> None:
-        self._release_prerun()
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            signal_group(spare, signal.SIGKILL)
-            spare.wait()
 
     def _read_output(self, proc: WorkerProc) -> None:
         assert proc.popen.stdout is not None

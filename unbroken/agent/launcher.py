@@ -26,6 +26,7 @@ from unbroken.controller.eventlog import EventLog
 from unbroken.controller.machine import Failure
 from unbroken.controller.server import Controller
 from unbroken.errors import ConfigError
+from unbroken.ops.live_view import LiveView
 
 
 class Terminated(KeyboardInterrupt):
@@ -94,6 +95,24 @@ def _log_checkpoint_dirs(cfg: LaunchConfig, events: EventLog) -> None:
                     notes=check_launch_dirs(ckpt.save_dir, ckpt.load_dir))
 
 
+def _start_controller(cfg: LaunchConfig, events: EventLog) -> tuple[Controller, LiveView]:
+    """Node 0's controller and the live view it feeds (status.json, /metrics, the page): built and
+    joined here, so that the controller and the view know nothing of each other."""
+    controller = Controller(cfg, host=cfg.master_addr, port=cfg.master_port, events=events)
+    live = LiveView(run_dir=cfg.run_dir, job_id=cfg.job_id, world_size=cfg.world_size, events=events,
+                    snapshot=controller.snapshot, host=cfg.master_addr, metrics_port=cfg.metrics_port)
+    events.listeners.append(live.on_record)  # status, metrics and the page follow the log
+    controller.add_step_listener(live.on_step)  # and each completed step
+    try:
+        live.start()
+        controller.start()
+    except BaseException:
+        live.close()
+        controller.close(drain_s=0)
+        raise
+    return controller, live
+
+
 def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
             on_controller: Callable[[Controller], None] | None = None,
             graceful: GracefulStop | None = None) -> JobResult:
@@ -101,13 +120,13 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     ``graceful`` gets the agent while it serves (SIGTERM: see the module docstring)."""
     _prepare_run_dir(cfg)
     controller: Controller | None = None
+    live: LiveView | None = None
     events: EventLog | None = None
     try:
         if cfg.node_rank == 0 and not cfg.standby:
             events = EventLog(cfg.run_dir)
             _log_checkpoint_dirs(cfg, events)
-            controller = Controller(cfg, host=cfg.master_addr, port=cfg.master_port, events=events)
-            controller.start()
+            controller, live = _start_controller(cfg, events)
             if on_controller is not None:
                 on_controller(controller)
             host, port = cfg.master_addr, controller.port
@@ -137,5 +156,7 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
             graceful.attach(None)
         if controller is not None:
             controller.close()
+        if live is not None:
+            live.close()  # the final status.json, after the controller's last records
         if events is not None:
             events.close()

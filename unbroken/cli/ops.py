@@ -23,7 +23,7 @@ from rich.table import Table
 from unbroken.controller.eventlog import EVENTS_FILE, read_events
 from unbroken.errors import ConfigError, UnbrokenError
 from unbroken.ops import goodput
-from unbroken.ops.monitor import STATUS_FILE
+from unbroken.ops.live_view import STATUS_FILE
 
 LIVE_WITHIN_S = 10.0  # a status.json rewritten this recently belongs to a running job
 

@@ -1,69 +1,77 @@
-"""What the controller's pieces share: the :class:`Hub` contract the
+"""What the controller's pieces see of it: the :class:`Hub` contract the
 :class:`~unbroken.controller.server.Controller` fulfils for its connections and executor
-(typed here so that neither imports the server, which builds them)."""
+(typed here so that neither imports the server, which builds them), and the two actions that
+answer a message directly (:class:`Reply`, :class:`TellAgents`).
+
+Who does what:
+
+* connections (:mod:`~unbroken.controller.connections`) turn frames into events
+  (:meth:`Hub.apply`), note what agents and workers report on the
+  :class:`~unbroken.controller.board.Board`, and read its views; they send nothing;
+* the executor (:mod:`~unbroken.controller.executor`) alone carries out actions, the state
+  machine's and these two, and sends;
+* the board is the one owner of what both change; the machine's state (:attr:`Hub.state`) is the
+  server's, read-only here. The rest are services with their own small interfaces: the event log,
+  recovery timing, the ranks' own states, the store service, the storage tier.
+"""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Protocol
 
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import LaunchConfig
 from unbroken.controller.api import JobState
+from unbroken.controller.board import Board
 from unbroken.controller.events import Event
 from unbroken.controller.eventlog import EventLog
-from unbroken.controller.monitor import Monitor
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
-from unbroken.controller.views import Outcome, WorkerView
 from unbroken.protocol.messages import Message
 from unbroken.protocol.wire import Connection
 
 
-class Sender(Protocol):
-    """Sending to agents and workers (:class:`~unbroken.controller.connections.Connections`)."""
+@dataclass(frozen=True)
+class Reply:
+    """Answer one connection directly (a fault claim, an agent that does not fit the job)."""
 
-    agents: dict[int, Connection]
-
-    def send_to_agent(self, node: int, msg: Message) -> None: ...
-
-    def broadcast_agents(self, msg: Message) -> None: ...
-
-    def send_to_workers(self, msg: Message, ranks: set[int] | None = None) -> None: ...
+    conn: Connection
+    msg: Message
 
 
-class StepListener(Protocol):
-    """Live status and metrics (:class:`unbroken.ops.monitor.JobMonitor`): told of each completed step."""
+@dataclass(frozen=True)
+class TellAgents:
+    """Send ``msg`` to one agent (``agent``) or to every agent (None)."""
 
-    def on_step(self, rank: int, step: int, metrics: dict) -> None: ...
+    msg: Message
+    agent: int | None = None
 
 
 class Hub(Protocol):
-    """The controller's shared state and operations; used only under :attr:`lock`."""
+    """The controller as its pieces see it; used only under :attr:`lock`."""
 
     cfg: LaunchConfig
     host: str
     events: EventLog
     lock: threading.RLock
-    state: JobState
-    workers: dict[int, WorkerView]
-    fired: set[str]
-    outcome: Outcome | None
-    done: threading.Event
-    recovery_deadline: tuple[int, float] | None
+    board: Board
     storage: StorageTier | None
     timing: RecoveryTiming
-    monitor: Monitor
     rank_states: RankStates
-    connections: Sender
     store_service: StoreService
-    live: StepListener
+
+    @property
+    def state(self) -> JobState: ...
 
     def apply(self, event: Event) -> None: ...
+
+    def reply(self, action: Reply | TellAgents) -> None: ...
+
+    def step_completed(self, rank: int, attempt: int, step: int, metrics: dict) -> None: ...
 
     def degraded(self, rank: int, attempt: int, reason: str) -> None: ...
 
     def terminate(self, reason: str) -> None: ...
-
-    def check_recovered(self) -> None: ...

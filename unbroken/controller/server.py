@@ -1,86 +1,99 @@
 """The controller: one per job, inside node 0's agent process (threads, no subprocess).
 
 :class:`Controller` is the hub: it owns the job state of the pure state machine
-(:func:`unbroken.controller.machine.transition`), the view of every worker, the lock that
-guards them, and the pieces that each do one job:
+(:func:`unbroken.controller.machine.transition`), the lock that guards everything, and the
+pieces that each do one job:
 
+* :class:`~unbroken.controller.board.Board` -- the one owner of what the pieces share and
+  change: each rank's view, the agents' connections, claimed faults, deadlines, the outcome;
 * :class:`~unbroken.controller.connections.Connections` -- the control-plane connections:
-  messages in (a message-type -> handler table), turned into events;
-* :class:`~unbroken.controller.executor.Executor` -- the machine's actions out, as messages
+  messages in (a message-type -> handler table), turned into events; they send nothing;
+* :class:`~unbroken.controller.executor.Executor` -- actions out, as messages: it alone sends
   (it opens each attempt's rendezvous store);
 * :class:`~unbroken.controller.store_service.StoreService` -- the rendezvous store the workers
   use, served over the control plane (its own lock; one table per attempt);
-* :class:`~unbroken.controller.monitor.Monitor` -- step times, the hang and straggler rules
+* :class:`~unbroken.controller.watchdog.Watchdog` -- step times, the hang and straggler rules
   (who a hang is blamed on: :mod:`unbroken.controller.hangs`);
 * :class:`~unbroken.controller.timing.RecoveryTiming` -- how long each recovery took;
-* the event log (``events.jsonl``), the live status/metrics (:class:`~unbroken.ops.monitor.JobMonitor`,
-  fed by the log and by completed steps) and the storage tier the persisted steps commit into.
+* the event log (``events.jsonl``) and the storage tier the persisted steps commit into.
 
-Threads: one per control connection (the protocol server's), one hang monitor. All state is
+Whoever builds a controller may hand it step listeners (:meth:`Controller.add_step_listener`):
+the launcher gives it the live view of :mod:`unbroken.ops.live_view`, which it knows nothing of.
+
+Threads: one per control connection (the protocol server's), one watchdog. All state is
 guarded by :attr:`Controller.lock`; actions are carried out under it (they only send small
-messages). The attributes without a leading underscore are what the pieces share.
+messages).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import LaunchConfig
 from unbroken.controller import machine as sm
+from unbroken.controller.board import Board
 from unbroken.controller.connections import Connections
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.executor import Executor
 from unbroken.controller.hangs import RankProgress
-from unbroken.controller.monitor import MONITOR_INTERVAL_S, Monitor
+from unbroken.controller.hub import Reply, TellAgents
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
-from unbroken.ops.monitor import JobMonitor
+from unbroken.controller.watchdog import WATCH_INTERVAL_S, Watchdog
 from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES
 from unbroken.protocol.wire import Server
 
-__all__ = ["Controller", "Outcome", "WorkerView", "MONITOR_INTERVAL_S"]
+__all__ = ["Controller", "Outcome", "WorkerView", "WATCH_INTERVAL_S", "StepListener"]
+
+#: Told of each completed step: (rank, steps completed, the step's metrics as the rank reported them).
+StepListener = Callable[[int, int, dict], None]
 
 
 class Controller:
     """One job's controller (see the module docstring). Public API: :meth:`start`,
-    :meth:`wait`, :meth:`abort`, :meth:`close`, :meth:`snapshot`, :attr:`first_failure`."""
+    :meth:`wait`, :meth:`abort`, :meth:`close`, :meth:`snapshot`, :attr:`first_failure`,
+    :meth:`add_step_listener`."""
 
     def __init__(self, cfg: LaunchConfig, *, host: str, port: int, events: EventLog) -> None:
         self.cfg = cfg
         self.host = host
         self.events = events
         self.lock = threading.RLock()
-        self.state = sm.JobState(cfg.recovery, world_size=cfg.world_size, nnodes=cfg.nnodes,
-                                 can_dump=bool(cfg.checkpoint.save_dir))
-        self.workers = {r: WorkerView(rank=r) for r in range(cfg.world_size)}
-        self.fired: set[str] = set()  # fault ids of the injection plan already claimed
-        self.outcome: Outcome | None = None
-        self.done = threading.Event()
-        self.recovery_deadline: tuple[int, float] | None = None  # (generation, monotonic deadline)
-        self.grace_deadline: float | None = None  # monotonic end of the SIGTERM dump (--sigterm-dump-timeout-s)
+        self._state = sm.JobState(cfg.recovery, world_size=cfg.world_size, nnodes=cfg.nnodes,
+                                  can_dump=bool(cfg.checkpoint.save_dir))
+        self.board = Board(cfg.world_size, cfg.nnodes)
+        self._grace_deadline: float | None = None  # monotonic end of the SIGTERM dump (--sigterm-dump-timeout-s)
+        self._step_listeners: list[StepListener] = []
         ckpt = cfg.checkpoint
         self.storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=run_id(cfg.secret, cfg.job_id)) \
             if ckpt.save_dir else None
         self.timing = RecoveryTiming()
-        self.monitor = Monitor(cfg.hang, cfg.straggler_factor)
+        self._watchdog = Watchdog(cfg.hang, cfg.straggler_factor)
         self.rank_states = RankStates(PER_RANK_LIMIT_BYTES)  # each rank's own state, for its replacement
-        self.connections = Connections(self)
         self.store_service = StoreService()
+        self._connections = Connections(self)
         self._executor = Executor(self)
-        self._server = Server(host, port, cfg.secret.encode(), self.connections.serve,
+        self._server = Server(host, port, cfg.secret.encode(), self._connections.serve,
                               on_failed_handshakes=lambda count, last: self.events.emit(
                                   "handshakes_failed", count=count, last=last))
-        self._monitor_thread = threading.Thread(target=self._monitor_loop, name="unbroken-hang-monitor",
-                                                daemon=True)
-        self.live = JobMonitor(run_dir=cfg.run_dir, job_id=cfg.job_id, world_size=cfg.world_size, events=events,
-                               snapshot=self.snapshot, host=host, metrics_port=cfg.metrics_port)
-        events.listeners.append(self.live.on_record)  # status, metrics and the page follow the log
+        self._watch_thread = threading.Thread(target=self._watch_loop, name="unbroken-watchdog", daemon=True)
+
+    @property
+    def state(self) -> sm.JobState:
+        """The state machine's state (immutable; replaced only by :meth:`apply`)."""
+        return self._state
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Tell ``listener`` of each completed step (before :meth:`start`; called under the lock, so it
+        must be quick and take no lock that waits for this one)."""
+        self._step_listeners.append(listener)
 
     @property
     def port(self) -> int:
@@ -92,31 +105,29 @@ class Controller:
 
     def start(self) -> None:
         self._server.start()
-        self._monitor_thread.start()
-        self.live.start()
+        self._watch_thread.start()
         self.events.emit("controller_started", address=self.address, world_size=self.cfg.world_size,
                          nnodes=self.cfg.nnodes, max_restarts=self.cfg.recovery.max_restarts,
                          recover_strategy=list(self.cfg.recovery.allowed))
 
     def wait(self, timeout_s: float | None = None) -> Outcome | None:
-        self.done.wait(timeout_s)
-        return self.outcome
+        self.board.wait(timeout_s)
+        return self.board.outcome
 
     def abort(self, reason: str, exit_code: int = 130) -> None:
         """Stop the job from outside (Ctrl-C): every agent stops its workers."""
         with self.lock:
-            self._executor.execute([sm.StopAttempt(self.state.attempt, reason), sm.Finish(exit_code, reason)])
+            self._executor.execute([sm.StopAttempt(self._state.attempt, reason), sm.Finish(exit_code, reason)])
 
     def close(self, drain_s: float = 10.0) -> None:
         """Stop serving; first let the agents finish (their last reports, e.g. a checkpoint
         persisted at the end of the job, are still taken in)."""
-        self.done.set()
+        self.board.close()
         deadline = time.monotonic() + drain_s
-        while self.connections.agents and time.monotonic() < deadline:
+        while self.board.agent_ids() and time.monotonic() < deadline:
             time.sleep(0.02)
         self.store_service.close()
         self._server.close()
-        self.live.close()
         self._executor.close()
 
     # -- views for status and the demo ---------------------------------------------------
@@ -126,10 +137,10 @@ class Controller:
                 "phase": self.state.phase.value,
                 "attempt": self.state.attempt,
                 "restarts_used": self.state.restarts_used,
-                "median_step_s": self.monitor.median_step_s(),
+                "median_step_s": self._watchdog.median_step_s(),
                 "workers": [
                     {"rank": w.rank, "pid": w.pid, "step": w.step, "phase": w.phase, "state": w.state,
-                     "metrics": dict(w.metrics)} for w in self.workers.values()],
+                     "metrics": dict(w.metrics)} for w in self.board.views()],
             }
 
     @property
@@ -138,19 +149,37 @@ class Controller:
             return self.state.first_failure
 
     def hang_timeout_s(self, w: WorkerView) -> float:
-        return self.monitor.hang_timeout_s(w)
+        return self._watchdog.hang_timeout_s(w)
 
     # -- shared by the pieces (under the lock) ----------------------------------------------
     def apply(self, event: sm.Event) -> None:
         """One event through the pure state machine; its actions carried out at once."""
-        self.state, actions = sm.transition(self.state, event)
+        self._state, actions = sm.transition(self._state, event)
         self._executor.execute(actions)
+
+    def reply(self, action: Reply | TellAgents) -> None:
+        """A connection's direct answer, sent by the executor."""
+        self._executor.execute([action])
+
+    def step_completed(self, rank: int, attempt: int, step: int, metrics: dict) -> None:
+        """``rank`` completed ``step`` steps: the progress the watchdog watches, the listeners' step,
+        a recovery's end, and (on rank 0's report) the straggler rule."""
+        took = self.board.step_done(rank, step, metrics, time.monotonic())
+        if took is not None:
+            self._watchdog.note_step_s(took)
+        reported = self.board.view(rank).metrics
+        for listener in self._step_listeners:
+            listener(rank, step, reported)
+        self.check_recovered()
+        if rank == 0:
+            for slow, why in self._watchdog.new_stragglers(self.board.views()):
+                self.degraded(slow, attempt, why)
 
     def degraded(self, rank: int, attempt: int, reason: str) -> None:
         """A rank reported (or found) degraded: log it; the state machine applies the policy."""
-        step = self.workers[rank].step
+        step = self.board.view(rank).step
         if self.cfg.recovery.sub_health_policy == "grace-exit":
-            self.timing.fault_began(time.monotonic(), self.workers.values())
+            self.timing.fault_began(time.monotonic(), self.board.views())
         self.events.emit("sub_health", rank=rank, reason=reason, step=step, policy=self.cfg.recovery.sub_health_policy)
         self.apply(sm.WorkerDegraded(rank, attempt, reason, step))
 
@@ -158,69 +187,69 @@ class Controller:
         """An agent got SIGTERM: the job dumps its newest committed step where it can, then stops
         with exit code 143 (controller/terminate.py), within --sigterm-dump-timeout-s of the first."""
         with self.lock:
-            if self.grace_deadline is None and not self.state.terminating:
-                self.grace_deadline = time.monotonic() + self.cfg.sigterm_dump_timeout_s
+            if self._grace_deadline is None and not self._state.terminating:
+                self._grace_deadline = time.monotonic() + self.cfg.sigterm_dump_timeout_s
             self.events.emit("terminate_requested", reason=reason, timeout_s=self.cfg.sigterm_dump_timeout_s)
             self.apply(sm.TerminateRequested(reason))
 
     def check_recovered(self) -> None:
         """After a restart: once every rank is back at the step the fault hit, log the recovery."""
-        if self.state.phase is not sm.JobPhase.RUNNING:
+        if self._state.phase is not sm.JobPhase.RUNNING:
             return
-        fields = self.timing.check_recovered(self.workers.values(), self.state.attempt, time.monotonic())
+        fields = self.timing.check_recovered(self.board.views(), self._state.attempt, time.monotonic())
         if fields is not None:
             self.events.emit("recovered", **fields)
 
-    # -- the hang monitor --------------------------------------------------------------------
-    def _monitor_loop(self) -> None:
-        while not self.done.wait(MONITOR_INTERVAL_S):
+    # -- the watchdog --------------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        while not self.board.wait(WATCH_INTERVAL_S):
             with self.lock:
                 now = time.monotonic()
-                if self.state.phase is sm.JobPhase.RUNNING:
+                if self._state.phase is sm.JobPhase.RUNNING:
                     self._check_after_loop(now)
-                if self.state.phase is sm.JobPhase.RUNNING and not self.state.hung_ranks:
+                if self._state.phase is sm.JobPhase.RUNNING and not self._state.hung_ranks:
                     self._check_hangs(now)
-                elif self.state.phase is sm.JobPhase.RECOVERING:
+                elif self._state.phase is sm.JobPhase.RECOVERING:
                     self._check_recovery_silence(now)
-                if self.grace_deadline is not None and now > self.grace_deadline:
-                    self.grace_deadline = None
+                if self._grace_deadline is not None and now > self._grace_deadline:
+                    self._grace_deadline = None
                     self.apply(sm.GraceExpired(self.cfg.sigterm_dump_timeout_s))
-                if self.recovery_deadline and now > self.recovery_deadline[1]:
-                    gen, self.recovery_deadline = self.recovery_deadline[0], None
+                gen = self.board.recovery_expired(now)
+                if gen is not None:
                     self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.worker.recovery_timeout_s)
-                    self.apply(sm.RecoveryTimeout(self.state.attempt, gen))
+                    self.apply(sm.RecoveryTimeout(self._state.attempt, gen))
 
     def _check_hangs(self, now: float) -> None:
         """Some rank is past its hang timeout: blame the one not progressing (hangs.py)."""
-        found = self.monitor.find_hung(self.workers.values(), self.state.attempt, now)
+        found = self._watchdog.find_hung(self.board.views(), self._state.attempt, now)
         if found is not None:
             blamed, why = found
-            w = self.workers[blamed.rank]
+            w = self.board.view(blamed.rank)
             # The hang began when its progress stopped, not when we noticed.
-            self.timing.fault_began(w.last_progress_t, self.workers.values())
+            self.timing.fault_began(w.last_progress_t, self.board.views())
             self._hung(w, blamed, why, during="step")
 
     def _check_after_loop(self, now: float) -> None:
         """A rank past its loop whose process stays stopped is hung there (hangs.hung_after_loop):
         it is killed and counts as finished (loop_end.py), each rank once."""
-        blamed = self.monitor.find_hung_after_loop(self.workers.values(), self.state.attempt, now,
-                                                   killed=self.state.hung_after_loop)
+        blamed = self._watchdog.find_hung_after_loop(self.board.views(), self._state.attempt, now,
+                                                   killed=self._state.hung_after_loop)
         if blamed is not None:
-            self._hung(self.workers[blamed.rank], blamed, f"its process is {blamed.process} after its step loop",
+            self._hung(self.board.view(blamed.rank), blamed, f"its process is {blamed.process} after its step loop",
                        during="after-loop")
 
     def _check_recovery_silence(self, now: float) -> None:
         """A survivor that does not answer the abort order within its hang timeout is hung too."""
-        rec, ordered_t, hung = self.state.recovery, self.timing.decided_t, self.state.hung_ranks
+        rec, ordered_t, hung = self._state.recovery, self.timing.decided_t, self._state.hung_ranks
         if rec is None or rec.regrouped or ordered_t is None:
             return
-        blamed = self.monitor.find_silent_in_recovery(self.workers.values(), self.state.attempt, rec, ordered_t, now)
+        blamed = self._watchdog.find_silent_in_recovery(self.board.views(), self._state.attempt, rec, ordered_t, now)
         if blamed is not None and blamed.rank not in hung and hung <= rec.replaced:
             why = f"no answer to the abort of generation {rec.gen}; process {blamed.process}"
-            self._hung(self.workers[blamed.rank], blamed, why, during="recovery")
+            self._hung(self.board.view(blamed.rank), blamed, why, during="recovery")
 
     def _hung(self, w: WorkerView, blamed: RankProgress, why: str, during: str) -> None:
         self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(blamed.silent_s, 3),
-                         timeout_s=round(blamed.timeout_s, 3), median_step_s=self.monitor.median_step_s(),
+                         timeout_s=round(blamed.timeout_s, 3), median_step_s=self._watchdog.median_step_s(),
                          attempt=w.attempt, process=w.process, why=why, during=during)
         self.apply(sm.WorkerHung(w.rank, w.attempt, w.step, blamed.silent_s))

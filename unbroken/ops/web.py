@@ -3,7 +3,7 @@
 :class:`MetricsServer` runs a small threaded HTTP server (the standard library's) in its own
 daemon thread, in the controller's process, bound to the controller's host (127.0.0.1
 unless the job's ``--master-addr`` says otherwise). It serves read-only views of the
-:class:`~unbroken.ops.monitor.JobMonitor`; nothing it receives is parsed beyond the path.
+:class:`~unbroken.ops.live_view.LiveView`; nothing it receives is parsed beyond the path.
 It is not authenticated (a Prometheus scraper carries no job secret): like the control
 plane, run it on a trusted network.
 
@@ -32,8 +32,8 @@ class _Exposition(Protocol):
     def exposition(self) -> bytes: ...
 
 
-class JobMonitor(Protocol):
-    """What the server reads of :class:`unbroken.ops.monitor.JobMonitor` (not imported: it
+class LiveView(Protocol):
+    """What the server reads of :class:`unbroken.ops.live_view.LiveView` (not imported: it
     imports this module)."""
 
     metrics: _Exposition
@@ -44,10 +44,10 @@ class JobMonitor(Protocol):
 
 
 class MetricsServer:
-    """Serves one job's monitor on ``host:port`` (port 0: a free one) until :meth:`close`."""
+    """Serves one job's live view on ``host:port`` (port 0: a free one) until :meth:`close`."""
 
-    def __init__(self, monitor: JobMonitor, host: str, port: int) -> None:
-        handler = type("Handler", (_Handler,), {"monitor": monitor})
+    def __init__(self, view: LiveView, host: str, port: int) -> None:
+        handler = type("Handler", (_Handler,), {"view": view})
         try:
             self._httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as exc:
@@ -72,17 +72,17 @@ class MetricsServer:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    monitor: JobMonitor
+    view: LiveView
 
     def do_GET(self) -> None:  # noqa: N802  (http.server's name)
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            self._send(200, CONTENT_TYPE_LATEST, self.monitor.metrics.exposition())
+            self._send(200, CONTENT_TYPE_LATEST, self.view.metrics.exposition())
         elif path == "/status.json":
-            self._send(200, "application/json", json.dumps(self.monitor.status(), default=str).encode())
+            self._send(200, "application/json", json.dumps(self.view.status(), default=str).encode())
         elif path in ("/", "/index.html"):
-            self._send(200, "text/html; charset=utf-8", page(self.monitor.status(),
-                                                             self.monitor.timeline_events()).encode())
+            self._send(200, "text/html; charset=utf-8", page(self.view.status(),
+                                                             self.view.timeline_events()).encode())
         else:
             self._send(404, "text/plain", b"not found: try /, /metrics or /status.json\n")
 

@@ -1,10 +1,13 @@
-"""The controller's watch over live ranks: step times, the hang rule and the straggler rule.
+"""The controller's watchdog over live ranks: step times, the hang rule and the straggler rule.
+
+(Not the live view of a job for operators: that is :mod:`unbroken.ops.live_view`.)
 
 Owned by the :class:`~unbroken.controller.server.Controller`; its methods run under the
-controller's lock, from the connection threads (progress reports) and from the hang-monitor
-thread (:meth:`Monitor.find_hung` while running, :meth:`Monitor.find_silent_in_recovery`
-during an in-flight recovery, every ``MONITOR_INTERVAL_S``). No I/O: it answers, the
-controller acts; who is blamed for a hang is the pure rule of :mod:`unbroken.controller.hangs`.
+controller's lock, from the connection threads (completed steps) and from the watchdog
+thread (:meth:`Watchdog.find_hung` while running, :meth:`Watchdog.find_silent_in_recovery`
+during an in-flight recovery, every ``WATCH_INTERVAL_S``). It reads the ranks' views and
+changes none of them (the :class:`~unbroken.controller.board.Board` does). No I/O: it answers,
+the controller acts; who is blamed for a hang is the pure rule of :mod:`unbroken.controller.hangs`.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ from unbroken.config import HangConfig
 from unbroken.controller import hangs, health
 from unbroken.controller.api import Recovery
 from unbroken.controller.views import WorkerView
-from unbroken.names import LIVE_WORKER_STATES, Phase, WorkerState
+from unbroken.names import LIVE_WORKER_STATES, WorkerState
 
-MONITOR_INTERVAL_S = 0.1
+WATCH_INTERVAL_S = 0.1
 
 
-class Monitor:
+class Watchdog:
     """Step times of the job (for the hang timeout), and the ranks reported as stragglers."""
 
     def __init__(self, hang: HangConfig, straggler_factor: float) -> None:
@@ -51,16 +54,10 @@ class Monitor:
             return hang.timeout_s
         return max(hang.floor_s, hang.factor * (self.median_step_s() or 0.0))
 
-    def note_done(self, w: WorkerView, metrics: dict, now: float) -> None:
-        """``w`` completed a step (phase ``done``) with ``metrics``; its ``compute_s`` (measured by
-        the rank: the step's start to its first collective) feeds the straggler rule."""
-        compute_s = metrics.get("compute_s")
-        if isinstance(compute_s, (int, float)) and not isinstance(compute_s, bool) and compute_s >= 0:
-            w.compute_s.append(float(compute_s))
-        if w.steps_in_generation:
-            self._step_times.append(now - w.last_progress_t)
-        w.last_progress_t = now
-        w.steps_in_generation += 1
+    def note_step_s(self, seconds: float) -> None:
+        """A rank took ``seconds`` for a steady step (not its first of a generation): the median
+        the calibrated hang timeout scales."""
+        self._step_times.append(seconds)
 
     def progress(self, workers: Iterable[WorkerView], attempt: int, now: float,
                  since_t: float | None = None) -> list[hangs.RankProgress]:

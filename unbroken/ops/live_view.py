@@ -1,6 +1,10 @@
 """The live view of a job: fed by the controller, read by `unbroken status`, /metrics and the page.
 
-A :class:`JobMonitor` lives in the controller's process (node 0's agent). It owns the job's
+(Not the controller's hang rule: that is :mod:`unbroken.controller.watchdog`.)
+
+A :class:`LiveView` lives in the controller's process (node 0's agent). The launcher builds it and
+hands it to the controller (agent/launcher.py): it is told of every event-log record and of each
+completed step, and reads the controller's ``snapshot``; neither package imports the other. It owns the job's
 metrics (:class:`~unbroken.ops.metrics.JobMetrics`), the job-level step records it adds to
 the event log (one ``step`` record each time every rank has completed one more step: the
 source of the goodput breakdown and the timeline), each rank's last fault, the
@@ -9,7 +13,7 @@ source of the goodput breakdown and the timeline), each rank's last fault, the
 
 Threads: :meth:`on_record` and :meth:`on_step` run in the controller's threads (under its
 lock: they update counters); the status thread calls the controller's ``snapshot``
-(which takes that lock) and never holds the monitor's lock while doing so. A fault record
+(which takes that lock) and never holds the view's lock while doing so. A fault record
 also rewrites ``status.json`` at once, in the thread that records it, so the file shows a
 fault before the controller acts on it (an operator's `unbroken status` right after a fault
 sees it; the periodic rewrite alone left it up to a second behind a recovery that takes less).
@@ -25,9 +29,8 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from unbroken.controller.eventlog import EventLog
 from unbroken.ops import goodput
 from unbroken.ops.metrics import JobMetrics
 
@@ -40,10 +43,18 @@ _FAULTS = {"hang_detected": "hang", "memory_fault": "memory fault", "non_finite"
            "sdc_detected": "silent corruption", "sub_health": "degraded"}
 
 
-class JobMonitor:
+class EventSink(Protocol):
+    """What the view uses of the job's event log (:class:`unbroken.controller.eventlog.EventLog`)."""
+
+    def emit(self, name: str, **fields: Any) -> None: ...
+
+    def records(self) -> list[dict[str, Any]]: ...
+
+
+class LiveView:
     """Live state of one job for status, metrics and the page (see the module docstring)."""
 
-    def __init__(self, *, run_dir: str | os.PathLike, job_id: str, world_size: int, events: EventLog,
+    def __init__(self, *, run_dir: str | os.PathLike, job_id: str, world_size: int, events: EventSink,
                  snapshot: Callable[[], dict[str, Any]], host: str = "127.0.0.1",
                  metrics_port: int | None = None) -> None:
         self.run_dir, self.job_id, self.world_size = Path(run_dir), job_id, world_size

@@ -1,6 +1,6 @@
 """status.json follows a fault at once: `unbroken status RUN_DIR` right after a fault shows it.
 
-A real JobMonitor (its status thread running) over a real EventLog, fed as the controller
+A real LiveView (its status thread running) over a real EventLog, fed as the controller
 feeds it; the controller's snapshot is a fixed table. The periodic rewrite (every
 STATUS_INTERVAL_S) alone left the file up to a second behind a recovery that takes less.
 """
@@ -12,7 +12,7 @@ import time
 
 from unbroken.cli.ops import live_status
 from unbroken.controller.eventlog import EventLog
-from unbroken.ops.monitor import STATUS_FILE, STATUS_INTERVAL_S, JobMonitor
+from unbroken.ops.live_view import STATUS_FILE, STATUS_INTERVAL_S, LiveView
 
 WORLD = 4
 
@@ -23,9 +23,9 @@ def _snapshot() -> dict:
                          "metrics": {"loss": 1.0, "step_s": 0.05}} for r in range(WORLD)]}
 
 
-def _monitor(tmp_path) -> tuple[EventLog, JobMonitor]:
+def _monitor(tmp_path) -> tuple[EventLog, LiveView]:
     events = EventLog(tmp_path)
-    monitor = JobMonitor(run_dir=tmp_path, job_id="statustest", world_size=WORLD, events=events,
+    monitor = LiveView(run_dir=tmp_path, job_id="statustest", world_size=WORLD, events=events,
                          snapshot=_snapshot)
     events.listeners.append(monitor.on_record)
     return events, monitor

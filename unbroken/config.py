@@ -18,6 +18,7 @@ from typing import Mapping
 
 from unbroken.limits import (  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
     IMPLEMENTED_RUNGS, MAX_TIMEOUT_S, require, require_strategy, require_timeout)
+from unbroken.controller.liveness import DEFAULT_NODE_TIMEOUT_S
 from unbroken.names import Rung
 from unbroken.worker_config import (  # CheckpointConfig, WorkerSettings: LaunchConfig's parts (benchmarks/ too)
     ENV_CKPT_EVERY, ENV_CONTROLLER, ENV_GEN, ENV_INJECT, ENV_JOB_ID, ENV_KEEP, ENV_LOAD_DIR, ENV_PERSIST_EVERY,
@@ -95,6 +96,9 @@ class LaunchConfig:
     crash_loop_limit: int = 3  # the same failure this many times in a row ends the job (0: never)
     max_recurring_recoveries: int = 2  # in-flight recoveries of a fault that recurs before one held
     straggler_factor: float = 0.0  # a rank computing this many times slower than the job's median is degraded
+    # Heartbeats both ways: the controller declares a silent node lost after this; a node that hears
+    # nothing from the controller for half of it stops its own workers (controller/liveness.py).
+    node_timeout_s: float = DEFAULT_NODE_TIMEOUT_S
     metrics_port: int | None = None  # Prometheus /metrics, /status.json and the live page (None: off; 0: a free port)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hang: HangConfig = field(default_factory=HangConfig)
@@ -121,6 +125,7 @@ class LaunchConfig:
         require(isinstance(self.sigterm_dump_timeout_s, (int, float)) and math.isfinite(self.sigterm_dump_timeout_s)
                 and 0 <= self.sigterm_dump_timeout_s <= MAX_TIMEOUT_S, f"--sigterm-dump-timeout-s must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}] "
                 f"(0: no dump on SIGTERM), got {self.sigterm_dump_timeout_s}")
+        require_timeout(self.node_timeout_s, "--node-timeout-s")
         require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         for name in self.recover_strategy:
             require_strategy(name)

@@ -13,6 +13,7 @@ from unbroken.controller import machine as sm
 from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS, Connections
 from unbroken.controller.executor import Executor
 from unbroken.controller.monitor import Monitor
+from unbroken.controller.liveness import Liveness
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
@@ -83,6 +84,7 @@ class FakeHub:
         self.storage = FakeStorage()
         self.timing = RecoveryTiming()
         self.monitor = Monitor(self.cfg.hang, 0.0)
+        self.liveness = Liveness(self.cfg.node_timeout_s)
         self.rank_states = RankStates(limit_bytes=1 << 16)
         self.connections = Connections(self)
         self.store_service = StoreService()

@@ -141,6 +141,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
          help="on SIGTERM with --save, the time the job has to dump its newest committed step to --save "
               "before it stops without it (default 20: Kubernetes' terminationGracePeriodSeconds, 30 s by "
               "default, must be at least this + 10 s; 0: no dump)")
+    flag("node-timeout-s", type=_float, default=30.0, metavar="S",
+         help="a node silent this long (frozen, link cut) is lost to the job; a node that hears nothing "
+              "from the controller for half of it stops its own workers and exits (fencing; default 30)")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
     p.add_argument("script", help="training script")
@@ -219,6 +222,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         max_recurring_recoveries=args.max_recurring_recoveries,
         metrics_port=args.metrics_port,
         sigterm_dump_timeout_s=args.sigterm_dump_timeout_s,
+        node_timeout_s=args.node_timeout_s,
         checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
         worker=WorkerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkerSettings)}),

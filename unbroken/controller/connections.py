@@ -92,6 +92,7 @@ class Connections:
                 ctl.events.emit("agent_joined", node_rank=node, host=first.host, pid=first.pid)
                 event = sm.AgentJoined(node)
             self.agents[agent] = conn
+            ctl.liveness.heard(agent, time.monotonic())
             ctl.apply(event)
             if self.spare_imports is not None:
                 self.send_to_agent(agent, m.SpareImports(modules=self.spare_imports))
@@ -99,6 +100,8 @@ class Connections:
             while True:
                 msg = conn.recv()
                 with ctl.lock:
+                    if self.agents.get(agent) is conn:
+                        ctl.liveness.heard(agent, time.monotonic())
                     handler = AGENT_HANDLERS.get(type(msg))
                     if handler is None:
                         log.warning("controller: unexpected %s from an agent", type(msg).__name__)
@@ -108,12 +111,22 @@ class Connections:
             with ctl.lock:
                 if self.agents.get(agent) is conn:
                     del self.agents[agent]
+                    ctl.liveness.forget(agent)
                     if not ctl.done.is_set():
                         ctl.events.emit("agent_lost", node_rank=agent)
+                        self._close_workers_of(agent)
                         last_steps = tuple(ctl.workers[r].step if r in ctl.workers else None
                                            for r in range(ctl.cfg.world_size))
                         ctl.apply(sm.AgentLost(agent, last_steps))
             raise
+
+    def _close_workers_of(self, agent: int) -> None:
+        """The control connections of the ranks a lost agent hosted: a frozen or cut-off worker that
+        comes back finds them closed and leaves; nothing it sends counts any more (fencing)."""
+        ctl = self._ctl
+        for w in ctl.workers.values():
+            if w.conn is not None and ctl.state.agent_of(w.rank) == agent:
+                w.conn.close()
 
     def _serve_worker(self, conn: Connection) -> None:
         ctl = self._ctl

@@ -12,6 +12,7 @@ from unbroken.config import LaunchConfig
 from unbroken.controller.api import JobState
 from unbroken.controller.events import Event
 from unbroken.controller.eventlog import EventLog
+from unbroken.controller.liveness import Liveness
 from unbroken.controller.monitor import Monitor
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
@@ -55,6 +56,7 @@ class Hub(Protocol):
     storage: StorageTier | None
     timing: RecoveryTiming
     monitor: Monitor
+    liveness: Liveness
     rank_states: RankStates
     connections: Sender
     store_service: StoreService

@@ -35,13 +35,14 @@ from unbroken.controller.connections import Connections
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.executor import Executor
 from unbroken.controller.hangs import RankProgress
+from unbroken.controller.liveness import Liveness
 from unbroken.controller.monitor import MONITOR_INTERVAL_S, Monitor
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
 from unbroken.ops.monitor import JobMonitor
-from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES
+from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES, Heartbeat
 from unbroken.protocol.wire import Server
 
 __all__ = ["Controller", "Outcome", "WorkerView", "MONITOR_INTERVAL_S"]
@@ -73,6 +74,7 @@ class Controller:
         self.timing = RecoveryTiming()
         self.monitor = Monitor(cfg.hang, cfg.straggler_factor)
         self.rank_states = RankStates(PER_RANK_LIMIT_BYTES)  # each rank's own state, for its replacement
+        self.liveness = Liveness(cfg.node_timeout_s)  # heartbeats: silent nodes are lost (liveness.py)
         self.connections = Connections(self)
         self.store_service = StoreService()
         self._executor = Executor(self)
@@ -177,6 +179,7 @@ class Controller:
     # -- the hang monitor --------------------------------------------------------------------
     def _monitor_loop(self) -> None:
         while not self.done.wait(MONITOR_INTERVAL_S):
+            self._check_nodes(time.monotonic())
             with self.lock:
                 now = time.monotonic()
                 if self.state.phase is sm.JobPhase.RUNNING:
@@ -192,6 +195,28 @@ class Controller:
                     gen, self.recovery_deadline = self.recovery_deadline[0], None
                     self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.worker.recovery_timeout_s)
                     self.apply(sm.RecoveryTimeout(self.state.attempt, gen))
+
+    def _check_nodes(self, now: float) -> None:
+        """Heartbeats to every agent, and silent agents declared lost (controller/liveness.py): their
+        connection is closed, so the thread serving it reports the node lost. Sent outside the lock:
+        a send into a cut link may block on a full socket buffer."""
+        with self.lock:
+            silent = self.liveness.silent(now)
+            beat = self.liveness.beat_due(now)
+            agents = dict(self.connections.agents)
+            for agent, silent_s in silent:
+                self.liveness.forget(agent)
+                self.events.emit("agent_silent", node_rank=agent, silent_s=round(silent_s, 3),
+                                 timeout_s=self.cfg.node_timeout_s)
+        for agent, _ in silent:
+            if agent in agents:
+                agents.pop(agent).close()
+        if beat:
+            for conn in agents.values():
+                try:
+                    conn.send(Heartbeat(rank=-1))  # -1: from the controller
+                except OSError:
+                    pass  # (ConnectionClosed too) the thread serving it reports the loss
 
     def _check_hangs(self, now: float) -> None:
         """Some rank is past its hang timeout: blame the one not progressing (hangs.py)."""

@@ -22,7 +22,10 @@ STEPS = 16
 NODE_TIMEOUT_S = 5.0
 # Slow steps (they do not change the weights), so that the fault hits the middle of the run.
 SLOW = ["--step-sleep-s", "0.2", "--log-every", "1"]
-FLAGS = ["--recover-strategy", "recover,exit", "--node-reports", "--node-timeout-s", str(NODE_TIMEOUT_S)]
+# A first step may take minutes on a loaded 2-core machine (six workers and their spares import torch
+# at once): a generous first-step timeout, so that the only fault is the one the test makes.
+FLAGS = ["--recover-strategy", "recover,exit", "--node-reports", "--node-timeout-s", str(NODE_TIMEOUT_S),
+         "--first-step-timeout-s", "300"]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def _run_with_fault(netns_hosts, tmp_path, fault: str, *, standby: bool = True, 
     job = NetnsJob(hosts, tmp_path, standby=standby, steps=STEPS, train_args=SLOW, flags=flags)
     job.wait_step(0, 4, timeout_s=240)
     victims = [e["pid"] for e in events(job.run_dir, "worker_started") if e["rank"] in (2, 3)]
-    assert len(victims) == 2
+    assert len(victims) == 2, events(job.run_dir)  # (a restart before the fault would be a fault of its own)
     fault_t = time.time()
     getattr(hosts[1], fault)()
     deadline = time.monotonic() + 60
@@ -125,7 +128,7 @@ def _elastic_accepted() -> bool:
 def test_node_lost_without_a_standby_keeps_training(netns_hosts, tmp_path, reference, fault):
     if not _elastic_accepted():
         pytest.skip("--recover-strategy does not accept `elastic` in this version")
-    flags = ["--recover-strategy", "elastic,exit", "--node-reports", "--node-timeout-s", str(NODE_TIMEOUT_S)]
+    flags = ["--recover-strategy", "elastic,exit", *FLAGS[2:]]
     job, _, _, _ = _run_with_fault(netns_hosts, tmp_path, fault, standby=False, flags=flags)
     (code,) = job.finish(240, [job.agents[0]])
     assert code == 0, job.outputs()

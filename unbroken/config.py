@@ -18,6 +18,7 @@ from typing import Mapping
 
 from unbroken.limits import (  # noqa: F401  (MAX_TIMEOUT_S: re-exported)
     IMPLEMENTED_RUNGS, MAX_TIMEOUT_S, require, require_strategy, require_timeout)
+from unbroken.controller.liveness import DEFAULT_NODE_TIMEOUT_S
 from unbroken.recovery.policy import JobPolicy
 from unbroken.worker_config import (  # CheckpointConfig, WorkerSettings: LaunchConfig's parts (benchmarks/ too)
     ENV_CKPT_EVERY, ENV_CONTROLLER, ENV_GEN, ENV_INJECT, ENV_JOB_ID, ENV_KEEP, ENV_LOAD_DIR, ENV_PERSIST_EVERY,
@@ -86,6 +87,9 @@ class LaunchConfig:
     sigterm_dump_timeout_s: float = 20.0
     omp_num_threads: int = 1
     straggler_factor: float = 0.0  # a rank computing this many times slower than the job's median is degraded
+    # Heartbeats both ways: the controller declares a silent node lost after this; a node that hears
+    # nothing from the controller for half of it stops its own workers (controller/liveness.py).
+    node_timeout_s: float = DEFAULT_NODE_TIMEOUT_S
     metrics_port: int | None = None  # Prometheus /metrics, /status.json and the live page (None: off; 0: a free port)
     recovery: JobPolicy = field(default_factory=JobPolicy)  # the recovery flags, as the ladder reads them
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -112,6 +116,7 @@ class LaunchConfig:
         require(isinstance(self.sigterm_dump_timeout_s, (int, float)) and math.isfinite(self.sigterm_dump_timeout_s)
                 and 0 <= self.sigterm_dump_timeout_s <= MAX_TIMEOUT_S, f"--sigterm-dump-timeout-s must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}] "
                 f"(0: no dump on SIGTERM), got {self.sigterm_dump_timeout_s}")
+        require_timeout(self.node_timeout_s, "--node-timeout-s")
         require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         require(self.straggler_factor == 0 or 1 < self.straggler_factor < math.inf,
                 f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")

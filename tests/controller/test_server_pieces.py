@@ -14,6 +14,7 @@ from unbroken.controller import machine as sm
 from unbroken.controller.board import Board
 from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS, Connections
 from unbroken.controller.executor import Executor
+from unbroken.controller.liveness import Liveness
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.server import Controller
 from unbroken.controller.store_service import StoreService
@@ -85,6 +86,7 @@ class FakeHub:
         self.storage = FakeStorage()
         self.timing = RecoveryTiming()
         self.watchdog = self._watchdog = Watchdog(self.cfg.hang, 0.0)
+        self.liveness = Liveness(self.cfg.node_timeout_s)
         self.rank_states = RankStates(limit_bytes=1 << 16)
         self.connections = Connections(self)
         self.store_service = StoreService()

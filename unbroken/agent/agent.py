@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from unbroken.agent.fence import ControllerWatch
 from unbroken.agent.placement import Placement
 from unbroken.agent.processes import die_with_parent, process_state, signal_group
 from unbroken.agent.relay import NodeRelay
@@ -84,6 +85,9 @@ class Agent:
                                         self._report_persisted, run_id=run_id(cfg.secret, cfg.job_id))
         self._relay: NodeRelay | None = None  # built in run() under the setting node_reports
         self._stop = threading.Event()
+        # Heartbeats to the controller; a silent controller (link cut, controller frozen) fences this node.
+        self._watch = ControllerWatch(cfg.node_rank, cfg.node_timeout_s, self._send, self._fence)
+        self._fenced = ""  # why this node stopped its workers on its own ("": it did not)
         self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
 
     def run(self, connect_timeout_s: float = 30.0) -> tuple[int, str]:
@@ -97,6 +101,7 @@ class Agent:
             self._relay = NodeRelay(self.cfg.secret.encode(), self._send)
             self._relay.start()
         self._watcher.start()
+        self._watch.start()
         self._claim_shared_memory()
         if self._persister is not None:
             self._persister.start()
@@ -110,7 +115,8 @@ class Agent:
                     self._spares.tick()
                     continue
                 except (ConnectionClosed, ProtocolError, OSError) as exc:
-                    return 1, f"lost the controller at {self.controller}: {exc}"
+                    return 1, self._fenced or f"lost the controller at {self.controller}: {exc}"
+                self._watch.heard()
                 if isinstance(msg, m.StartWorkers):
                     self._start(msg)
                 elif isinstance(msg, m.StopWorkers):
@@ -128,6 +134,7 @@ class Agent:
                     return msg.exit_code, msg.reason
         finally:
             self._stop.set()
+            self._watch.stop()
             self._spares.drop()
             self._stop_all(None)
             if self._persister is not None:
@@ -158,6 +165,24 @@ class Agent:
             log.warning("agent %d: no shutdown order from the controller at %s within %.0f s of %s; stopping "
                         "this node's workers now", self.node_rank, self.controller, wait_s, signal.Signals(signum).name)
             os.kill(os.getpid(), signum)
+
+    # -- fencing ---------------------------------------------------------------------------
+    def _fence(self, silent_s: float) -> None:
+        """The controller has been silent for ``silent_s`` (controller/liveness.py): kill this node's
+        workers now (no grace: they belong to a generation the job may already have left), and end
+        the command loop. The node does not rejoin: its agent exits."""
+        self._fenced = (f"fenced: no message from the controller at {self.controller} for {silent_s:.1f} s "
+                        f"(--node-timeout-s {self.cfg.node_timeout_s:g}: this node fences itself after "
+                        f"{self._watch.fence_after_s:g} s); stopped its workers so that none trains on a "
+                        "generation it no longer belongs to, and left the job")
+        log.warning("agent %d: %s", self.node_rank, self._fenced)
+        with self._lock:
+            procs = [p for p in self._procs.values() if p.state == "running" and p.popen is not None]
+            for p in procs:
+                p.state = "stopped"
+        for p in procs:
+            signal_group(p.popen, signal.SIGKILL)
+        self._conn.close()  # the command loop's recv ends: run() returns the reason above
 
     # -- the node's shared-memory snapshots -------------------------------------------------
     def _claim_shared_memory(self) -> None:

@@ -142,6 +142,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
          help="on SIGTERM with --save, the time the job has to dump its newest committed step to --save "
               "before it stops without it (default 20: Kubernetes' terminationGracePeriodSeconds, 30 s by "
               "default, must be at least this + 10 s; 0: no dump)")
+    flag("node-timeout-s", type=_float, default=30.0, metavar="S",
+         help="a node silent this long (frozen, link cut) is lost to the job; a node that hears nothing "
+              "from the controller for half of it stops its own workers and exits (fencing; default 30)")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
     p.add_argument("script", help="training script")
@@ -214,6 +217,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         straggler_factor=args.straggler_factor,
         metrics_port=args.metrics_port,
         sigterm_dump_timeout_s=args.sigterm_dump_timeout_s,
+        node_timeout_s=args.node_timeout_s,
         recovery=JobPolicy(max_restarts=args.max_restarts, allowed=parse_strategies(args.recover_strategy),
                            replicas_allowed=not args.no_replica_restore, sub_health_policy=args.sub_health_policy,
                            crash_loop_limit=args.crash_loop_limit, max_recurring=args.max_recurring_recoveries),

@@ -70,6 +70,7 @@ class Connections:
                     f"(--nnodes {cfg.nnodes}, --nproc-per-node {cfg.nproc_per_node})"))))
                 return
             agent = hub.board.agent_joined(node, conn, standby=first.standby)
+            hub.liveness.heard(agent, time.monotonic())
             if first.standby:  # spares get ids after the nodes
                 hub.events.emit("standby_joined", agent=agent, host=first.host, pid=first.pid)
                 event: sm.Event = sm.StandbyJoined(agent)
@@ -83,6 +84,8 @@ class Connections:
             while True:
                 msg = conn.recv()
                 with hub.lock:
+                    if hub.board.agent_conn(agent) is conn:
+                        hub.liveness.heard(agent, time.monotonic())
                     handler = AGENT_HANDLERS.get(type(msg))
                     if handler is None:
                         log.warning("controller: unexpected %s from an agent", type(msg).__name__)
@@ -90,10 +93,21 @@ class Connections:
                         handler(self, agent, msg)
         except ConnectionClosed:
             with hub.lock:
-                if hub.board.agent_left(agent, conn) and not hub.board.is_done():
-                    hub.events.emit("agent_lost", node_rank=agent)
-                    hub.apply(sm.AgentLost(agent, hub.board.last_steps()))
+                if hub.board.agent_left(agent, conn):
+                    hub.liveness.forget(agent)
+                    if not hub.board.is_done():
+                        hub.events.emit("agent_lost", node_rank=agent)
+                        self._close_workers_of(agent)
+                        hub.apply(sm.AgentLost(agent, hub.board.last_steps()))
             raise
+
+    def _close_workers_of(self, agent: int) -> None:
+        """The control connections of the ranks a lost agent hosted: a frozen or cut-off worker that
+        comes back finds them closed and leaves; nothing it sends counts any more (fencing)."""
+        hub = self._hub
+        for w in hub.board.views():
+            if w.conn is not None and hub.state.agent_of(w.rank) == agent:
+                w.conn.close()
 
     def _serve_worker(self, conn: Connection) -> None:
         hub = self._hub

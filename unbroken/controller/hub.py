@@ -27,6 +27,7 @@ from unbroken.controller.api import JobState
 from unbroken.controller.board import Board
 from unbroken.controller.events import Event
 from unbroken.controller.eventlog import EventLog
+from unbroken.controller.liveness import Liveness
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
@@ -60,6 +61,7 @@ class Hub(Protocol):
     board: Board
     storage: StorageTier | None
     timing: RecoveryTiming
+    liveness: Liveness
     rank_states: RankStates
     store_service: StoreService
 

@@ -42,12 +42,13 @@ from unbroken.controller.eventlog import EventLog
 from unbroken.controller.executor import Executor
 from unbroken.controller.hangs import RankProgress
 from unbroken.controller.hub import Reply, TellAgents
+from unbroken.controller.liveness import Liveness
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, WorkerView
 from unbroken.controller.watchdog import WATCH_INTERVAL_S, Watchdog
-from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES
+from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES, Heartbeat
 from unbroken.protocol.wire import Server
 
 __all__ = ["Controller", "Outcome", "WorkerView", "WATCH_INTERVAL_S", "StepListener"]
@@ -77,6 +78,7 @@ class Controller:
         self.timing = RecoveryTiming()
         self._watchdog = Watchdog(cfg.hang, cfg.straggler_factor)
         self.rank_states = RankStates(PER_RANK_LIMIT_BYTES)  # each rank's own state, for its replacement
+        self.liveness = Liveness(cfg.node_timeout_s)  # heartbeats: silent nodes are lost (liveness.py)
         self.store_service = StoreService()
         self._connections = Connections(self)
         self._executor = Executor(self)
@@ -203,6 +205,7 @@ class Controller:
     # -- the watchdog --------------------------------------------------------------------
     def _watch_loop(self) -> None:
         while not self.board.wait(WATCH_INTERVAL_S):
+            self._check_nodes(time.monotonic())
             with self.lock:
                 now = time.monotonic()
                 if self._state.phase is sm.JobPhase.RUNNING:
@@ -218,6 +221,28 @@ class Controller:
                 if gen is not None:
                     self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.worker.recovery_timeout_s)
                     self.apply(sm.RecoveryTimeout(self._state.attempt, gen))
+
+    def _check_nodes(self, now: float) -> None:
+        """Heartbeats to every agent, and silent agents declared lost (controller/liveness.py): their
+        connection is closed, so the thread serving it reports the node lost. Sent here, outside the
+        lock, not by the executor: a send into a cut link may block on a full socket buffer."""
+        with self.lock:
+            silent = self.liveness.silent(now)
+            beat = self.liveness.beat_due(now)
+            agents = {a: conn for a in self.board.agent_ids() if (conn := self.board.agent_conn(a)) is not None}
+            for agent, silent_s in silent:
+                self.liveness.forget(agent)
+                self.events.emit("agent_silent", node_rank=agent, silent_s=round(silent_s, 3),
+                                 timeout_s=self.cfg.node_timeout_s)
+        for agent, _ in silent:
+            if agent in agents:
+                agents.pop(agent).close()
+        if beat:
+            for conn in agents.values():
+                try:
+                    conn.send(Heartbeat(rank=-1))  # -1: from the controller
+                except OSError:
+                    pass  # (ConnectionClosed too) the thread serving it reports the loss
 
     def _check_hangs(self, now: float) -> None:
         """Some rank is past its hang timeout: blame the one not progressing (hangs.py)."""

@@ -57,10 +57,15 @@ class DurableState:
     restart_budget: int = 0  # restarts left
     replica_map: dict[int, tuple[int, ...]] = field(default_factory=dict)
     rank_state_at: dict[int, str] = field(default_factory=dict)
+    # what the replica map is made of, so a new leader rebuilds the same one
+    num_replicas: int = 0
+    mesh: tuple[tuple[str, int], ...] = ()
+    mesh_replicate: str = ""
 
     def encode(self) -> bytes:
         data = asdict(self)
         data["replica_map"] = {r: list(h) for r, h in self.replica_map.items()}
+        data["mesh"] = [list(dim) for dim in self.mesh]
         return msgpack.packb(data)
 
     @classmethod
@@ -73,7 +78,10 @@ class DurableState:
             raise EtcdError(f"the durable state in etcd lacks one of {ints}: {sorted(data)}")
         return cls(**{name: data[name] for name in ints},
                    replica_map={int(r): tuple(int(x) for x in h) for r, h in data.get("replica_map", {}).items()},
-                   rank_state_at={int(r): str(n) for r, n in data.get("rank_state_at", {}).items()})
+                   rank_state_at={int(r): str(n) for r, n in data.get("rank_state_at", {}).items()},
+                   num_replicas=int(data.get("num_replicas", 0)),
+                   mesh=tuple((str(name), int(size)) for name, size in data.get("mesh", [])),
+                   mesh_replicate=str(data.get("mesh_replicate", "")))
 
 
 @dataclass(frozen=True)

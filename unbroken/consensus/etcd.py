@@ -147,7 +147,7 @@ class EtcdClient:
                 conn.request("POST", f"/v3/{path}", body=data, headers={"Content-Type": "application/json"})
                 response = conn.getresponse()
                 payload = response.read()
-            except OSError as exc:  # refused, reset, timed out: try the next member
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut off: the next member
                 failures.append(f"{host}:{port}: {exc}")
                 continue
             finally:

@@ -22,10 +22,11 @@ pytestmark = pytest.mark.timeout(120)
 PREFIX = "/unbroken/partition-test/"
 
 
-def start(cluster, node, out, steps):
+def start(cluster, node, out, steps, prefix=PREFIX, ttl_s=2):
     endpoints = ",".join(f"{h}:{p}" for h, p in cluster.endpoints)
     return subprocess.Popen([sys.executable, "-m", "tests.consensus.candidate", "--endpoints", endpoints,
-                             "--prefix", PREFIX, "--node", node, "--out", str(out), "--steps", str(steps)],
+                             "--prefix", prefix, "--node", node, "--out", str(out), "--steps", str(steps),
+                             "--ttl-s", str(ttl_s)],
                             cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from unbroken.consensus.durable import DurableStore
 from unbroken.consensus.etcd import EtcdClient
-from unbroken.consensus.mirror import durable_from_job, job_from_durable, replica_map_of
+from unbroken.controller.durable_mirror import durable_from_job, job_from_durable, replica_map_of
 from unbroken.consensus.seat import ControllerSeat, LeaderWatch
 from unbroken.controller.api import JobPolicy, JobState
 

@@ -1,4 +1,5 @@
-"""The controller's state machine state <-> its durable part in etcd (pure functions).
+"""The controller's state machine state <-> its durable part in etcd (pure functions; the
+store is :mod:`unbroken.consensus.durable`).
 
 :func:`durable_from_job` takes what a new leader must not lose out of a
 :class:`~unbroken.controller.api.JobState`; :func:`job_from_durable` puts it back into a fresh

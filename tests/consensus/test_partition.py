@@ -59,7 +59,7 @@ def audit(store, log):
     return commits
 
 
-@pytest.mark.parametrize("members", [1, 3])
+@pytest.mark.parametrize("members", [1, pytest.param(3, marks=pytest.mark.slow)])  # 3: also a member lost
 def test_sigstop_of_the_leader_fences_it(tmp_path, members, request):
     cluster = request.getfixturevalue(f"etcd{members}")
     out = tmp_path / "candidates.jsonl"

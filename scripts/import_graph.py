@@ -40,6 +40,8 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("unbroken.worker", "unbroken.controller", "the controller and the worker meet only on the wire"),
     ("unbroken.worker", "unbroken.agent", "the worker and the agent meet only on the wire"),
     ("unbroken.worker", "unbroken.optim", "the worker talks to recoverable state through worker.api"),
+    ("unbroken.consensus", "unbroken.controller", "the durable store lies below the controller it serves"),
+    ("unbroken.consensus", "unbroken.agent", "the durable store lies below the agent that hosts a seat"),
     ("unbroken.protocol", "unbroken.controller", "the protocol lies below both ends"),
     ("unbroken.protocol", "unbroken.worker", "the protocol lies below both ends"),
     ("unbroken.protocol", "unbroken.agent", "the protocol lies below both ends"),

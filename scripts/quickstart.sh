@@ -17,6 +17,19 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install -q "${UNBROKEN_TORCH:-torch==2.13.0}"
 fi
 .venv/bin/pip install -q -e ".[test,plot]"
+# The controller-failover tests run a real etcd (Debian's etcd-server): install it once, quietly,
+# for the test command only (the demo needs nothing new); without it those tests are skipped.
+if [ "$what" = test ] && ! command -v etcd >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  if command -v apt-get >/dev/null 2>&1 && { [ -z "$SUDO" ] || sudo -n true 2>/dev/null; }; then
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get install -y -qq etcd-server >/dev/null 2>&1 \
+      || { $SUDO apt-get update -qq >/dev/null 2>&1 && $SUDO apt-get install -y -qq etcd-server >/dev/null 2>&1; } \
+      || echo "note: could not install etcd-server; the etcd tests will be skipped" >&2
+  else
+    echo "note: etcd is not on PATH (apt-get install etcd-server); the etcd tests will be skipped" >&2
+  fi
+fi
 status=0
 if [ "$what" = demo ]; then
   .venv/bin/unbroken demo "${@:2}" || status=$?

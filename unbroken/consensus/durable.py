@@ -1,0 +1,167 @@
+"""The controller's durable state in etcd: what a new leader needs to carry the job on.
+
+Keys, all under the job's prefix ``/unbroken/<run id>/`` (:func:`job_prefix`; the run id is an
+HMAC of the job secret, so the secret itself is never written):
+
+* ``leader``  -- the leading controller (see :mod:`unbroken.consensus.election`);
+* ``state``   -- a :class:`DurableState` (msgpack; nothing pickled);
+* ``terms/<term>`` -- one record per leadership won (node, address), for audits and tests;
+* ``commits/<step>`` -- the commit log: one key per committed step, created only if absent,
+  in the same transaction that moves ``state.committed_step``. A step is therefore committed
+  at most once, and only by the leader whose term the transaction's guard names.
+
+Every write is one transaction guarded by the writer's :class:`~unbroken.consensus.election.Term`
+(the leader key's create_revision must equal the term): a fenced leader's write is refused by
+etcd (:class:`~unbroken.consensus.election.Fenced`). :class:`DurableStore` holds no state of its
+own besides the client and the prefix; it is safe to share between threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import msgpack
+
+from unbroken.checkpoint.launch_dirs import run_id
+from unbroken.consensus.election import Fenced, Term, leader_key
+from unbroken.consensus.etcd import Compare, EtcdClient, EtcdError, Put
+from unbroken.errors import ConfigError, UnbrokenError
+
+__all__ = ["CommitRecord", "DurableState", "DurableStore", "StepAlreadyCommitted", "job_prefix"]
+
+
+class StepAlreadyCommitted(UnbrokenError):
+    """The commit log already holds this step (written by an earlier term)."""
+
+
+def job_prefix(secret: str, job_id: str) -> bytes:
+    """The etcd prefix of one job: derived from the secret by an HMAC, never the secret."""
+    rid = run_id(secret, job_id)
+    if rid is None:
+        raise ConfigError("a controller store in etcd needs the job secret (UNBROKEN_SECRET): "
+                          "the job's keys are named by an HMAC of it")
+    return f"/unbroken/{rid}/".encode()
+
+
+@dataclass(frozen=True)
+class DurableState:
+    """The job's bookkeeping a new leader must not lose.
+
+    ``replica_map``: rank -> the ranks holding an identical copy of its state;
+    ``rank_state_at``: rank -> the agent (node name) whose memory holds that rank's own state.
+    """
+    attempt: int = 0
+    generation: int = 0
+    committed_step: int = -1  # -1: nothing committed yet
+    restart_budget: int = 0  # restarts left
+    replica_map: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    rank_state_at: dict[int, str] = field(default_factory=dict)
+    # what the replica map is made of, so a new leader rebuilds the same one
+    num_replicas: int = 0
+    mesh: tuple[tuple[str, int], ...] = ()
+    mesh_replicate: str = ""
+
+    def encode(self) -> bytes:
+        data = asdict(self)
+        data["replica_map"] = {r: list(h) for r, h in self.replica_map.items()}
+        data["mesh"] = [list(dim) for dim in self.mesh]
+        return msgpack.packb(data)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> DurableState:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        if not isinstance(data, dict):
+            raise EtcdError("the durable state in etcd is not a map (not written by unbroken?)")
+        ints = ("attempt", "generation", "committed_step", "restart_budget")
+        if any(not isinstance(data.get(name), int) for name in ints):
+            raise EtcdError(f"the durable state in etcd lacks one of {ints}: {sorted(data)}")
+        return cls(**{name: data[name] for name in ints},
+                   replica_map={int(r): tuple(int(x) for x in h) for r, h in data.get("replica_map", {}).items()},
+                   rank_state_at={int(r): str(n) for r, n in data.get("rank_state_at", {}).items()},
+                   num_replicas=int(data.get("num_replicas", 0)),
+                   mesh=tuple((str(name), int(size)) for name, size in data.get("mesh", [])),
+                   mesh_replicate=str(data.get("mesh_replicate", "")))
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    step: int
+    term: int  # the leadership term that committed it
+    node: str
+    revision: int  # etcd revision of the commit (its key's create_revision)
+
+
+def _step_key(prefix: bytes, step: int) -> bytes:
+    return prefix + b"commits/%020d" % step  # zero-padded: key order is step order
+
+
+class DurableStore:
+    """Reads and guarded writes of one job's durable state (see the module docstring)."""
+
+    def __init__(self, client: EtcdClient, prefix: bytes) -> None:
+        self.client, self.prefix = client, prefix
+        self.state_key = prefix + b"state"
+
+    def load(self) -> DurableState | None:
+        kv = self.client.get(self.state_key)
+        return None if kv is None else DurableState.decode(kv.value)
+
+    def record_term(self, term: Term, address: str) -> None:
+        """Write ``terms/<term>`` (right after winning): the leadership history."""
+        self._guarded(term, [Put(self.prefix + b"terms/%020d" % term.revision,
+                                 msgpack.packb({"node": term.node, "address": address}))], "record its term")
+
+    def terms(self) -> dict[int, str]:
+        """term -> node, for every leadership recorded."""
+        out = {}
+        for kv in self.client.get_prefix(self.prefix + b"terms/"):
+            out[int(kv.key.rsplit(b"/", 1)[1])] = str(msgpack.unpackb(kv.value, raw=False)["node"])
+        return out
+
+    def save(self, term: Term, state: DurableState) -> None:
+        """Replace the state (attempt, generation, maps, budget); Fenced if ``term`` is over."""
+        self._guarded(term, [Put(self.state_key, state.encode())], "save the job state")
+
+    def commit(self, term: Term, step: int, state: DurableState) -> DurableState:
+        """Commit ``step``: the log entry and ``state.committed_step = step`` in one transaction.
+        Fenced if ``term`` is over; StepAlreadyCommitted if the log holds ``step`` from another
+        term. A retry of our own commit (an answer lost in flight) is taken as done."""
+        if step <= state.committed_step:
+            raise StepAlreadyCommitted(f"step {step} is not after the committed step {state.committed_step}")
+        term.check()
+        new = replace(state, committed_step=step)
+        key = _step_key(self.prefix, step)
+        entry = msgpack.packb({"term": term.revision, "node": term.node})
+        result = self.client.txn([term.guard(), Compare(key, "CREATE", 0)],
+                                 [Put(key, entry), Put(self.state_key, new.encode())],
+                                 failure_reads=[leader_key(self.prefix), key])
+        if result.succeeded:
+            return new
+        found = {kv.key: kv for kv in result.kvs}
+        held = found.get(term.key)
+        if held is None or held.create_revision != term.revision:
+            term.lost.set()
+            raise Fenced(f"controller {term.node!r} (term {term.revision}): commit of step {step} refused, "
+                         "another controller leads now")
+        mine = msgpack.unpackb(found[key].value, raw=False) if key in found else {}
+        if mine.get("term") == term.revision:
+            return new
+        raise StepAlreadyCommitted(f"step {step} was already committed by term {mine.get('term')} "
+                                   f"({mine.get('node')!r}); this is term {term.revision}")
+
+    def commits(self) -> list[CommitRecord]:
+        """The commit log, in step order."""
+        out = []
+        for kv in self.client.get_prefix(self.prefix + b"commits/"):
+            entry: dict[str, Any] = msgpack.unpackb(kv.value, raw=False)
+            out.append(CommitRecord(step=int(kv.key.rsplit(b"/", 1)[1]), term=int(entry["term"]),
+                                    node=str(entry["node"]), revision=kv.create_revision))
+        return out
+
+    def _guarded(self, term: Term, puts: list[Put], what: str) -> None:
+        term.check()
+        if not self.client.txn([term.guard()], puts).succeeded:
+            term.lost.set()
+            raise Fenced(f"controller {term.node!r} (term {term.revision}) could not {what}: "
+                         "another controller leads now, or its lease expired")

@@ -70,16 +70,18 @@ def test_lost_lease_fences_the_leader(etcd1):
 
 
 def test_losing_one_of_three_members_is_tolerated(etcd3):
-    a, b = candidate(etcd3, "n0"), candidate(etcd3, "n1")
-    term_a = a.campaign(timeout_s=5)
+    # A 3 s lease: the keepalive (every TTL / 3) that finds m0 gone must reach another member within
+    # the TTL; with a 1 s lease a loaded machine (a refresh and a failover past 1 s) fenced a healthy leader.
+    a, b = candidate(etcd3, "n0", ttl_s=3), candidate(etcd3, "n1", ttl_s=3)
+    term_a = a.campaign(timeout_s=10)
     store = DurableStore(EtcdClient(etcd3.endpoints, timeout_s=1.0), PREFIX)
     state = store.commit(term_a, 0, DurableState())
     etcd3.kill_member("m0")  # the member every client tries first
-    time.sleep(1.5)  # over the TTL: the term survives, its keepalive went to another member
+    time.sleep(3.5)  # over the TTL: the term survives, its keepalive went to another member
     term_a.check()
     state = store.commit(term_a, 1, state)
     a.resign()
-    term_b = b.campaign(timeout_s=5)
+    term_b = b.campaign(timeout_s=10)
     store.commit(term_b, 2, state)
     assert [(c.step, c.term) for c in store.commits()] == \
         [(0, term_a.revision), (1, term_a.revision), (2, term_b.revision)]

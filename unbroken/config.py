@@ -55,12 +55,17 @@ class HangConfig:
     floor_s: float = 5.0
     factor: float = 3.0
     first_step_timeout_s: float = 60.0
+    #: How long a rank past its step loop may keep running once every other rank has exited
+    #: (--exit-timeout-s): then it is hung there (a final save stuck, destroy_process_group waiting on
+    #: peers that are gone), killed, and counts as finished (controller/loop_end.py).
+    exit_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         require_timeout(self.timeout_s, "--hang-timeout-s", optional=True)
         require_timeout(self.floor_s, "hang floor")
         require(math.isfinite(self.factor) and self.factor >= 1, f"hang factor must be >= 1, got {self.factor}")
         require_timeout(self.first_step_timeout_s, "--first-step-timeout-s")
+        require_timeout(self.exit_timeout_s, "--exit-timeout-s")
 
 
 @dataclass(frozen=True)

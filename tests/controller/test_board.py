@@ -59,7 +59,7 @@ def test_a_process_status_of_another_process_changes_nothing():
     assert (board.view(1).process, board.view(1).process_t) == ("stopped", 1.0)
     board.reported(1, Phase.FINISHED, in_loop=True)
     board.finishing(1)
-    assert board.process_exited(1, exit_code=None) and board.view(1).state is WorkerState.FAILED
+    assert board.process_exited(1, exit_code=None, now=5.0) and board.view(1).state is WorkerState.FAILED
 
 
 def test_the_counts_are_a_copy():

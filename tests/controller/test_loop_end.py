@@ -111,3 +111,44 @@ def test_before_any_step_loop_only_a_stopped_process_is_suspect_at_the_first_ste
     hub.board.view(1).process, hub.board.view(1).process_t = "stopped", 5.0
     assert hub.watchdog.find_hung(hub.board.views(), 0, now=5.0 + first - 0.1) is None
     assert hub.watchdog.find_hung(hub.board.views(), 0, now=5.5 + first)[0].rank == 1
+
+
+def _views_after_loop(exited: dict[int, float | None], killed_running: tuple[int, ...] = ()):
+    from unbroken.controller.views import WorkerView
+    from unbroken.names import WorkerState
+
+    views = []
+    for rank, exited_t in exited.items():
+        state = WorkerState.FINISHED if exited_t is not None else WorkerState.FINISHING
+        views.append(WorkerView(rank=rank, attempt=0, state=state, exited_t=exited_t))
+    return views
+
+
+def test_a_rank_still_running_long_after_every_other_exited_lingers():
+    """Issue 32 case 3, a *running* process: past its loop, still there --exit-timeout-s after the
+    others exited (a final save or destroy_process_group stuck): found, the lowest rank first."""
+    from unbroken.config import HangConfig
+    from unbroken.controller.watchdog import Watchdog
+
+    dog = Watchdog(HangConfig(exit_timeout_s=10.0), straggler_factor=0.0)
+    views = _views_after_loop({0: 100.0, 1: None, 2: 103.0, 3: None})
+    assert dog.find_lingering_after_loop(views, 0, now=112.0) is None  # 9 s after the last exit
+    blamed = dog.find_lingering_after_loop(views, 0, now=113.5)
+    assert (blamed.rank, round(blamed.silent_s, 1), blamed.timeout_s) == (1, 10.5, 10.0)
+    # once rank 1 is killed, its exit does not restart rank 3's clock
+    views[1].exited_t = 114.0
+    blamed = dog.find_lingering_after_loop(views, 0, now=114.1, killed=[1])
+    assert blamed.rank == 3
+
+
+def test_nothing_lingers_while_a_rank_still_trains_or_none_exited():
+    from unbroken.config import HangConfig
+    from unbroken.controller.views import WorkerView
+    from unbroken.controller.watchdog import Watchdog
+    from unbroken.names import WorkerState
+
+    dog = Watchdog(HangConfig(exit_timeout_s=10.0), straggler_factor=0.0)
+    views = _views_after_loop({0: 100.0, 1: None})
+    views.append(WorkerView(rank=2, attempt=0, state=WorkerState.RUNNING))  # still in its loop
+    assert dog.find_lingering_after_loop(views, 0, now=500.0) is None
+    assert dog.find_lingering_after_loop(_views_after_loop({0: None, 1: None}), 0, now=500.0) is None

@@ -123,6 +123,30 @@ def test_a_rank_stopped_after_its_loop_is_killed_within_the_hang_timeout_and_the
     assert out.exists()  # rank 0's final save
 
 
+@pytest.mark.timeout(150)
+def test_a_rank_still_running_after_its_loop_is_killed_at_the_exit_timeout_and_the_job_succeeds(tmp_path):
+    """Rank 1 sleeps (running, not stopped) after its loop for 10 minutes, as a final save or a
+    destroy_process_group stuck on peers that are gone would: rank 0 exits 0; rank 1 is killed
+    --exit-timeout-s after that and the job exits 0, saying so (it waited forever before)."""
+    run_dir, out = tmp_path / "run", tmp_path / "out.safetensors"
+    result = run_cli(["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), "--exit-timeout-s", "3",
+                      str(SCRIPT), "--steps", "4", "--out", str(out), "--wait-at", "after-loop", "--wait-rank", "1",
+                      "--wait-s", "600"], timeout_s=130)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    (hang,) = events(run_dir, "hang_detected")
+    assert (hang["rank"], hang["process"], hang["during"]) == (1, "running", "after-loop"), hang
+    assert "--exit-timeout-s" in hang["why"]
+    (rank0_exit,) = [e for e in events(run_dir, "worker_exited") if e["rank"] == 0]
+    assert 3 <= hang["t"] - rank0_exit["t"] < 3 + 5, (rank0_exit, hang)
+    (warning,) = events(run_dir, "exited_after_loop")
+    assert (warning["rank"], warning["signal"], warning["hung"]) == (1, signal.SIGKILL, True)
+    assert not events(run_dir, "decision") and len(events(run_dir, "attempt_started")) == 1  # no recovery
+    (finished,) = events(run_dir, "job_finished")
+    assert finished["exit_code"] == 0 and "rank 1 hung after its step loop" in finished["reason"], finished
+    assert out.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("point, rank", [("after-loop", 3), ("after-loop", 0), ("last-step", 2),

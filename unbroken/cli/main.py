@@ -147,6 +147,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
               "from the controller for half of it stops its own workers and exits (fencing; default 30)")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
+    flag("exit-timeout-s", type=_float, default=300.0, metavar="S",
+         help="a rank past its step loop still running this long after every other rank exited is hung "
+              "there: killed, and the job ends as the finished ranks left it (default 300)")
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs="*", metavar="ARG", help="its arguments, passed on untouched")
 
@@ -222,7 +225,8 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
                            replicas_allowed=not args.no_replica_restore, sub_health_policy=args.sub_health_policy,
                            crash_loop_limit=args.crash_loop_limit, max_recurring=args.max_recurring_recoveries),
         checkpoint=_checkpoint_config(args),
-        hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s),
+        hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s,
+                        exit_timeout_s=args.exit_timeout_s),
         worker=WorkerSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkerSettings)}),
     )
     from unbroken.faults.plan import parse_plan, validate_plan

@@ -118,15 +118,16 @@ class Board:
         w = self._workers[rank]
         w.pid, w.attempt, w.started_t, w.last_progress_t = pid, attempt, now, now
         w.step, w.phase, w.state, w.steps_in_generation = None, Phase.STARTING, WorkerState.STARTING, 0
-        w.process, w.process_t = "running", now
+        w.process, w.process_t, w.exited_t = "running", now, None
         w.in_step_loop = w.relayed = False
         w.compute_s.clear()
 
-    def process_exited(self, rank: int, exit_code: int | None) -> bool:
+    def process_exited(self, rank: int, exit_code: int | None, now: float) -> bool:
         """The rank's process exited; True when it had left its step loop before (no fault: loop_end.py)."""
         w = self._workers[rank]
         after_loop = w.state is WorkerState.FINISHING
         w.state = WorkerState.FINISHED if exit_code == 0 else WorkerState.FAILED
+        w.exited_t = now
         return after_loop
 
     def process_status(self, rank: int, pid: int, attempt: int, status: str, now: float) -> bool:

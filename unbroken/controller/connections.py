@@ -160,7 +160,7 @@ def _worker_exited(self: Connections, agent: int, msg: m.WorkerExited) -> None:
     hub = self._hub
     if msg.attempt != hub.state.attempt:
         return
-    after_loop = hub.board.process_exited(msg.rank, msg.exit_code)  # it had left its step loop: no fault
+    after_loop = hub.board.process_exited(msg.rank, msg.exit_code, time.monotonic())  # it had left its step loop: no fault
     w = hub.board.view(msg.rank)
     if msg.exit_code != 0 and not after_loop:
         hub.timing.fault_began(time.monotonic(), hub.board.views())

@@ -65,6 +65,13 @@ def silent_in_recovery(ranks: Sequence[RankProgress], answered: Iterable[int]) -
     return min(late, key=lambda r: (r.process not in NOT_RUNNING, -r.silent_s, r.rank)) if late else None
 
 
+def lingering_after_loop(rank: RankProgress) -> RankProgress | None:
+    """The last rank of a job still running past its step loop, ``silent_s`` after every other rank
+    exited, once that is longer than its ``timeout_s`` (``--exit-timeout-s``): nobody trains with it
+    any more, so a final save or ``job.close()`` that long is taken for a hang; else ``None``."""
+    return rank if rank.silent_s > rank.timeout_s else None
+
+
 def hung_after_loop(ranks: Sequence[RankProgress]) -> RankProgress | None:
     """A rank past its step loop whose process has been stopped or a zombie (``silent_s``: since
     its agent saw it so) for longer than its hang timeout, the longest first; ``None`` if none is.

@@ -262,6 +262,13 @@ class Controller:
         if blamed is not None:
             self._hung(self.board.view(blamed.rank), blamed, f"its process is {blamed.process} after its step loop",
                        during="after-loop")
+            return
+        blamed = self._watchdog.find_lingering_after_loop(self.board.views(), self._state.attempt, now,
+                                                        killed=self._state.hung_after_loop)
+        if blamed is not None:
+            why = (f"its process still runs {blamed.silent_s:.1f} s after every other rank exited "
+                   f"(--exit-timeout-s {blamed.timeout_s:g})")
+            self._hung(self.board.view(blamed.rank), blamed, why, during="after-loop")
 
     def _check_recovery_silence(self, now: float) -> None:
         """A survivor that does not answer the abort order within its hang timeout is hung too."""

@@ -32,6 +32,7 @@ class WorkerView:
     relayed: bool = False  # its step reports come, and its commits go, through its agent (agent/relay.py)
     process: str = "running"  # as its agent sees the process: running | stopped | zombie (hangs.py)
     process_t: float = 0.0  # when its agent reported ``process`` (monotonic): how long it has been stopped
+    exited_t: float | None = None  # when its process exited (monotonic), in this attempt
 
 
 @dataclass

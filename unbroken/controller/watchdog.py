@@ -119,6 +119,21 @@ class Watchdog:
                  if w.attempt == attempt and w.state is WorkerState.FINISHING and w.rank not in skip]
         return hangs.hung_after_loop(ranks)
 
+    def find_lingering_after_loop(self, workers: Iterable[WorkerView], attempt: int, now: float,
+                                  killed: Iterable[int] = ()) -> hangs.RankProgress | None:
+        """A rank of ``attempt`` past its step loop whose process still runs ``--exit-timeout-s`` after
+        the last rank that exited by itself (not one of ``killed``), once every rank left its loop and
+        some exited; the lowest such rank. Before that, some rank still trains: nothing lingers."""
+        workers, skip = [w for w in workers if w.attempt == attempt], set(killed)
+        lingering = [w for w in workers if w.state is WorkerState.FINISHING and w.rank not in skip]
+        ended = [w.exited_t for w in workers if w.exited_t is not None and w.rank not in skip]
+        if not lingering or not ended or any(w.exited_t is None and w.state is not WorkerState.FINISHING
+                                             for w in workers):
+            return None
+        w = min(lingering, key=lambda v: v.rank)
+        return hangs.lingering_after_loop(
+            hangs.RankProgress(w.rank, w.phase, now - max(ended), self._hang.exit_timeout_s, w.process))
+
     def new_stragglers(self, workers: Iterable[WorkerView]) -> list[tuple[int, str]]:
         """(rank, why) of ranks the straggler rule (``--straggler-factor``) finds slow, each once."""
         timings = {w.rank: w.compute_s for w in workers}

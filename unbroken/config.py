@@ -47,12 +47,18 @@ class HangConfig:
 
     A rank that has not completed a step in the current attempt, or since the last in-flight recovery, gets
     ``first_step_timeout_s`` (imports, process-group setup, restore, a replacement's first step). After that the
-    timeout is ``max(floor_s, factor * median step time)``,
-    calibrated from observed steps, unless ``timeout_s`` fixes it.
+    timeout is calibrated from observed steps, unless ``timeout_s`` fixes it:
+
+    * ``max(evidence_floor_s, factor * p99 step time)`` for a rank with evidence against it: its agent sees
+      its process stopped or a zombie, or it has not reached the step's collective while every other rank
+      waits in it (controller/hangs.py);
+    * ``max(floor_s, factor * p99 step time)`` without evidence (every rank silent alike: a hang inside the
+      collective itself, or a job whose ranks all stall), where nothing tells the culprit from its victims.
     """
 
     timeout_s: float | None = None
     floor_s: float = 5.0
+    evidence_floor_s: float = 1.0
     factor: float = 3.0
     first_step_timeout_s: float = 60.0
     #: How long a rank past its step loop may keep running once every other rank has exited
@@ -63,6 +69,7 @@ class HangConfig:
     def __post_init__(self) -> None:
         require_timeout(self.timeout_s, "--hang-timeout-s", optional=True)
         require_timeout(self.floor_s, "hang floor")
+        require_timeout(self.evidence_floor_s, "hang floor with evidence")
         require(math.isfinite(self.factor) and self.factor >= 1, f"hang factor must be >= 1, got {self.factor}")
         require_timeout(self.first_step_timeout_s, "--first-step-timeout-s")
         require_timeout(self.exit_timeout_s, "--exit-timeout-s")

@@ -20,7 +20,7 @@ from unbroken.config import HangConfig
 from unbroken.controller import hangs, health
 from unbroken.controller.api import Recovery
 from unbroken.controller.views import WorkerView
-from unbroken.names import LIVE_WORKER_STATES, WorkerState
+from unbroken.names import LIVE_WORKER_STATES, Phase, WorkerState
 
 WATCH_INTERVAL_S = 0.1
 
@@ -37,6 +37,13 @@ class Watchdog:
     def median_step_s(self) -> float | None:
         return statistics.median(self._step_times) if self._step_times else None
 
+    def p99_step_s(self) -> float | None:
+        """The 99th percentile of the recent steady step times (the largest, below 100 of them)."""
+        if not self._step_times:
+            return None
+        times = sorted(self._step_times)
+        return times[min(len(times) - 1, int(0.99 * len(times)))]
+
     def hang_timeout_s(self, w: WorkerView) -> float:
         """``--first-step-timeout-s`` for a rank's first step of its attempt and the first step after an
         in-flight recovery (every rank of the new generation: its peers wait in the redo step's first
@@ -46,33 +53,50 @@ class Watchdog:
         return self.steady_timeout_s()
 
     def steady_timeout_s(self) -> float:
-        """``--hang-timeout-s``, else the one calibrated from step times. Also the timeout of a rank
-        whose process is stopped or a zombie, counted from when its agent saw it so, before its first
-        step and after its loop too: such a process is doing no set-up and no final save."""
+        """``--hang-timeout-s``, else the one calibrated from step times, for a rank with no evidence
+        against it (every rank silent alike). Also the timeout after a rank's loop and before its first
+        step for a stopped process (counted from when its agent saw it so)."""
+        return self._calibrated(self._hang.floor_s)
+
+    def evidence_timeout_s(self) -> float:
+        """``--hang-timeout-s``, else the calibrated timeout of a steady rank with evidence against it:
+        its process stopped or a zombie, or it has not reached the step's collective while every other
+        rank waits there (:meth:`progress`). ``max(1 s, 3 x p99 step)`` by default."""
+        return self._calibrated(self._hang.evidence_floor_s)
+
+    def _calibrated(self, floor_s: float) -> float:
         hang = self._hang
         if hang.timeout_s is not None:
             return hang.timeout_s
-        return max(hang.floor_s, hang.factor * (self.median_step_s() or 0.0))
+        return max(floor_s, hang.factor * (self.p99_step_s() or 0.0))
 
     def note_step_s(self, seconds: float) -> None:
-        """A rank took ``seconds`` for a steady step (not its first of a generation): the median
-        the calibrated hang timeout scales."""
+        """A rank took ``seconds`` for a steady step (not its first of a generation): the times the
+        calibrated hang timeouts scale with."""
         self._step_times.append(seconds)
 
     def progress(self, workers: Iterable[WorkerView], attempt: int, now: float,
                  since_t: float | None = None) -> list[hangs.RankProgress]:
-        """Every live rank of ``attempt``, silent since its last step (or since ``since_t``). A rank
-        whose process is stopped or a zombie counts instead as silent since then against the steady
-        timeout, where that is the further past its timeout (before its first step, where the first-step
-        timeout would leave a stopped process alone for a minute)."""
+        """Every live rank of ``attempt``, silent since its last step (or since ``since_t``).
+
+        The timeout of each is :meth:`hang_timeout_s`, shortened to :meth:`evidence_timeout_s` for a
+        steady rank with evidence against it (see :class:`~unbroken.config.HangConfig`). A rank whose
+        process is stopped or a zombie counts instead as silent since its agent saw it so, where that
+        is the further past its timeout (before its first step, where the first-step timeout would
+        leave a stopped process alone for a minute)."""
+        live = [w for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
+        in_sync = sum(w.phase == Phase.SYNC for w in live)
         ranks = []
-        for w in workers:
-            if w.attempt != attempt or w.state not in LIVE_WORKER_STATES:
-                continue
+        for w in live:
+            timeout_s = self.hang_timeout_s(w)
+            others_wait = in_sync == len(live) - 1 and len(live) > 1 and w.phase != Phase.SYNC
+            if w.steps_in_generation > 0 and since_t is None and others_wait:
+                timeout_s = min(timeout_s, self.evidence_timeout_s())  # every peer waits for this one
             rank = hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
-                                      self.hang_timeout_s(w), w.process)
+                                      timeout_s, w.process)
             if w.process in hangs.NOT_RUNNING:
-                stopped = _since_seen(w, now, self.steady_timeout_s())
+                stopped_timeout_s = self.evidence_timeout_s() if w.steps_in_generation > 0 else self.steady_timeout_s()
+                stopped = _since_seen(w, now, stopped_timeout_s)
                 if stopped.silent_s - stopped.timeout_s > rank.silent_s - rank.timeout_s:
                     rank = stopped
             ranks.append(rank)

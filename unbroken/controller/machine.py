@@ -41,8 +41,7 @@ from unbroken.controller.events import (  # noqa: F401  (the nouns, re-exported 
     StepSynced, RanksSynced, RankPaused, ReplacementJoined, RankResumed, RankDamaged, RankDegraded,
     StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, Event, TerminateRequested, GraceExpired)
 from unbroken.errors import EXIT_FATAL
-from unbroken.recovery.mesh_map import MeshReplicaMap
-from unbroken.recovery.replica_map import ReplicaMap
+from unbroken.recovery.replicas import Replicas, job_replicas
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
 from unbroken.recovery import crash_loop
 from unbroken.recovery.ladder import GIVE_UP, RETRY_KINDS, Decision, FaultFacts, choose
@@ -164,13 +163,10 @@ def _facts(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()
         repeats=crash_loop.repeats(state.failures + (failure,)))
 
 
-def _replica_map(state: JobState) -> ReplicaMap | MeshReplicaMap:
+def _replica_map(state: JobState) -> Replicas:
     """Who holds what: the job's mesh (replicas along its replicate dimension), else the flat
     data-parallel layout of ``num_replicas`` (0: full replication)."""
-    if state.mesh:  # num_replicas: copies of a distributed optimizer's shards inside dp (0: none)
-        return MeshReplicaMap(state.mesh, state.mesh_replicate, shard_replicas=state.num_replicas)
-    return ReplicaMap.full(state.world_size) if state.num_replicas == 0 else \
-        ReplicaMap(state.world_size, state.num_replicas)
+    return job_replicas(state.world_size, state.num_replicas, state.mesh, state.mesh_replicate)
 
 
 def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()) -> tuple[JobState, list[Action]]:

@@ -1,7 +1,7 @@
 """Run generated scripts under `unbroken run`, send one fault from outside, judge the outcome.
 
 A :class:`Case` is a combination (:class:`.render.Combo`) and a :class:`Fault`: SIGKILL or SIGSTOP of
-the worker of one RANK (its pid from the run directory's latest ``worker_started`` event, else the
+the worker of one RANK (its pid from the run directory's latest ``rank_started`` event, else the
 process whose environment has that ``RANK`` and the job's run dir), at one moment read from the
 script's progress lines: ``before-first-step`` (the rank printed ``setup``: it has built everything
 and is about to enter ``job.steps()``), ``mid`` (the rank began step k, 1 <= k <= STEPS - 2),
@@ -131,9 +131,9 @@ class RunResult:
 
 
 def worker_pid(run_dir: Path, rank: int) -> int | None:
-    """The pid of ``rank``'s current worker: its latest ``worker_started`` event, else the live process
+    """The pid of ``rank``'s current worker: its latest ``rank_started`` event, else the live process
     whose environment has ``RANK=rank`` and this job's run directory."""
-    started = [e for e in read_events(run_dir) if e.get("event") == "worker_started" and e.get("rank") == rank]
+    started = [e for e in read_events(run_dir) if e.get("event") == "rank_started" and e.get("rank") == rank]
     if started and psutil.pid_exists(started[-1]["pid"]):
         return started[-1]["pid"]
     for proc in psutil.process_iter():

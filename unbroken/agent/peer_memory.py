@@ -73,9 +73,12 @@ class PeerMemory:
         self._server.close()
         self._drop_conn()
 
-    def set_peers(self, peers: dict[int, tuple[str, int]], hosting: set[int]) -> None:
-        """The controller's address book: every agent's peer-memory address, and which agents host
-        ranks. The successor is the next hosting agent after this one (ring order by agent id)."""
+    def set_peers(self, peers: dict[int, tuple[str, int]], hosting: set[int], me: int | None = None) -> None:
+        """The controller's address book: every agent's peer-memory address, which agents host ranks,
+        and this agent's id (``me``: a standby's differs from its node rank). The successor is the
+        next hosting agent after this one (ring order by agent id)."""
+        if me is not None:
+            self.agent = me
         ring = sorted(a for a in hosting if a in peers and peers[a][1])
         later = [a for a in ring if a > self.agent] or [a for a in ring if a < self.agent]
         successor = later[0] if self.agent in ring and later else None

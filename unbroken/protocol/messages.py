@@ -104,6 +104,19 @@ class StartWorkers(Message):
     store_prefix: str = ""  # the attempt's secret rendezvous key prefix (controller/rendezvous.py)
 
 
+@message("peer_agents")
+class PeerAgents(Message):
+    """The address book of the peer copies (agent/peer_memory.py): each connected agent's id, host and
+    peer-memory port (0: it keeps none), the agents hosting ranks now (the ring), and the receiver's own
+    id (a standby agent learns it here)."""
+
+    you: int
+    agents: list[int]
+    hosts: list[str]
+    ports: list[int]
+    hosting: list[int]
+
+
 @message("stop_workers")
 class StopWorkers(Message):
     attempt: int

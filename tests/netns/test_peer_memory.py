@@ -29,7 +29,7 @@ def _kill_node_1(netns_hosts, tmp_path, flags: list[str]) -> NetnsJob:
     hosts = netns_hosts(3)
     job = NetnsJob(hosts, tmp_path, standby=True, steps=STEPS, train_args=SLOW,
                    flags=[*flags, *BASE, "--save", str(tmp_path / "ckpt")])
-    job.wait_step(2, 5, timeout_s=360)
+    job.wait_step(0, 5, timeout_s=360)
     job.wait_for(lambda: any(events(job.run_dir, "attempt_started")), 10, "the first attempt")
     hosts[1].kill()
     return job

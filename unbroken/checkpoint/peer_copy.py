@@ -142,12 +142,11 @@ def send_slot(sock: socket.socket, path: Path, rank: int, *, pin: bool = False) 
             return None
         nbytes = copy_bytes(h)
         sock.sendall(pack_header(Kind.SNAPSHOT, rank, h.step, h.seq, nbytes))
-        offset = 0
-        while offset < nbytes:
-            sent = os.sendfile(sock.fileno(), fd, offset, nbytes - offset)
-            if sent == 0:
-                raise ConnectionClosed(f"peer-memory stream: {path} shrank while it was sent")
-            offset += sent
+        # socket.sendfile: os.sendfile, waiting for the socket's timeout where it has one
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+            sent = sock.sendfile(f, 0, nbytes)
+        if sent != nbytes:
+            raise ConnectionClosed(f"peer-memory stream: {path} shrank while it was sent ({sent} of {nbytes} bytes)")
         return h
     finally:
         os.close(fd)

@@ -16,7 +16,8 @@ from unbroken.agent.peer_memory import ROLE, PeerMemory
 from unbroken.checkpoint import peer_copy as pc
 from unbroken.checkpoint.memory import SnapshotWriter
 from unbroken.checkpoint.memory_reader import SnapshotReader
-from unbroken.checkpoint.shm_files import peer_marker_path, peer_slot_path, remove_job, slot_path
+from unbroken.checkpoint.shm_files import (claim_job, peer_marker_path, peer_slot_path, remove_job, slot_path,
+                                           sweep_stale)
 from unbroken.errors import AuthError, CheckpointCorrupt, ConnectionClosed
 from unbroken.protocol.wire import connect
 
@@ -160,3 +161,26 @@ def test_a_wrong_secret_is_refused(job):
             connect("127.0.0.1", p.port, b"not-the-job-secret-at-all-0123456789", ROLE, {"agent": 9})
     finally:
         p.stop()
+
+
+def test_a_crashed_agents_peer_copies_are_swept_by_the_next_run(job):
+    _write(job, 2, 3)
+    _receive(job, 2, _stream(job, 2))
+    dead = __import__("subprocess").Popen(["true"])
+    dead.wait()
+    claim_job(SHM, job, dead.pid)  # the owner (an agent killed with its node) is gone
+    assert [n for n in os.listdir(SHM) if n.startswith(f"unbroken-{job}-p")]
+    assert job in sweep_stale(SHM)
+    assert not [n for n in os.listdir(SHM) if job in n]
+
+
+def test_a_copy_whose_slot_header_disagrees_with_its_announcement_is_refused(job):
+    _write(job, 4, 8)
+    _receive(job, 4, _stream(job, 4))
+    _write(job, 4, 9)
+    data = bytearray(_stream(job, 4))
+    kind, rank, step, seq, nbytes = pc.PEER_HEADER.unpack(bytes(data[:pc.PEER_HEADER.size]))[2:7]
+    data[:pc.PEER_HEADER.size] = pc.pack_header(pc.Kind.SNAPSHOT, rank, step + 100, seq, nbytes)  # lies about its step
+    with pytest.raises(CheckpointCorrupt, match="not a committed snapshot matching"):
+        _receive(job, 4, bytes(data))
+    assert [s for s, _ in SnapshotReader(SHM, job, 4, peer=True).committed()] == [8]

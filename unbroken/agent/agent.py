@@ -83,11 +83,7 @@ class Agent:
 
             self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks,
                                         self._report_persisted, run_id=run_id(cfg.secret, cfg.job_id))
-        self._peer = None  # the node's peer copies (agent/peer_memory.py), under a memory tier
-        if ckpt.every_steps and ckpt.peer_memory and cfg.job_id and os.path.isdir(ckpt.shm_dir):
-            from unbroken.agent.peer_memory import PeerMemory
-
-            self._peer = PeerMemory(cfg.secret.encode(), ckpt.shm_dir, cfg.job_id, cfg.node_rank, self._running_ranks)
+        self._peer = None  # the node's peer copies (agent/peer_memory.py), under a memory tier: built in run()
         self._relay: NodeRelay | None = None  # built in run() under the setting node_reports
         self._stop = threading.Event()
         # Heartbeats to the controller; a silent controller (link cut, controller frozen) fences this node.
@@ -99,6 +95,7 @@ class Agent:
         """Serve the controller until it says shut down; return (exit code, reason)."""
         host, port = self._controller_addr
         ident = {"node_rank": self.node_rank}
+        self._peer = self._build_peer_memory()
         if self._peer is not None:  # its port reaches the controller's address book (PeerAgents)
             ident["peer_port"] = self._peer.port
         self._conn = connect(host, port, self.cfg.secret.encode(), "agent", ident, timeout_s=connect_timeout_s)
@@ -211,6 +208,15 @@ class Agent:
         shm = self.cfg.checkpoint.shm_dir
         if self.cfg.job_id and os.path.isdir(shm):
             shm_files.remove_job(shm, self.cfg.job_id)
+
+    def _build_peer_memory(self):
+        """The node's peer copies (agent/peer_memory.py) where it has a memory tier and they are on."""
+        ckpt = self.cfg.checkpoint
+        if not (ckpt.every_steps and ckpt.peer_memory and self.cfg.job_id and os.path.isdir(ckpt.shm_dir)):
+            return None
+        from unbroken.agent.peer_memory import PeerMemory  # (imported here: an agent without one never needs it)
+
+        return PeerMemory(self.cfg.secret.encode(), ckpt.shm_dir, self.cfg.job_id, self.node_rank, self._running_ranks)
 
     def _peer_agents(self, msg: m.PeerAgents) -> None:
         if self._peer is not None:

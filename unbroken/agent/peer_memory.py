@@ -57,7 +57,10 @@ class PeerMemory:
         self._successor: int | None = None
         self._sent_seq: dict[int, int] = {}  # rank -> seq of the newest copy the successor acknowledged
         self._stop = threading.Event()
-        self._conn: Connection | None = None
+        self._conn: Connection | None = None  # the sender thread's, to the successor
+        self._moved = False  # the successor changed: the sender thread drops its connection
+        self._serving = 0  # connection handlers running (stop waits for them: no file appears after it)
+        self._idle = threading.Condition(self._lock)
         self._failing = False
         self.stats = {"copies_sent": 0, "bytes_sent": 0, "send_s": 0.0, "copies_refused": 0,
                       "copies_received": 0, "bytes_received": 0}
@@ -67,11 +70,15 @@ class PeerMemory:
         self._server.start()
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop sending and serving; returns once no handler can still create a file (the agent
+        removes the job's files next), or after ``timeout_s``."""
         self._stop.set()
-        self._thread.join(timeout=10)
-        self._server.close()
+        self._thread.join(timeout=timeout_s)
+        self._server.close()  # closes the live connections: a handler in a receive fails at once
         self._drop_conn()
+        with self._idle:
+            self._idle.wait_for(lambda: self._serving == 0, timeout=timeout_s)
 
     def set_peers(self, peers: dict[int, tuple[str, int]], hosting: set[int], me: int | None = None) -> None:
         """The controller's address book: every agent's peer-memory address, which agents host ranks,
@@ -85,8 +92,7 @@ class PeerMemory:
         with self._lock:
             self._peers = dict(peers)
             if successor != self._successor:
-                self._successor, self._sent_seq = successor, {}
-                self._drop_conn()
+                self._successor, self._moved = successor, True
         log.info("agent %d: peer memory: copies go to agent %s", self.agent, successor)
 
     # -- sending -------------------------------------------------------------------------------
@@ -109,8 +115,11 @@ class PeerMemory:
     def send_round(self) -> int:
         """Send the newest committed snapshot of each local rank not sent yet; the copies sent."""
         with self._lock:
-            successor = self._successor
+            successor, moved, self._moved = self._successor, self._moved, False
             addr = self._peers.get(successor) if successor is not None else None
+        if moved:  # a new successor holds none of our copies yet
+            self._drop_conn()
+            self._sent_seq = {}
         if addr is None:
             return 0
         sent = 0
@@ -151,6 +160,18 @@ class PeerMemory:
 
     # -- serving (the server's connection threads) ----------------------------------------------
     def _serve(self, conn: Connection) -> None:
+        with self._idle:
+            if self._stop.is_set():
+                return
+            self._serving += 1
+        try:
+            self._serve_stream(conn)
+        finally:
+            with self._idle:
+                self._serving -= 1
+                self._idle.notify_all()
+
+    def _serve_stream(self, conn: Connection) -> None:
         if conn.role != ROLE:
             raise ProtocolError(f"peer-memory port: role {conn.role!r} is not {ROLE!r}")
         sock = conn.raw_socket()

@@ -113,7 +113,8 @@ def train_once(peer: bool, steps: int, tmp: Path) -> dict:
         for node in (0, 1):
             shm = Path(tempfile.mkdtemp(prefix=f"{job}-n{node}-", dir="/dev/shm"))
             shm_dirs.append(shm)
-            cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+            cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "1",
                    "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-id", job,
                    "--run-dir", str(tmp / f"{job}-node{node}"), "--shm-dir", str(shm), "--save", str(tmp / job),
                    "--persist-every-steps", "0", *([] if peer else ["--no-peer-memory"]), *script]

@@ -98,8 +98,8 @@ ROWS = [
         kind="node-lost", home_agents_up=False, lost_agents=(1,), standby=True,
         policy={"allowed": (Rung.RECOVER_IN_PLACE, Rung.EXIT)}),
     row("node-lost-exit-onto-standby", Rung.EXIT, "node 1 lost; restart 1 of 3 (dump, recover, recover-in-place, "
-        "retry: no; restoring from replicas is off (--no-replica-restore))", kind="node-lost", what="node 1 lost", home_agents_up=False,
-        lost_agents=(1,), standby=True, standbys=1, policy={"replicas_allowed": False}),
+        "retry: no; restoring from replicas is off (--no-replica-restore))", kind="node-lost", what="node 1 lost",
+        home_agents_up=False, lost_agents=(1,), standby=True, standbys=1, policy={"replicas_allowed": False}),
     row("node-lost-too-few-standbys", GIVE_UP, "the agent of node(s) [1, 2] was lost, so the job cannot restart on "
         "all its nodes; 1 standby agent(s) for 2 lost node(s): a job restart needs one for each",
         kind="node-lost", home_agents_up=False, lost_agents=(1, 2), standby=True, standbys=1,

@@ -160,7 +160,8 @@ def _facts(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()
         recovering=rec.rung if rec else "", tries=rec.tries + 1 if rec else (prior.tries + 1 if prior else 1),
         recurring_step=prior.resume_step if prior else None,
         home_agents_up={state.agent_of(r) for r in failed} <= state.agents, standby=bool(state.standbys),
-        standbys=len(state.standbys), lost_agents=tuple(sorted(state.hosts() - state.agents)), restarts_used=state.restarts_used,
+        standbys=len(state.standbys), lost_agents=tuple(sorted(state.hosts() - state.agents)),
+        restarts_used=state.restarts_used,
         repeats=crash_loop.repeats(state.failures + (failure,)))
 
 

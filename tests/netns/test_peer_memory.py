@@ -10,9 +10,11 @@ the fault-free run's bit for bit.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from tests.integration.helpers import assert_same_weights, events, reference_run
+from tests.integration.helpers import assert_same_weights, events, reference_run, train
 from tests.netns.job import NetnsJob
 
 STEPS = 16
@@ -22,7 +24,17 @@ BASE = ["--node-reports", "--node-timeout-s", "5", "--first-step-timeout-s", "30
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return reference_run(tmp_path_factory, steps=STEPS)
+    """The fault-free run's weights (shared with test_node_faults.py when it ran first); made here
+    with a generous first-step timeout: on a loaded machine the watchdog would call a slow start a hang."""
+    shared = tmp_path_factory.getbasetemp() / "references" / f"{STEPS}.safetensors"
+    if shared.exists():
+        return reference_run(tmp_path_factory, steps=STEPS)
+    result, out, _ = train(tmp_path_factory.mktemp("reference"), "reference", steps=STEPS, timeout_s=420,
+                           flags=["--first-step-timeout-s", "300"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    shared.parent.mkdir(exist_ok=True)
+    shutil.copyfile(out, shared)
+    return shared
 
 
 def _kill_node_1(netns_hosts, tmp_path, flags: list[str]) -> NetnsJob:

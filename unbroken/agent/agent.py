@@ -211,12 +211,14 @@ class Agent:
 
     def _build_peer_memory(self):
         """The node's peer copies (agent/peer_memory.py) where it has a memory tier and they are on."""
-        ckpt = self.cfg.checkpoint
-        if not (ckpt.every_steps and ckpt.peer_memory and self.cfg.job_id and os.path.isdir(ckpt.shm_dir)):
+        cfg, ckpt = self.cfg, self.cfg.checkpoint
+        if not (ckpt.every_steps and ckpt.peer_memory and cfg.job_id and os.path.isdir(ckpt.shm_dir)
+                and (cfg.nnodes > 1 or cfg.standby)):  # one node: no other memory to keep a copy in
             return None
-        from unbroken.agent.peer_memory import PeerMemory  # (imported here: an agent without one never needs it)
+        from unbroken.agent.peer_memory import PeerMemory, local_address  # (an agent without one never needs it)
 
-        return PeerMemory(self.cfg.secret.encode(), ckpt.shm_dir, self.cfg.job_id, self.node_rank, self._running_ranks)
+        return PeerMemory(cfg.secret.encode(), ckpt.shm_dir, cfg.job_id, self.node_rank, self._running_ranks,
+                          host=local_address(*self._controller_addr))
 
     def _peer_agents(self, msg: m.PeerAgents) -> None:
         if self._peer is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,11 +44,23 @@ STALL_S = 30.0  # a send or an answer that makes no progress this long fails (th
 RETRY_S = 1.0  # after a failed send, the sender waits this long before it connects again
 
 
+def local_address(host: str, port: int) -> str:
+    """This host's address on the route to ``host`` (the controller's): where the peer-memory server
+    listens, the address the controller sees this agent connect from. No packet is sent."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(addr)
+            return probe.getsockname()[0]
+    except OSError:
+        return host
+
+
 class PeerMemory:
     """One node's peer copies (see the module docstring); ``stop`` ends its threads."""
 
     def __init__(self, secret: bytes, shm_dir: str | os.PathLike, job_id: str, agent: int,
-                 ranks: Callable[[], list[int]], *, host: str = "0.0.0.0", poll_s: float = 0.05) -> None:
+                 ranks: Callable[[], list[int]], *, host: str = "127.0.0.1", poll_s: float = 0.05) -> None:
         self._secret, self._dir, self._job, self.agent = secret, check_dir(shm_dir), job_id, agent
         self._ranks, self._poll_s = ranks, poll_s
         self._server = Server(host, 0, secret, self._serve)

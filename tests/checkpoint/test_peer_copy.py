@@ -119,7 +119,8 @@ def test_a_truncated_or_corrupt_copy_never_replaces_the_complete_one(job, damage
 
 
 def _service(job: str, agent: int, ranks, secret: bytes = SECRET) -> PeerMemory:
-    p = PeerMemory(secret, SHM, job, agent, lambda: list(ranks), host="127.0.0.1", poll_s=0.02)
+    # poll_s: the sender thread never runs by itself; the test calls send_round (one sender at a time)
+    p = PeerMemory(secret, SHM, job, agent, lambda: list(ranks), host="127.0.0.1", poll_s=3600)
     p.start()
     return p
 

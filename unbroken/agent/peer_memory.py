@@ -126,7 +126,8 @@ class PeerMemory:
                 self._stop.wait(RETRY_S)
 
     def send_round(self) -> int:
-        """Send the newest committed snapshot of each local rank not sent yet; the copies sent."""
+        """Send the newest committed snapshot of each local rank not sent yet; the copies sent. Called by
+        the sender thread (one caller at a time: it owns the connection to the successor)."""
         with self._lock:
             successor, moved, self._moved = self._successor, self._moved, False
             addr = self._peers.get(successor) if successor is not None else None

@@ -81,7 +81,7 @@ class Agent:
             # Imported here: the persister reads snapshots with torch; an agent without one never imports torch.
             from unbroken.agent.persister import Persister
 
-            self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks,
+            self._persister = Persister(ckpt, cfg.job_id, self._job_world_size, self._running_ranks,
                                         self._report_persisted, run_id=run_id(cfg.secret, cfg.job_id))
         self._peer = None  # the node's peer copies (agent/peer_memory.py), under a memory tier: built in run()
         self._relay: NodeRelay | None = None  # built in run() under the setting node_reports
@@ -233,6 +233,10 @@ class Agent:
 
     def _report_persisted(self, step: int, ranks: list[int], seconds: float, error: str) -> None:
         self._send(m.Persisted(step=step, ranks=ranks, seconds=seconds, error=error))
+
+    def _job_world_size(self) -> int:
+        """The job's world size, as the controller's orders say (a standby's own flags do not)."""
+        return self._placement.world_size or self.cfg.world_size
 
     def _running_ranks(self) -> list[int]:
         with self._lock:

@@ -234,7 +234,7 @@ def all_reduce_gradients(params: list[nn.Parameter], job: "unbroken.Job") -> Non
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     job.all_reduce(flat)        # sum over ranks (gloo has no AVG); unbroken can abandon it on a fault
-    flat.div_(job.world_size)
+    flat.div_(job.data_world_size)  # the micro-batches of the global batch (the world size, unless the job shrank)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -352,13 +352,16 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(cfg).to(job.device)
     opt = build_optimizer(model, args, num_replicas, job)
     warmup_steps = min(args.warmup_steps, args.steps)
+    # job.lr_scale: 1, unless the job shrank with --elastic-mode fast --elastic-lr-scaling linear|sqrt.
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_multiplier(step, warmup_steps=warmup_steps, total_steps=args.steps))
+        opt, lambda step: lr_multiplier(step, warmup_steps=warmup_steps, total_steps=args.steps) * job.lr_scale)
     # Everything that changes during training and is not a function of the step counter.
     # RNG states and the step counter itself are tracked by unbroken.
     job.track(model=model, optimizer=opt, scheduler=sched)
     params = [p for p in model.parameters() if p.requires_grad]
-    sync_gradients = args.optimizer == "plain" and job.world_size > 1
+    # One micro-batch per data-parallel shard this rank runs: its own, and after a node was lost (rung
+    # elastic, exact mode) also some of the lost ranks', so the global batch stays the same.
+    sync_gradients = args.optimizer == "plain" and (job.world_size > 1 or job.data_world_size > 1)
 
     if job.rank == 0:
         n_params = sum(p.numel() for p in params)
@@ -367,11 +370,12 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for step in job.steps(args.steps):  # starts past 0 when the job resumes after a failure
         with job.step():                # the fault boundary: a failure in here redoes this step
-            x, y = get_batch(data, step, job.rank, seed=args.seed, batch_size=args.batch_size,
-                             block_size=args.block_size)
-            x, y = x.to(job.device), y.to(job.device)
-            _, loss = model(x, y)
-            loss.backward()
+            for data_rank in job.data_ranks():  # (job.rank,) unless the job shrank: then accumulate
+                x, y = get_batch(data, step, data_rank, seed=args.seed, batch_size=args.batch_size,
+                                 block_size=args.block_size)
+                x, y = x.to(job.device), y.to(job.device)
+                _, loss = model(x, y)
+                loss.backward()
             if sync_gradients:          # job.all_reduce marks phase 'sync' (ShardedOptimizer does this in step())
                 all_reduce_gradients(params, job)
             opt.step()                  # a tracked optimizer's step enters 'update': the step commits first

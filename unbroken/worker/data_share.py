@@ -1,0 +1,53 @@
+"""One rank's share of the global batch: the data-parallel ranks it runs (rung `elastic`).
+
+Until the job shrinks, a rank runs its own data-parallel rank of a world of ``world_size``. After rung
+`elastic` shrank it in exact mode (controller/elastic.py), a survivor also runs some of the lost ranks'
+shares (the agent passes them in its environment: :attr:`WorkerConfig.data_ranks`), so the global batch
+and the sample order stay those of the fault-free run.
+
+That is exact only if a share's micro-batch is a function of (step, data rank) alone. What this class
+can see of it, it reports to the controller with the rank's first committed step (``SessionReady``'s
+``not_exact``; the ladder refuses exact mode on any): a script that never asked which shares it runs,
+per-rank tracked state (a lost rank's copy went with its node), and random draws inside the step from
+the process's global generators (a lost rank's streams are gone; a survivor would draw its own).
+Lives in the training thread, owned by :class:`unbroken.worker.session.Job`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+import torch
+
+from unbroken.worker_config import WorkerConfig
+
+
+class DataShare:
+    """Which data-parallel ranks this rank runs, and whether its script can keep them exact."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self._ranks, self.world_size = cfg.my_data_ranks, cfg.my_data_world_size
+        self._rng_at_first_ask: tuple[torch.Tensor, object] | None = None  # the global streams then
+
+    def ranks(self) -> tuple[int, ...]:
+        if self._rng_at_first_ask is None:
+            self._rng_at_first_ask = (torch.get_rng_state(), random.getstate())
+        return self._ranks
+
+    def not_exact(self, per_rank: Iterable[str]) -> str:
+        """Why this rank's script cannot keep the global batch on fewer ranks ("": nothing seen against it).
+        Called once, after the first committed step."""
+        if self._rng_at_first_ask is None:
+            return ("the script never called job.data_ranks() in its steps, so its batch cannot be split into the "
+                    "data-parallel shards of lost ranks (see docs/recovery.md, 'Losing a node')")
+        named = sorted(per_rank)
+        if named:
+            return (f"its tracked objects {named} are per rank: a lost rank's copy went with its node "
+                    "(track them as replicated, or derive them from the step and job.data_ranks())")
+        torch_state, python_state = self._rng_at_first_ask
+        if not torch.equal(torch_state, torch.get_rng_state()) or python_state != random.getstate():
+            return ("its step drew from the global random generators (torch or random: dropout, a shuffle), "
+                    "whose streams are per rank and lost with a node; draw from a generator seeded by "
+                    "(step, data rank) instead")
+        return ""

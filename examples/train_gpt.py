@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.num_threads)
 
     job = unbroken.init()  # joins the job and builds the default process group (gloo on CPU)
-    try:
-        num_replicas = resolve_num_replicas(args.num_replicas, job.world_size)
+    try:  # (the plain optimizer has no shards: any world size will do)
+        num_replicas = resolve_num_replicas(args.num_replicas, job.world_size) if args.optimizer == "sharded" else 1
     except ValueError as exc:
         job.close()
         raise SystemExit(f"train_gpt.py: {exc}") from None

@@ -31,6 +31,19 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert not differing, f"weights differ from the fault-free run in {differing}"
 
 
+def max_rel_diff(a: Path, b: Path) -> float:
+    """The largest relative difference of the weights in ``a`` against ``b`` (same names and shapes):
+    over the tensors, max |a - b| / max |b| (a tensor's largest change against its own scale; an
+    element-wise ratio would blow up at weights near zero). 0.0 means bit-equal."""
+    wa, wb = load_file(str(a)), load_file(str(b))
+    assert wa.keys() == wb.keys() and all(wa[k].shape == wb[k].shape for k in wa)
+    worst = 0.0
+    for k in wa:
+        scale = float(wb[k].double().abs().max()) or 1.0
+        worst = max(worst, float((wa[k].double() - wb[k].double()).abs().max()) / scale)
+    return worst
+
+
 def events(run_dir: Path, name: str | None = None) -> list[dict]:
     from unbroken.controller.eventlog import read_events
 

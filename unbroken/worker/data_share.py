@@ -9,16 +9,19 @@ That is exact only if a share's micro-batch is a function of (step, data rank) a
 can see of it, it reports to the controller with the rank's first committed step (``SessionReady``'s
 ``not_exact``; the ladder refuses exact mode on any): a script that never asked which shares it runs,
 per-rank tracked state (a lost rank's copy went with its node), and random draws inside the step from
-the process's global generators (a lost rank's streams are gone; a survivor would draw its own).
+the process's global generators (a lost rank's streams are gone; a survivor would draw its own), and
+normalization running statistics (per rank, moved by each rank's batches).
 Lives in the training thread, owned by :class:`unbroken.worker.session.Job`.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 
 from unbroken.worker_config import WorkerConfig
 
@@ -35,9 +38,10 @@ class DataShare:
             self._rng_at_first_ask = (torch.get_rng_state(), random.getstate())
         return self._ranks
 
-    def not_exact(self, per_rank: Iterable[str]) -> str:
-        """Why this rank's script cannot keep the global batch on fewer ranks ("": nothing seen against it).
-        Called once, after the first committed step."""
+    def not_exact(self, objects: Mapping[str, Any], per_rank: Iterable[str]) -> str:
+        """Why this rank's script cannot keep the global batch on fewer ranks ("": nothing seen against it),
+        given its tracked ``objects`` and the names of the per-rank ones. Called once, after the first
+        committed step."""
         if self._rng_at_first_ask is None:
             return ("the script never called job.data_ranks() in its steps, so its batch cannot be split into the "
                     "data-parallel shards of lost ranks (see docs/recovery.md, 'Losing a node')")
@@ -45,6 +49,11 @@ class DataShare:
         if named:
             return (f"its tracked objects {named} are per rank: a lost rank's copy went with its node "
                     "(track them as replicated, or derive them from the step and job.data_ranks())")
+        stats = sorted(name for name, obj in objects.items() if isinstance(obj, torch.nn.Module) and any(
+            isinstance(m, _NormBase) and m.track_running_stats for m in obj.modules()))
+        if stats:
+            return (f"its tracked modules {stats} keep normalization running statistics (BatchNorm), which each "
+                    "rank's own batches move: a lost rank's went with its node")
         torch_state, python_state = self._rng_at_first_ask
         if not torch.equal(torch_state, torch.get_rng_state()) or python_state != random.getstate():
             return ("its step drew from the global random generators (torch or random: dropout, a shuffle), "

@@ -260,7 +260,7 @@ class Job:
 
     def _ready_fields(self) -> dict[str, Any]:
         return dict(meshes.ready_fields(self._mesh, self._tracked, self.world_size),
-                    not_exact=self._data_share.not_exact(self._tracked.per_rank))
+                    not_exact=self._data_share.not_exact(self._tracked.objects, self._tracked.per_rank))
 
     # -- collectives that can be abandoned ----------------------------------------------
     @property

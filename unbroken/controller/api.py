@@ -303,6 +303,10 @@ class JobState:
         return RankSet.full(self.world_size)
 
     def agent_of(self, rank: int) -> int:
+        """The agent hosting ``rank``; -1 for a rank the job no longer has (rung elastic shrank it: a late
+        message or a stale view of a process of the larger world)."""
+        if rank >= self.world_size:
+            return -1
         return self.placement[rank] if self.placement else rank // (self.world_size // self.nnodes)
 
     def hosts(self) -> frozenset[int]:

@@ -241,6 +241,19 @@ def all_reduce_gradients(params: list[nn.Parameter], job: "unbroken.Job") -> Non
         offset += g.numel()
 
 
+def sum_gradients_in_data_rank_order(params: list[nn.Parameter], parts: dict[int, torch.Tensor],
+                                     job: "unbroken.Job") -> None:
+    """Average the per-micro-batch gradients ``parts`` (flat, by data rank) over the job, added in data-rank
+    order (`--exact-reduce`): the same bits at any world size, so a job that lost a node and went on
+    smaller (rung elastic) ends bit-equal to the fault-free run. An all-gather instead of an all-reduce."""
+    flat = job.sum_over_data_ranks(parts)
+    flat.div_(job.data_world_size)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
 def resolve_num_replicas(requested: int, world_size: int) -> int:
     """How many ranks hold each optimizer shard; raises ValueError if it cannot divide the world."""
     if world_size == 1:
@@ -299,6 +312,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-head", type=_positive_int, default=2)
     p.add_argument("--n-embd", type=_positive_int, default=64)
     p.add_argument("--dropout", type=_non_negative_float, default=0.0)
+    p.add_argument("--exact-reduce", action="store_true",
+                   help="plain optimizer: sum gradients in data-rank order (an all-gather), so the bits do not "
+                        "depend on the world size: a job that shrank after losing a node stays bit-exact")
     p.add_argument("--num-threads", type=_positive_int, default=1,
                    help="torch intra-op threads; part of the run's identity (see main())")
     p.add_argument("--step-sleep-s", type=_non_negative_float, default=0.0,
@@ -370,13 +386,19 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for step in job.steps(args.steps):  # starts past 0 when the job resumes after a failure
         with job.step():                # the fault boundary: a failure in here redoes this step
+            parts = {}  # --exact-reduce: each micro-batch's gradient apart, by data rank
             for data_rank in job.data_ranks():  # (job.rank,) unless the job shrank: then accumulate
                 x, y = get_batch(data, step, data_rank, seed=args.seed, batch_size=args.batch_size,
                                  block_size=args.block_size)
                 x, y = x.to(job.device), y.to(job.device)
                 _, loss = model(x, y)
                 loss.backward()
-            if sync_gradients:          # job.all_reduce marks phase 'sync' (ShardedOptimizer does this in step())
+                if sync_gradients and args.exact_reduce:
+                    parts[data_rank] = torch.cat([p.grad.reshape(-1) for p in params])
+                    opt.zero_grad(set_to_none=True)
+            if sync_gradients and args.exact_reduce:
+                sum_gradients_in_data_rank_order(params, parts, job)
+            elif sync_gradients:        # job.all_reduce marks phase 'sync' (ShardedOptimizer does this in step())
                 all_reduce_gradients(params, job)
             opt.step()                  # a tracked optimizer's step enters 'update': the step commits first
             opt.zero_grad(set_to_none=True)

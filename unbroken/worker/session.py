@@ -31,7 +31,7 @@ from unbroken.errors import EXIT_FATAL, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import Phase
-from unbroken.worker.data_share import DataShare
+from unbroken.worker.data_share import DataShare, sum_in_data_rank_order
 from unbroken.worker import first_group, integrity, meshes, restore, script_imports, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
@@ -251,6 +251,13 @@ class Job:
         and accumulate the gradients; the global batch and the sample order stay the fault-free run's.
         A job whose every rank calls it in its steps may shrink exactly (``--elastic-mode exact``)."""
         return self._data_share.ranks()
+
+    def sum_over_data_ranks(self, parts: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The job-wide sum of one tensor per data-parallel rank (``parts``: this rank's, keyed by the
+        entries of :meth:`data_ranks`), added in data-rank order: bit for bit the same at any world size,
+        unlike an all-reduce, whose order of additions follows the world. Use it for the gradients when a
+        shrunk job (rung elastic, exact mode) must keep the fault-free run's bits."""
+        return sum_in_data_rank_order(parts, self.data_world_size, self.world_size, self.all_gather)
 
     @property
     def lr_scale(self) -> float:

@@ -134,9 +134,13 @@ class LaunchConfig:
         return json.dumps(data, indent=2, sort_keys=True)
 
 
+#: MindCluster's names for our rungs, accepted at the edge (DESIGN.md section 1).
+STRATEGY_ALIASES = {"elastic-training": "elastic"}
+
+
 def parse_strategies(text: str) -> tuple[str, ...]:
     """Parse ``--recover-strategy`` / the ``recover-strategy`` annotation: a comma list."""
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    names = tuple(STRATEGY_ALIASES.get(part.strip(), part.strip()) for part in text.split(",") if part.strip())
     for name in names:
         require_strategy(name)
     require(bool(names), f"--recover-strategy: empty list (allowed: {', '.join(IMPLEMENTED_RUNGS)})")

@@ -79,6 +79,9 @@ def check_shrunk(job: NetnsJob, reference, *, mode: str = "exact") -> float:
     restored = [e for e in events(job.run_dir, "restored")]
     assert sorted((e["rank"], e["tier"], e["from_rank"]) for e in restored) == [(0, "memory", 0), (1, "memory", 2)]
     assert restored[0]["step"] >= 3, restored  # the newest snapshot, not a fresh start
+    assert not events(job.run_dir, "persist_failed")  # storage steps after the shrink commit at world 2
+    (recovered,) = events(job.run_dir, "recovered")
+    assert recovered["attempt"] == 1 and recovered["tier"] == "memory", recovered
     diff = max_rel_diff(job.out, reference)
     print(f"elastic {mode}: resumed at step {restored[0]['step']}, final weights max relative difference "
           f"{diff:.3g} against the fault-free run ({'bit-equal' if diff == 0 else 'not bit-equal'})")

@@ -81,7 +81,8 @@ class Agent:
             # Imported here: the persister reads snapshots with torch; an agent without one never imports torch.
             from unbroken.agent.persister import Persister
 
-            self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks,
+            self._persister = Persister(ckpt, cfg.job_id, lambda: self._placement.world_size or cfg.world_size,
+                                        self._running_ranks,
                                         self._report_persisted, run_id=run_id(cfg.secret, cfg.job_id))
         self._relay: NodeRelay | None = None  # built in run() under the setting node_reports
         self._stop = threading.Event()

@@ -35,17 +35,20 @@ def flags(tmp_path, *more: str) -> list[str]:
 
 
 EXACT_REDUCE = ("--exact-reduce",)
+# A first step may take minutes on a loaded 2-core machine; the hang rule must not restart the reference.
+REFERENCE_FLAGS = ["--first-step-timeout-s", "300"]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The fault-free run, gradients summed in data-rank order (--exact-reduce)."""
-    return reference_run(tmp_path_factory, steps=STEPS, nproc=NPROC * NNODES, train_args=list(EXACT_REDUCE))
+    return reference_run(tmp_path_factory, steps=STEPS, nproc=NPROC * NNODES, train_args=list(EXACT_REDUCE),
+                         flags=REFERENCE_FLAGS)
 
 
 @pytest.fixture(scope="module")
 def reference_all_reduce(tmp_path_factory):
-    return reference_run(tmp_path_factory, steps=STEPS, nproc=NPROC * NNODES)
+    return reference_run(tmp_path_factory, steps=STEPS, nproc=NPROC * NNODES, flags=REFERENCE_FLAGS)
 
 
 def run_with_fault(netns_hosts, tmp_path, fault: str, job_flags: list[str],

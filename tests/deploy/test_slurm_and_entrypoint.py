@@ -194,6 +194,7 @@ def test_with_rung_elastic_srun_keeps_the_step_when_a_node_fails(tmp_path, flags
     (tmp_path / "bin" / "srun").write_text('#!/usr/bin/env bash\necho "$*" >> "$FAKE_SLURM_LOG"\n')
     result = _run(["bash", str(SBATCH), str(EXAMPLE)], env, timeout_s=30)
     assert result.returncode == 0, result.stderr
-    (srun_line,) = [line for line in (tmp_path / "slurm.log").read_text().splitlines() if not line.startswith("scontrol")]
+    (srun_line,) = [line for line in (tmp_path / "slurm.log").read_text().splitlines()
+                    if not line.startswith("scontrol")]
     assert ("--no-kill" in srun_line.split()) == no_kill
     assert flags in srun_line

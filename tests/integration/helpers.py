@@ -51,7 +51,7 @@ def events(run_dir: Path, name: str | None = None) -> list[dict]:
 
 
 def reference_run(tmp_path_factory, name: str = "reference", *, steps: int, train_args: list[str] = (),
-                  nproc: int = 4, flags: list[str] = ()) -> Path:
+                  nproc: int = 4, flags: list[str] = (), timeout_s: float = 150) -> Path:
     """Final weights of a fault-free run of the example on ``nproc`` ranks (for a module-scoped fixture).
 
     Run once per test session for each (steps, train_args, nproc, flags): test modules that compare
@@ -62,7 +62,7 @@ def reference_run(tmp_path_factory, name: str = "reference", *, steps: int, trai
     if shared.exists():
         return shared
     result, out, _ = train(tmp_path_factory.mktemp(name), "reference", steps=steps, train_args=train_args,
-                           nproc=nproc, flags=flags)
+                           nproc=nproc, flags=flags, timeout_s=timeout_s)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     shared.parent.mkdir(exist_ok=True)
     shutil.copyfile(out, shared)

@@ -43,12 +43,12 @@ REFERENCE_FLAGS = ["--first-step-timeout-s", "300"]
 def reference(tmp_path_factory):
     """The fault-free run, gradients summed in data-rank order (--exact-reduce)."""
     return reference_run(tmp_path_factory, steps=STEPS, nproc=NPROC * NNODES, train_args=list(EXACT_REDUCE),
-                         flags=REFERENCE_FLAGS)
+                         flags=REFERENCE_FLAGS, timeout_s=400)
 
 
 @pytest.fixture(scope="module")
 def reference_all_reduce(tmp_path_factory):
-    return reference_run(tmp_path_factory, steps=STEPS, nproc=NPROC * NNODES, flags=REFERENCE_FLAGS)
+    return reference_run(tmp_path_factory, steps=STEPS, nproc=NPROC * NNODES, flags=REFERENCE_FLAGS, timeout_s=400)
 
 
 def run_with_fault(netns_hosts, tmp_path, fault: str, job_flags: list[str],

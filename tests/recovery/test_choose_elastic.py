@@ -63,7 +63,8 @@ ROWS = [
         not_ready=(0,)),
     row("fast-not-ready", Rung.ELASTIC, f"{WHAT}; {FAST}", not_ready=(0,), policy={"elastic_mode": "fast"}),
     row("elastic-not-allowed", GIVE_UP, LOST + "no standby agent to host their ranks (unbroken run --standby), and "
-        "rung elastic (go on without them) is not in --recover-strategy", policy={"allowed": (Rung.RECOVER, Rung.EXIT)}),
+        "rung elastic (go on without them) is not in --recover-strategy",
+        policy={"allowed": (Rung.RECOVER, Rung.EXIT)}),
     row("standby-but-not-in-flight", GIVE_UP, LOST + "their ranks cannot move to a standby agent in flight "
         "(restoring from replicas is off (--no-replica-restore)), and rung elastic cannot go on without them: "
         "1 node(s) left, fewer than --min-nodes 2", standby=True,

@@ -58,7 +58,8 @@ class DutyCycle:
 
 
 class Persister:
-    def __init__(self, ckpt: CheckpointConfig, job_id: str, world_size: Callable[[], int], ranks: Callable[[], list[int]],
+    def __init__(self, ckpt: CheckpointConfig, job_id: str, world_size: Callable[[], int],
+                 ranks: Callable[[], list[int]],
                  report: Callable[[int, list[int], float, str], None], poll_s: float = 0.2,
                  duty: float = DUTY, run_id: str | None = None) -> None:
         self._ckpt = ckpt

@@ -83,7 +83,8 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         blockers = state.not_in_flight + (((event.rank, event.not_in_flight),) if event.not_in_flight else ())
         not_exact = state.not_exact + (((event.rank, event.not_exact),) if event.not_exact else ())
         return _replace(state, ready=state.ready.with_rank(event.rank), num_replicas=event.num_replicas,
-                        not_in_flight=blockers, not_exact=not_exact, mesh=tuple(zip(event.mesh_names, event.mesh_sizes)),
+                        not_in_flight=blockers, not_exact=not_exact,
+                        mesh=tuple(zip(event.mesh_names, event.mesh_sizes)),
                         mesh_replicate=event.mesh_replicate), []
     if isinstance(event, (StepSynced, RanksSynced)):
         return _on_step_synced(state, event)

@@ -140,6 +140,9 @@ def torchrun_row(a: argparse.Namespace, root: Path) -> dict:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"2:{NNODES}", "--nproc-per-node", "1",
                    "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-id", "node-loss",
                    "--rdzv-endpoint", f"{hosts[0].addr}:{PORT}", "--node-rank", str(node),
+                   # node 0 hosts the rendezvous store: torchrun cannot tell from the endpoint inside a
+                   # namespace (its hostname resolves to loopback)
+                   "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
                    str(EXAMPLE), *script_args(a, out)]
             agents.append(Agent(h, cmd, env))
             if node == 0:

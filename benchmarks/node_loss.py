@@ -143,6 +143,7 @@ def torchrun_row(a: argparse.Namespace, root: Path) -> dict:
                    # node 0 hosts the rendezvous store: torchrun cannot tell from the endpoint inside a
                    # namespace (its hostname resolves to loopback)
                    "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
+                   "--local-addr", h.addr,  # the workers' store (MASTER_ADDR) on this host's address
                    str(EXAMPLE), *script_args(a, out)]
             agents.append(Agent(h, cmd, env))
             if node == 0:

@@ -58,7 +58,7 @@ def run_with_fault(netns_hosts, tmp_path, fault: str, job_flags: list[str],
     job = NetnsJob(hosts, tmp_path, nnodes=NNODES, nproc=NPROC, steps=STEPS, train_args=[*SLOW, *train_args],
                    flags=job_flags)
     job.wait_step(0, 4, timeout_s=360)
-    victims = [e["pid"] for e in events(job.run_dir, "worker_started") if e["rank"] == 1]
+    victims = [e["pid"] for e in events(job.run_dir, "rank_started") if e["rank"] == 1]
     assert len(victims) == 1, events(job.run_dir)
     fault_t = time.time()
     getattr(hosts[1], fault)()
@@ -77,7 +77,7 @@ def check_shrunk(job: NetnsJob, reference, *, mode: str = "exact") -> float:
     assert [(d["rung"], d["kind"]) for d in decisions] == [("elastic", "node-lost")], decisions
     attempts = events(job.run_dir, "attempt_started")
     assert [a["attempt"] for a in attempts] == [0, 1], attempts
-    started = [(e["rank"], e["attempt"]) for e in events(job.run_dir, "worker_started")]
+    started = [(e["rank"], e["attempt"]) for e in events(job.run_dir, "rank_started")]
     assert sorted(r for r, a in started if a == 1) == [0, 1], started  # world 2
     restored = [e for e in events(job.run_dir, "restored")]
     assert sorted((e["rank"], e["tier"], e["from_rank"]) for e in restored) == [(0, "memory", 0), (1, "memory", 2)]

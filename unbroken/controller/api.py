@@ -6,8 +6,8 @@ no threads.
 Each noun is declared once: where an event or an action is exactly a wire message
 (:class:`SessionReady`, :class:`StepSynced`, :class:`CommitStep`) the message *is* the noun;
 where the controller adds what it knows (the step a rank was at, a kill's pid), the names
-differ (:class:`RankExited` vs ``messages.WorkerExited``, :class:`KillRank` vs
-``messages.KillWorker``, :class:`OrderRegroup` vs ``messages.Regroup``).
+differ (:class:`RankExited` vs ``messages.RankExited``, :class:`KillRank` vs
+``messages.KillRank``, :class:`OrderRegroup` vs ``messages.Regroup``).
 """
 
 from __future__ import annotations

@@ -128,21 +128,21 @@ class Executor:
         state = hub.state
         for agent in sorted(state.hosts()):
             ranks = elastic.ranks_on(state, agent)
-            self.send_to_agent(agent, m.StartWorkers(
+            self.send_to_agent(agent, m.StartRanks(
                 attempt=action.attempt, store_host=hub.host, store_port=self.store.port,
                 store_prefix=self.store_prefix, world_size=state.world_size, ranks=ranks,
                 **_shrunk_shape(state, ranks)))
 
     def _stop_attempt(self, action: sm.StopAttempt) -> None:
-        self._hub.events.emit("stop_workers", attempt=action.attempt, reason=action.reason)
-        self.broadcast_agents(m.StopWorkers(attempt=action.attempt, reason=action.reason))
+        self._hub.events.emit("stop_ranks", attempt=action.attempt, reason=action.reason)
+        self.broadcast_agents(m.StopRanks(attempt=action.attempt, reason=action.reason))
 
     def _kill(self, action: sm.KillRank) -> None:
         hub = self._hub
         w = hub.board.view(action.rank)
-        hub.events.emit("kill_worker", rank=action.rank, pid=w.pid, reason=action.reason)
+        hub.events.emit("kill_rank", rank=action.rank, pid=w.pid, reason=action.reason)
         self.send_to_agent(hub.state.agent_of(action.rank),
-                                      m.KillWorker(rank=action.rank, pid=w.pid, reason=action.reason))
+                                      m.KillRank(rank=action.rank, pid=w.pid, reason=action.reason))
 
     def _exited_after_loop(self, action: sm.ExitedAfterLoop) -> None:
         how = f"signal {action.signal}" if action.signal else f"exit code {action.exit_code}"
@@ -157,8 +157,8 @@ class Executor:
         hub = self._hub
         for rank in sorted(action.ranks):
             hub.board.restarting(rank)
-            hub.events.emit("restart_worker", rank=rank, gen=action.gen, agent=action.agent)
-            self.send_to_agent(action.agent, m.RestartWorker(
+            hub.events.emit("restart_rank", rank=rank, gen=action.gen, agent=action.agent)
+            self.send_to_agent(action.agent, m.RestartRank(
                 rank=rank, attempt=hub.state.attempt, gen=action.gen, store_host=hub.host,
                 store_port=self.store.port if self.store else 0, store_prefix=self.store_prefix,
                 world_size=hub.state.world_size, **_shrunk_rank(hub.state, rank)))
@@ -294,7 +294,7 @@ def _committed(step: int) -> int | None:
 
 
 def _shrunk_shape(state: sm.JobState, ranks: list[int]) -> dict:
-    """StartWorkers' fields for ``ranks`` of one agent once rung elastic shrank the job (none before)."""
+    """StartRanks' fields for ``ranks`` of one agent once rung elastic shrank the job (none before)."""
     if not state.data_ranks:
         return {}
     return dict(local_ranks=list(range(len(ranks))),
@@ -304,7 +304,7 @@ def _shrunk_shape(state: sm.JobState, ranks: list[int]) -> dict:
 
 
 def _shrunk_rank(state: sm.JobState, rank: int) -> dict:
-    """RestartWorker's fields for ``rank`` once rung elastic shrank the job (none before)."""
+    """RestartRank's fields for ``rank`` once rung elastic shrank the job (none before)."""
     if not state.data_ranks:
         return {}
     return dict(data_ranks=",".join(map(str, state.data_ranks[rank])), data_world_size=state.data_world_size,

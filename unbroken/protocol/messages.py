@@ -57,15 +57,15 @@ class AgentEvent(Message):
     fields: dict[str, Any]
 
 
-@message("worker_started")
-class WorkerStarted(Message):
+@message("rank_started")
+class RankStarted(Message):
     rank: int
     pid: int
     attempt: int
 
 
-@message("worker_exited")
-class WorkerExited(Message):
+@message("rank_exited")
+class RankExited(Message):
     rank: int
     pid: int
     attempt: int
@@ -74,8 +74,8 @@ class WorkerExited(Message):
     last_lines: list[str]
 
 
-@message("worker_status")
-class WorkerStatus(Message):
+@message("rank_status")
+class RankStatus(Message):
     """The agent saw a worker's process change state: running | stopped (SIGSTOP, a
     debugger) | zombie. Evidence for the hang monitor (controller/hangs.py)."""
 
@@ -85,8 +85,8 @@ class WorkerStatus(Message):
     status: str
 
 
-@message("workers_stopped")
-class WorkersStopped(Message):
+@message("ranks_stopped")
+class RanksStopped(Message):
     node_rank: int
     attempt: int
 
@@ -94,8 +94,8 @@ class WorkersStopped(Message):
 # controller -> agent
 
 
-@message("start_workers")
-class StartWorkers(Message):
+@message("start_ranks")
+class StartRanks(Message):
     attempt: int
     store_host: str
     store_port: int
@@ -110,14 +110,14 @@ class StartWorkers(Message):
     lr_scale: float = 1.0  # --elastic-lr-scaling's factor (fast mode)
 
 
-@message("stop_workers")
-class StopWorkers(Message):
+@message("stop_ranks")
+class StopRanks(Message):
     attempt: int
     reason: str
 
 
-@message("kill_worker")
-class KillWorker(Message):
+@message("kill_rank")
+class KillRank(Message):
     rank: int
     pid: int
     reason: str
@@ -132,8 +132,8 @@ class Shutdown(Message):
 # worker -> controller
 
 
-@message("worker_register")
-class WorkerRegister(Message):
+@message("rank_register")
+class RankRegister(Message):
     rank: int
     pid: int
     attempt: int
@@ -176,8 +176,8 @@ class FaultClaim(Message):
     granted: bool
 
 
-@message("worker_event")
-class WorkerEvent(Message):
+@message("rank_event")
+class RankEvent(Message):
     """A worker's record for the job's event log (restored, checkpoint_saved, ...)."""
 
     rank: int
@@ -223,7 +223,7 @@ class CommitStep(Message):
 
 
 #: The worker messages an agent relays to the controller in a :class:`NodeReports` (its ranks' step reports).
-RELAYED_TYPES = ("progress", "step_synced", "paused")
+RELAYED_TYPES = ("progress", "step_synced", "rank_paused")
 
 
 @message("node_reports")
@@ -259,8 +259,8 @@ class Abort(Message):
     committed_step: int = -1
 
 
-@message("paused")
-class Paused(Message):
+@message("rank_paused")
+class RankPaused(Message):
     rank: int
     attempt: int
     gen: int
@@ -281,8 +281,8 @@ class Regroup(Message):
     fallback: list[int] = dataclasses.field(default_factory=list)
 
 
-@message("resumed")
-class Resumed(Message):
+@message("rank_resumed")
+class RankResumed(Message):
     rank: int
     attempt: int
     gen: int
@@ -300,8 +300,8 @@ class SpareImports(Message):
     modules: list[str]
 
 
-@message("restart_worker")
-class RestartWorker(Message):
+@message("restart_rank")
+class RestartRank(Message):
     rank: int
     attempt: int
     gen: int
@@ -327,8 +327,8 @@ class Persisted(Message):
     error: str = ""
 
 
-@message("damaged")
-class Damaged(Message):
+@message("rank_damaged")
+class RankDamaged(Message):
     """A worker's state was damaged (its process is fine): rung `retry` repairs it. ``kind``:
     "memory-fault", "non-finite" (loss/gradients) or "sdc" (differs from its replicas)."""
 
@@ -403,8 +403,8 @@ class RestoreAt(Message):
         _at_least(self, -1, "step")
 
 
-@message("degraded")
-class Degraded(Message):
+@message("rank_degraded")
+class RankDegraded(Message):
     """A rank reports itself degraded (sub-health): a health monitor, a user hook, an injected
     fault. Under ``--sub-health-policy grace-exit`` the job dumps its state and restarts."""
 

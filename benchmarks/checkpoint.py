@@ -292,7 +292,7 @@ def _persister_main(conn, shm_dir: str, job_id: str, save_dir: str, every: int) 
 
     while (command := conn.recv()) != "exit":
         if command == "start":
-            persister = Persister(ckpt, job_id, 1, lambda: [0], report, poll_s=0.05)
+            persister = Persister(ckpt, job_id, lambda: 1, lambda: [0], report, poll_s=0.05)
             persister.start()
         elif persister is not None:
             persister.stop()  # persists the newest due snapshot first: outside the timing

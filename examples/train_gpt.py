@@ -234,11 +234,24 @@ def all_reduce_gradients(params: list[nn.Parameter], job: "unbroken.Job") -> Non
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     job.all_reduce(flat)        # sum over ranks (gloo has no AVG); unbroken can abandon it on a fault
-    flat.div_(job.world_size)
+    flat.div_(job.data_world_size)  # the micro-batches of the global batch (the world size, unless the job shrank)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def sum_gradients_in_data_rank_order(params: list[nn.Parameter], parts: dict[int, torch.Tensor],
+                                     job: "unbroken.Job") -> None:
+    """Average the per-micro-batch gradients ``parts`` (flat, by data rank) over the job, added in data-rank
+    order (`--exact-reduce`): the same bits at any world size, so a job that lost a node and went on
+    smaller (rung elastic) ends bit-equal to the fault-free run. An all-gather instead of an all-reduce."""
+    flat = job.sum_over_data_ranks(parts)
+    flat.div_(job.data_world_size)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
 
 
 def resolve_num_replicas(requested: int, world_size: int) -> int:
@@ -299,6 +312,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-head", type=_positive_int, default=2)
     p.add_argument("--n-embd", type=_positive_int, default=64)
     p.add_argument("--dropout", type=_non_negative_float, default=0.0)
+    p.add_argument("--exact-reduce", action="store_true",
+                   help="plain optimizer: sum gradients in data-rank order (an all-gather), so the bits do not "
+                        "depend on the world size: a job that shrank after losing a node stays bit-exact")
     p.add_argument("--num-threads", type=_positive_int, default=1,
                    help="torch intra-op threads; part of the run's identity (see main())")
     p.add_argument("--step-sleep-s", type=_non_negative_float, default=0.0,
@@ -339,8 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.num_threads)
 
     job = unbroken.init()  # joins the job and builds the default process group (gloo on CPU)
-    try:
-        num_replicas = resolve_num_replicas(args.num_replicas, job.world_size)
+    try:  # (the plain optimizer has no shards: any world size will do)
+        num_replicas = resolve_num_replicas(args.num_replicas, job.world_size) if args.optimizer == "sharded" else 1
     except ValueError as exc:
         job.close()
         raise SystemExit(f"train_gpt.py: {exc}") from None
@@ -352,13 +368,16 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(cfg).to(job.device)
     opt = build_optimizer(model, args, num_replicas, job)
     warmup_steps = min(args.warmup_steps, args.steps)
+    # job.lr_scale: 1, unless the job shrank with --elastic-mode fast --elastic-lr-scaling linear|sqrt.
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_multiplier(step, warmup_steps=warmup_steps, total_steps=args.steps))
+        opt, lambda step: lr_multiplier(step, warmup_steps=warmup_steps, total_steps=args.steps) * job.lr_scale)
     # Everything that changes during training and is not a function of the step counter.
     # RNG states and the step counter itself are tracked by unbroken.
     job.track(model=model, optimizer=opt, scheduler=sched)
     params = [p for p in model.parameters() if p.requires_grad]
-    sync_gradients = args.optimizer == "plain" and job.world_size > 1
+    # One micro-batch per data-parallel shard this rank runs: its own, and after a node was lost (rung
+    # elastic, exact mode) also some of the lost ranks', so the global batch stays the same.
+    sync_gradients = args.optimizer == "plain" and (job.world_size > 1 or job.data_world_size > 1)
 
     if job.rank == 0:
         n_params = sum(p.numel() for p in params)
@@ -367,12 +386,19 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for step in job.steps(args.steps):  # starts past 0 when the job resumes after a failure
         with job.step():                # the fault boundary: a failure in here redoes this step
-            x, y = get_batch(data, step, job.rank, seed=args.seed, batch_size=args.batch_size,
-                             block_size=args.block_size)
-            x, y = x.to(job.device), y.to(job.device)
-            _, loss = model(x, y)
-            loss.backward()
-            if sync_gradients:          # job.all_reduce marks phase 'sync' (ShardedOptimizer does this in step())
+            parts = {}  # --exact-reduce: each micro-batch's gradient apart, by data rank
+            for data_rank in job.data_ranks():  # (job.rank,) unless the job shrank: then accumulate
+                x, y = get_batch(data, step, data_rank, seed=args.seed, batch_size=args.batch_size,
+                                 block_size=args.block_size)
+                x, y = x.to(job.device), y.to(job.device)
+                _, loss = model(x, y)
+                loss.backward()
+                if sync_gradients and args.exact_reduce:
+                    parts[data_rank] = torch.cat([p.grad.reshape(-1) for p in params])
+                    opt.zero_grad(set_to_none=True)
+            if sync_gradients and args.exact_reduce:
+                sum_gradients_in_data_rank_order(params, parts, job)
+            elif sync_gradients:        # job.all_reduce marks phase 'sync' (ShardedOptimizer does this in step())
                 all_reduce_gradients(params, job)
             opt.step()                  # a tracked optimizer's step enters 'update': the step commits first
             opt.zero_grad(set_to_none=True)

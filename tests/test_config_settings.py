@@ -89,7 +89,8 @@ def test_the_recovery_flags_are_one_section_that_is_the_ladders_policy():
 @pytest.mark.parametrize("change, flag", [
     ({"max_restarts": -1}, "--max-restarts must be >= 0"),
     ({"allowed": ()}, "--recover-strategy must name at least one strategy"),
-    ({"allowed": ("elastic",)}, "--recover-strategy: 'elastic' is not built"),
+    ({"elastic_mode": "slow"}, "--elastic-mode: unknown mode 'slow'"),
+    ({"min_nodes": 0}, "--min-nodes must be >= 1"),
     ({"allowed": ("bogus",)}, "--recover-strategy: unknown strategy 'bogus'"),
     ({"crash_loop_limit": -1}, "--crash-loop-limit must be >= 0"),
     ({"max_recurring": 0}, "--max-recurring-recoveries must be >= 1"),

@@ -129,6 +129,8 @@ class LaunchConfig:
                 and 0 <= self.sigterm_dump_timeout_s <= MAX_TIMEOUT_S, f"--sigterm-dump-timeout-s must be a number of seconds in [0, {MAX_TIMEOUT_S:.0f}] "
                 f"(0: no dump on SIGTERM), got {self.sigterm_dump_timeout_s}")
         require_timeout(self.node_timeout_s, "--node-timeout-s")
+        require(self.standby or self.recovery.min_nodes <= self.nnodes,
+                f"--min-nodes {self.recovery.min_nodes} is more than the job's --nnodes {self.nnodes}")
         require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         require(self.straggler_factor == 0 or 1 < self.straggler_factor < math.inf,
                 f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
@@ -144,9 +146,13 @@ class LaunchConfig:
         return json.dumps(data, indent=2, sort_keys=True)
 
 
+#: MindCluster's names for our rungs, accepted at the edge (DESIGN.md section 1).
+STRATEGY_ALIASES = {"elastic-training": "elastic"}
+
+
 def parse_strategies(text: str) -> tuple[str, ...]:
     """Parse ``--recover-strategy`` / the ``recover-strategy`` annotation: a comma list."""
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    names = tuple(STRATEGY_ALIASES.get(part.strip(), part.strip()) for part in text.split(",") if part.strip())
     for name in names:
         require_strategy(name)
     require(bool(names), f"--recover-strategy: empty list (allowed: {', '.join(IMPLEMENTED_RUNGS)})")
@@ -161,11 +167,13 @@ def secret_from_env(env: Mapping[str, str] | None = None) -> str:
 
 def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
                controller: str, store_host: str, store_port: int, gen: int = 0,
-               world_size: int = 0, store_prefix: str = "", relay: str = "") -> dict[str, str]:
+               world_size: int = 0, store_prefix: str = "", relay: str = "",
+               extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a worker gets from the agent: torchrun's variables plus ours.
 
     ``world_size`` is the job's, as the controller says (0: this launcher's own flags);
-    ``relay``: the agent relay's host:port ("": the worker reports to the controller directly)."""
+    ``relay``: the agent relay's host:port ("": the worker reports to the controller directly);
+    ``extra``: more variables (a shrunk job's data ranks: agent/placement.py)."""
     ckpt = cfg.checkpoint
     world_size = world_size or cfg.world_size
     env = {
@@ -201,6 +209,7 @@ def worker_env(cfg: LaunchConfig, *, rank: int, local_rank: int, attempt: int,
         ENV_STORE_PREFIX: store_prefix,
         ENV_RELAY: relay,
         **cfg.worker.to_env(),
+        **(extra or {}),
     }
     if ckpt.save_dir:
         env[ENV_SAVE_DIR] = ckpt.save_dir

@@ -11,8 +11,8 @@ import math
 from unbroken.errors import ConfigError
 from unbroken.names import RUNGS, Rung
 
-#: Rungs this version can carry out (``elastic`` is not built: refused at the edge).
-IMPLEMENTED_RUNGS: tuple[Rung, ...] = tuple(r for r in RUNGS if r is not Rung.ELASTIC)
+#: Rungs this version can carry out.
+IMPLEMENTED_RUNGS: tuple[Rung, ...] = RUNGS
 
 #: The longest timeout any ``*_timeout_s`` setting takes: one day (a timedelta of 1e300 s
 #: overflows in torch, ``inf`` never fires).

@@ -12,6 +12,7 @@ Only this module and :mod:`unbroken.config` read ``os.environ``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -35,6 +36,11 @@ ENV_INJECT = "UNBROKEN_INJECT"
 ENV_GEN = "UNBROKEN_GENERATION"  # set for a replacement: the generation it joins
 ENV_STORE_PREFIX = "UNBROKEN_STORE_PREFIX"  # the attempt's secret rendezvous key prefix
 ENV_PRERUN = "UNBROKEN_PRERUN"  # a pre-run spare (--prerun-spares): the fd it reports ready on
+# Set once rung elastic shrank the job (controller/elastic.py); absent before.
+ENV_DATA_RANKS = "UNBROKEN_DATA_RANKS"  # the data-parallel ranks this rank runs, e.g. "0,2"
+ENV_DATA_WORLD_SIZE = "UNBROKEN_DATA_WORLD_SIZE"  # the data-parallel world the global batch is split into
+ENV_RESTORE_RANK = "UNBROKEN_RESTORE_RANK"  # whose memory-tier snapshot on this node this rank restores
+ENV_LR_SCALE = "UNBROKEN_LR_SCALE"  # --elastic-lr-scaling's factor (fast mode)
 
 
 def _env_number(env: Mapping[str, str], key: str, default: int | float, kind: type = int) -> Any:
@@ -188,10 +194,22 @@ class WorkerConfig:
     relay: str = ""  # managed, setting node_reports: host:port of the node's agent relay (agent/relay.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    data_ranks: tuple[int, ...] = ()  # the data-parallel ranks this rank runs (rung elastic); (): (rank,)
+    data_world_size: int = 0  # the data-parallel world the global batch is split into; 0: world_size
+    restore_rank: int = -1  # whose memory-tier snapshot this rank restores at a (re)start; -1: its own
+    lr_scale: float = 1.0  # the factor --elastic-lr-scaling hands the script
 
     @property
     def replacement(self) -> bool:
         return self.gen > 0
+
+    @property
+    def my_data_ranks(self) -> tuple[int, ...]:
+        return self.data_ranks or (self.rank,)
+
+    @property
+    def my_data_world_size(self) -> int:
+        return self.data_world_size or self.world_size
 
 
 def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) -> WorkerConfig:
@@ -237,10 +255,15 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         relay=env.get(ENV_RELAY, ""),
         checkpoint=ckpt,
         worker=settings,
+        data_ranks=_env_ranks(env, ENV_DATA_RANKS),
+        data_world_size=_env_number(env, ENV_DATA_WORLD_SIZE, 0),
+        restore_rank=_env_number(env, ENV_RESTORE_RANK, -1),
+        lr_scale=_env_number(env, ENV_LR_SCALE, 1.0, float),
     )
     cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
     require(cfg.world_size >= 1, f"WORLD_SIZE must be >= 1, got {cfg.world_size}")
     require(0 <= cfg.rank < cfg.world_size, f"RANK={cfg.rank} must be in [0, WORLD_SIZE={cfg.world_size})")
+    _check_data_ranks(cfg)
     if cfg.mode == "managed":
         require(bool(cfg.secret), f"{ENV_CONTROLLER} is set but {ENV_SECRET} is not")
         check_host_port(cfg.controller, f"environment variable {ENV_CONTROLLER}")
@@ -249,6 +272,28 @@ def worker_config_from_env(env: Mapping[str, str] | None = None, **overrides) ->
         if cfg.relay:  # the agent relay (setting node_reports)
             check_host_port(cfg.relay, f"environment variable {ENV_RELAY}")
     return cfg
+
+
+def _check_data_ranks(cfg: WorkerConfig) -> None:
+    """The elastic shape from the agent (controller/elastic.py) is consistent, or a ConfigError naming it."""
+    world = cfg.my_data_world_size
+    ranks = cfg.my_data_ranks
+    require(world >= 1, f"environment variable {ENV_DATA_WORLD_SIZE}={cfg.data_world_size} must be >= 1")
+    require(len(set(ranks)) == len(ranks) and all(0 <= d < world for d in ranks),
+            f"environment variable {ENV_DATA_RANKS}={','.join(map(str, ranks))} must be distinct ranks in "
+            f"[0, {world}) ({ENV_DATA_WORLD_SIZE}={world}); `unbroken run` sets it after the job shrank")
+    require(math.isfinite(cfg.lr_scale) and cfg.lr_scale > 0,
+            f"environment variable {ENV_LR_SCALE}={cfg.lr_scale} must be a number > 0")
+
+
+def _env_ranks(env: Mapping[str, str], name: str) -> tuple[int, ...]:
+    text = env.get(name, "").strip()
+    if not text:
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={text!r} must be a comma list of ranks, e.g. 0,2") from None
 
 
 def managed_from_env(env: Mapping[str, str] | None = None) -> bool:

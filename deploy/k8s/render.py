@@ -158,6 +158,15 @@ def check_values(values: dict[str, Any]) -> None:
     if values["metricsPort"] == values["controlPort"]:
         raise RenderError(f"metricsPort: {values['metricsPort']} is also controlPort; give two different ports")
     _choice(values, "subHealthyStrategy", SUB_HEALTHY)
+    strategies = [part.strip() for part in str(values["recoverStrategy"]).split(",")]
+    if "elastic" in strategies or "elastic-training" in strategies:
+        # The node Job has backoffLimit 0 and the JobSet restarts every pod when one fails: a pod lost to
+        # a node would end the survivors' elastic continuation. Say so rather than render a manifest that
+        # cannot do what the flag asks.
+        raise RenderError(f"recoverStrategy: {values['recoverStrategy']!r}: rung elastic (go on on the nodes "
+                          "left) is not supported by this manifest yet: its JobSet restarts every pod when a "
+                          "node pod fails. Use standbyNodes (rung recover) or leave elastic out (a node loss "
+                          "then restarts the JobSet from the newest checkpoint)")
     _choice(values, "faultScheduling", FAULT_SCHEDULING)
     grace = values.get("terminationGracePeriodSeconds")
     if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int) or grace < 5):

@@ -298,6 +298,8 @@ def test_standby_pods_join_with_standby_and_do_not_decide_success():
     (["nodes=0"], "nodes: 0 must be a whole number"),
     (["subHealthyStrategy=forceExit"], "allowed: ignore, graceExit"),
     (["recoverStrategy=retry,teleport"], "unknown strategy 'teleport'"),
+    (["recoverStrategy=retry,elastic,exit"], "rung elastic (go on on the nodes left) is not supported by this "
+                                             "manifest yet"),
     (["resources.limits.memory=8Gi"], "counts against the container's memory limit"),
     (["memoryTier.stateBytesPerRank=lots"], "is not a byte quantity"),
     (["name=Bad_Name"], "must be a DNS label"),

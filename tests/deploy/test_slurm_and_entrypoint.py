@@ -184,3 +184,17 @@ def test_entrypoint_waits_for_the_controller_name(tmp_path, node_rank, stale_ans
     assert result.returncode == expect_rc, result.stderr
     if expect_rc:
         assert "did not resolve to the address of this pod (192.0.2.20) within 3 s" in result.stderr
+
+
+@pytest.mark.parametrize("flags, no_kill", [("--recover-strategy retry,elastic,exit --elastic-mode fast", True),
+                                             ("--recover-strategy retry,exit", False)])
+def test_with_rung_elastic_srun_keeps_the_step_when_a_node_fails(tmp_path, flags, no_kill):
+    """srun kills a job step when one of its nodes fails unless --no-kill: rung elastic needs the survivors."""
+    env = _fake_slurm(tmp_path) | {"UNBROKEN_RUN_FLAGS": flags, "UNBROKEN_BIN": "true"}
+    (tmp_path / "bin" / "srun").write_text('#!/usr/bin/env bash\necho "$*" >> "$FAKE_SLURM_LOG"\n')
+    result = _run(["bash", str(SBATCH), str(EXAMPLE)], env, timeout_s=30)
+    assert result.returncode == 0, result.stderr
+    (srun_line,) = [line for line in (tmp_path / "slurm.log").read_text().splitlines()
+                    if not line.startswith("scontrol")]
+    assert ("--no-kill" in srun_line.split()) == no_kill
+    assert flags in srun_line

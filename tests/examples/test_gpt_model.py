@@ -167,7 +167,7 @@ class _FakeJob:
     same gradients, so the summed buffer is `world_size` times each rank's own."""
 
     def __init__(self, world_size):
-        self.world_size = world_size
+        self.world_size = self.data_world_size = world_size  # (data_world_size: the job never shrank)
         self.reduced = []
 
     def all_reduce(self, tensor):

@@ -31,6 +31,19 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert not differing, f"weights differ from the fault-free run in {differing}"
 
 
+def max_rel_diff(a: Path, b: Path) -> float:
+    """The largest relative difference of the weights in ``a`` against ``b`` (same names and shapes):
+    over the tensors, max |a - b| / max |b| (a tensor's largest change against its own scale; an
+    element-wise ratio would blow up at weights near zero). 0.0 means bit-equal."""
+    wa, wb = load_file(str(a)), load_file(str(b))
+    assert wa.keys() == wb.keys() and all(wa[k].shape == wb[k].shape for k in wa)
+    worst = 0.0
+    for k in wa:
+        scale = float(wb[k].double().abs().max()) or 1.0
+        worst = max(worst, float((wa[k].double() - wb[k].double()).abs().max()) / scale)
+    return worst
+
+
 def events(run_dir: Path, name: str | None = None) -> list[dict]:
     from unbroken.controller.eventlog import read_events
 
@@ -38,7 +51,7 @@ def events(run_dir: Path, name: str | None = None) -> list[dict]:
 
 
 def reference_run(tmp_path_factory, name: str = "reference", *, steps: int, train_args: list[str] = (),
-                  nproc: int = 4, flags: list[str] = ()) -> Path:
+                  nproc: int = 4, flags: list[str] = (), timeout_s: float = 150) -> Path:
     """Final weights of a fault-free run of the example on ``nproc`` ranks (for a module-scoped fixture).
 
     Run once per test session for each (steps, train_args, nproc, flags): test modules that compare
@@ -49,7 +62,7 @@ def reference_run(tmp_path_factory, name: str = "reference", *, steps: int, trai
     if shared.exists():
         return shared
     result, out, _ = train(tmp_path_factory.mktemp(name), "reference", steps=steps, train_args=train_args,
-                           nproc=nproc, flags=flags)
+                           nproc=nproc, flags=flags, timeout_s=timeout_s)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     shared.parent.mkdir(exist_ok=True)
     shutil.copyfile(out, shared)

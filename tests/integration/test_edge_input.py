@@ -67,7 +67,8 @@ def test_weak_job_secret_refused_saying_the_rule(secret):
     (["--recovery-timeout-s", "-1"], {}, "--recovery-timeout-s must be a number of seconds in (0, 86400]"),
     (["--recovery-timeout-s", "nan"], {}, "--recovery-timeout-s must be"),
     (["--pg-timeout-s", "1e300"], {}, "--pg-timeout-s must be"),
-    (["--recover-strategy", "recover-in-place,elastic"], {}, "'elastic' is not built in this version"),
+    (["--elastic-mode", "slow"], {}, "--elastic-mode: unknown mode 'slow' (allowed: exact, fast)"),
+    (["--min-nodes", "2"], {}, "--min-nodes 2 is more than the job's --nnodes 1"),
     (["--nnodes", "2", "--master-port", "29999"], {"UNBROKEN_JOB_SECRET": "a"}, "UNBROKEN_JOB_SECRET is too weak"),
 ])
 def test_bad_values_exit_2_before_any_worker(tmp_path, flags, env, expected):
@@ -79,7 +80,8 @@ def test_bad_values_exit_2_before_any_worker(tmp_path, flags, env, expected):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("key, value", [("UNBROKEN_CONTROLLER", "garbage"), ("UNBROKEN_PG_TIMEOUT_S", "inf")])
+@pytest.mark.parametrize("key, value", [("UNBROKEN_CONTROLLER", "garbage"), ("UNBROKEN_PG_TIMEOUT_S", "inf"),
+                                        ("UNBROKEN_DATA_RANKS", "0,9"), ("UNBROKEN_DATA_RANKS", "0;1")])
 def test_managed_worker_with_a_bad_environment_exits_fatal_without_a_traceback(tmp_path, key, value):
     env = dict(os.environ, UNBROKEN_CONTROLLER="127.0.0.1:1", UNBROKEN_JOB_SECRET=STRONG, RANK="0", WORLD_SIZE="1")
     env[key] = value

@@ -91,7 +91,8 @@ ROWS = [
     row("budget-spent", GIVE_UP, "restart budget spent (3 of --max-restarts 3 used)",
         restarts_used=3, policy={"replicas_allowed": False}),
     row("node-lost-no-standby", GIVE_UP, "the agent of node(s) [1] was lost, so the job cannot restart on all its "
-        "nodes; no standby agent to host their ranks (unbroken run --standby)",
+        "nodes; no standby agent to host their ranks (unbroken run --standby), and rung elastic (go on without them) "
+        "is not in --recover-strategy",
         kind="node-lost", home_agents_up=False, lost_agents=(1,), storage=False),
     row("node-lost-recover-not-allowed", GIVE_UP, "the agent of node(s) [1] was lost, so the job cannot restart on "
         "all its nodes; rung recover (onto a standby agent) is not in --recover-strategy recover-in-place,exit",

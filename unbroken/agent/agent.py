@@ -286,7 +286,8 @@ class Agent:
         return worker_env(self.cfg, rank=rank, local_rank=local_rank, attempt=attempt, controller=self.controller,
                           store_host=host, store_port=port, gen=gen, world_size=self._placement.world_size,
                           store_prefix=self._placement.store_prefix,
-                          relay=self._relay.address if self._relay is not None else "")
+                          relay=self._relay.address if self._relay is not None else "",
+                          extra=self._placement.shape_env(rank))
 
     # -- the spare (agent/spares.py) --------------------------------------------------------
     def _prerun_env(self) -> dict[str, str] | None:

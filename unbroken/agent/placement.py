@@ -10,6 +10,7 @@ came, a rank keeping its local rank when it is restarted there again.
 from __future__ import annotations
 
 from unbroken.protocol import messages as m
+from unbroken.worker_config import ENV_DATA_RANKS, ENV_DATA_WORLD_SIZE, ENV_LR_SCALE, ENV_RESTORE_RANK
 
 
 class Placement:
@@ -21,6 +22,8 @@ class Placement:
         self.store_prefix = ""  # every rendezvous key of the attempt lives under it (controller/rendezvous.py)
         self.world_size = 0  # the job's, from the controller's orders
         self._moved: dict[int, int] = {}  # rank -> local rank, on a standby agent
+        self._local: dict[int, int] = {}  # rank -> local rank, once rung elastic renumbered the ranks
+        self._shape: dict[int, dict[str, str]] = {}  # rank -> its elastic environment (controller/elastic.py)
 
     def own_ranks(self) -> list[int]:
         return [self._node_rank * self._nproc + i for i in range(self._nproc)]
@@ -30,7 +33,14 @@ class Placement:
         by default)."""
         self.store_addr, self.store_prefix = (msg.store_host, msg.store_port), msg.store_prefix
         self.world_size = msg.world_size
-        return list(msg.ranks) or self.own_ranks()
+        ranks = list(msg.ranks) or self.own_ranks()
+        self._local = dict(zip(ranks, msg.local_ranks)) if msg.local_ranks else {}
+        self._shape = {}
+        if msg.data_ranks:  # the job shrank (rung elastic): each rank's data ranks, and whose snapshot it restores
+            restore = msg.restore_ranks or [-1] * len(ranks)
+            for rank, data, old in zip(ranks, msg.data_ranks, restore):
+                self._shape[rank] = _shape_env(data, msg.data_world_size, msg.lr_scale, old)
+        return ranks
 
     def restart(self, msg: m.RestartRank) -> None:
         """One rank restarted in flight: a store (with its key prefix) or world size in the order
@@ -38,8 +48,25 @@ class Placement:
         if msg.store_port:
             self.store_addr, self.store_prefix = (msg.store_host, msg.store_port), msg.store_prefix
         self.world_size = msg.world_size or self.world_size
+        if msg.data_ranks:  # a replacement runs the data ranks of the rank it replaces; no snapshot to restore
+            self._shape[msg.rank] = _shape_env(msg.data_ranks, msg.data_world_size, msg.lr_scale, -1)
+        else:
+            self._shape.pop(msg.rank, None)
+
+    def shape_env(self, rank: int) -> dict[str, str]:
+        """The environment of ``rank``'s share of a shrunk job (none before the job shrank)."""
+        return self._shape.get(rank, {})
 
     def local_rank(self, rank: int) -> int:
+        if rank in self._local:
+            return self._local[rank]
         if self._standby:
             return self._moved.setdefault(rank, len(self._moved))
         return rank - self._node_rank * self._nproc
+
+
+def _shape_env(data_ranks: str, data_world_size: int, lr_scale: float, restore_rank: int) -> dict[str, str]:
+    env = {ENV_DATA_RANKS: data_ranks, ENV_DATA_WORLD_SIZE: str(data_world_size), ENV_LR_SCALE: repr(lr_scale)}
+    if restore_rank >= 0:
+        env[ENV_RESTORE_RANK] = str(restore_rank)
+    return env

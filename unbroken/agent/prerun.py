@@ -30,10 +30,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.worker_config import ENV_GEN, ENV_PRERUN, ENV_STORE_PREFIX
+from unbroken.worker_config import ENV_DATA_RANKS, ENV_GEN, ENV_PRERUN, ENV_RESTORE_RANK, ENV_STORE_PREFIX
 
-#: Rank-dependent: never in a pre-run spare's environment.
-RANK_KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")
+#: Rank-dependent: never in a pre-run spare's environment (a shrunk job's data ranks included: rung elastic).
+RANK_KEYS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", ENV_DATA_RANKS, ENV_RESTORE_RANK)
 #: One attempt's (or generation's): set by the order, not compared with it.
 ATTEMPT_KEYS = ("TORCHELASTIC_RESTART_COUNT", ENV_GEN, ENV_STORE_PREFIX, "MASTER_ADDR", "MASTER_PORT")
 #: How often the agent's command loop looks at a pre-run spare (ready? exited?).

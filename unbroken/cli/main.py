@@ -123,6 +123,14 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("standby", action="store_true", help="join a running job as a spare agent (rung `recover`)")
     flag("no-replica-restore", action="store_true",
          help="never restore a lost rank from replicas; recover from the newest checkpoint instead")
+    flag("elastic-mode", default="exact", metavar="MODE",
+         help="rung `elastic` (in --recover-strategy): a node lost and no standby, the job goes on on the nodes "
+              "left. exact (default): same global batch and sample order (the script splits its batch by "
+              "job.data_ranks()); fast: a smaller global batch")
+    flag("min-nodes", type=_int, default=1, help="rung `elastic` never shrinks the job below this many nodes")
+    flag("elastic-lr-scaling", default="none", metavar="RULE",
+         help="--elastic-mode fast: the factor job.lr_scale hands the script, none (1), linear (new/original "
+              "data-parallel ranks) or sqrt (its square root)")
     flag("prerun-spares", action="store_true",
          help="spares run the script up to its first rank-dependent read before a rank is lost (see docs/recovery.md)")
     _add_worker_settings(flag)
@@ -226,7 +234,9 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         node_timeout_s=args.node_timeout_s,
         recovery=JobPolicy(max_restarts=args.max_restarts, allowed=parse_strategies(args.recover_strategy),
                            replicas_allowed=not args.no_replica_restore, sub_health_policy=args.sub_health_policy,
-                           crash_loop_limit=args.crash_loop_limit, max_recurring=args.max_recurring_recoveries),
+                           crash_loop_limit=args.crash_loop_limit, max_recurring=args.max_recurring_recoveries,
+                           elastic_mode=args.elastic_mode, min_nodes=args.min_nodes,
+                           elastic_lr_scaling=args.elastic_lr_scaling),
         checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s,
                         exit_timeout_s=args.exit_timeout_s),

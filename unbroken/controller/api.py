@@ -261,7 +261,7 @@ class JobState:
     """What the controller knows of the job now; every transition returns a new one."""
 
     policy: JobPolicy
-    world_size: int  # the job's shape, fixed like its policy: ranks, and agents that host them
+    world_size: int  # ranks now: the launch's, fewer after rung elastic shrank the job (controller/elastic.py)
     nnodes: int = 1
     can_dump: bool = False  # a storage tier exists to dump to (--save)
     phase: JobPhase = JobPhase.STARTING
@@ -292,12 +292,23 @@ class JobState:
     persisted: tuple[tuple[int, frozenset[int]], ...] = ()  # (step, ranks whose files are in storage)
     restore: RestoreRounds = field(default_factory=RestoreRounds)
     terminating: str = ""  # why the job is stopping on SIGTERM ("": it is not); see controller/terminate.py
+    # Rung elastic (controller/elastic.py): the job's shape after it shrank; () and 0: the launch's shape.
+    data_world_size: int = 0  # the data-parallel ranks the global batch is split into (0: world_size)
+    data_ranks: tuple[tuple[int, ...], ...] = ()  # per rank, the data-parallel ranks it runs (): (rank,)
+    restore_ranks: tuple[int, ...] = ()  # per rank, whose memory-tier snapshot it restores, first attempt after
+    #                                      a shrink (): its own
+    lr_scale: float = 1.0  # --elastic-lr-scaling's factor for the script (fast mode)
+    not_exact: tuple[tuple[int, str], ...] = ()  # (rank, why its script cannot keep the global batch smaller)
 
     @property
     def ranks(self) -> RankSet:
         return RankSet.full(self.world_size)
 
     def agent_of(self, rank: int) -> int:
+        """The agent hosting ``rank``; -1 for a rank the job no longer has (rung elastic shrank it: a late
+        message or a stale view of a process of the larger world)."""
+        if rank >= self.world_size:
+            return -1
         return self.placement[rank] if self.placement else rank // (self.world_size // self.nnodes)
 
     def hosts(self) -> frozenset[int]:

@@ -97,6 +97,7 @@ class Connections:
                     hub.liveness.forget(agent)
                     if not hub.board.is_done():
                         hub.events.emit("agent_lost", node_rank=agent)
+                        hub.timing.fault_began(time.monotonic(), hub.board.views())  # ('recovered' times it)
                         self._close_workers_of(agent)
                         hub.apply(sm.AgentLost(agent, hub.board.last_steps()))
             raise

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.controller import machine as sm, rendezvous
+from unbroken.controller import elastic, machine as sm, rendezvous
 from unbroken.controller.hub import Hub, Reply, TellAgents
 from unbroken.controller.rank_state import Found
 from unbroken.controller.views import Outcome
@@ -126,11 +126,13 @@ class Executor:
         hub.board.attempt_started()
         hub.events.emit("attempt_started", attempt=action.attempt, store_port=self.store.port)
         self._send_peer_book()  # first: an agent fetches its moved ranks' peer copies before it starts them
-        for agent in sorted(hub.state.hosts()):
-            ranks = [r for r in range(hub.cfg.world_size) if hub.state.agent_of(r) == agent]
+        state = hub.state
+        for agent in sorted(state.hosts()):
+            ranks = elastic.ranks_on(state, agent)
             self.send_to_agent(agent, m.StartRanks(
                 attempt=action.attempt, store_host=hub.host, store_port=self.store.port,
-                store_prefix=self.store_prefix, world_size=hub.cfg.world_size, ranks=ranks))
+                store_prefix=self.store_prefix, world_size=state.world_size, ranks=ranks,
+                **_shrunk_shape(state, ranks)))
 
     def _stop_attempt(self, action: sm.StopAttempt) -> None:
         self._hub.events.emit("stop_ranks", attempt=action.attempt, reason=action.reason)
@@ -178,7 +180,7 @@ class Executor:
             self.send_to_agent(action.agent, m.RestartRank(
                 rank=rank, attempt=hub.state.attempt, gen=action.gen, store_host=hub.host,
                 store_port=self.store.port if self.store else 0, store_prefix=self.store_prefix,
-                world_size=hub.cfg.world_size))
+                world_size=hub.state.world_size, **_shrunk_rank(hub.state, rank)))
 
     def _terminating(self, action: sm.Terminating) -> None:
         hub = self._hub
@@ -277,7 +279,7 @@ class Executor:
     def _commit_dump(self, action: sm.CommitDump) -> None:
         hub = self._hub
         try:
-            hub.storage.commit(action.step, hub.cfg.world_size, {"dump": True})
+            hub.storage.commit(action.step, hub.state.world_size, {"dump": True})
             hub.events.emit("dump_committed", step=action.step)
         except (CheckpointError, OSError, AttributeError) as exc:
             hub.events.emit("dump_failed", step=action.step, error=str(exc))
@@ -285,7 +287,7 @@ class Executor:
     def _commit_persisted(self, action: sm.CommitPersisted) -> None:
         hub = self._hub
         try:
-            hub.storage.commit(action.step, hub.cfg.world_size)
+            hub.storage.commit(action.step, hub.state.world_size)
         except (CheckpointError, OSError) as exc:
             hub.events.emit("persist_failed", step=action.step, error=str(exc))
             return
@@ -308,3 +310,21 @@ def _committed(step: int) -> int | None:
     """The newest step committed through unbroken in this attempt; None (not -1) when none was,
     e.g. a script that does not commit through unbroken, whatever step it is at."""
     return step if step >= 0 else None
+
+
+def _shrunk_shape(state: sm.JobState, ranks: list[int]) -> dict:
+    """StartRanks' fields for ``ranks`` of one agent once rung elastic shrank the job (none before)."""
+    if not state.data_ranks:
+        return {}
+    return dict(local_ranks=list(range(len(ranks))),
+                data_ranks=[",".join(map(str, state.data_ranks[r])) for r in ranks],
+                restore_ranks=[state.restore_ranks[r] for r in ranks] if state.restore_ranks else [],
+                data_world_size=state.data_world_size, lr_scale=state.lr_scale)
+
+
+def _shrunk_rank(state: sm.JobState, rank: int) -> dict:
+    """RestartRank's fields for ``rank`` once rung elastic shrank the job (none before)."""
+    if not state.data_ranks:
+        return {}
+    return dict(data_ranks=",".join(map(str, state.data_ranks[rank])), data_world_size=state.data_world_size,
+                lr_scale=state.lr_scale)

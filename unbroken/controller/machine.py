@@ -29,7 +29,7 @@ reduction finished (:class:`StepSynced`); see :mod:`unbroken.recovery.consistenc
 
 from __future__ import annotations
 
-from unbroken.controller import commits, loop_end, terminate
+from unbroken.controller import commits, elastic, loop_end, terminate
 from unbroken.controller.values import RankSet, replace
 from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for callers)
     JobPhase, Failure, ExitedAfterLoop, StartAttempt, StopAttempt, KillRank, Decide, Finish, CommitStep,
@@ -80,8 +80,10 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return loop_end.on_loop_finished(state, event)
     if isinstance(event, SessionReady):
         blockers = state.not_in_flight + (((event.rank, event.not_in_flight),) if event.not_in_flight else ())
+        not_exact = state.not_exact + (((event.rank, event.not_exact),) if event.not_exact else ())
         return _replace(state, ready=state.ready.with_rank(event.rank), num_replicas=event.num_replicas,
-                        not_in_flight=blockers, mesh=tuple(zip(event.mesh_names, event.mesh_sizes)),
+                        not_in_flight=blockers, not_exact=not_exact,
+                        mesh=tuple(zip(event.mesh_names, event.mesh_sizes)),
                         mesh_replicate=event.mesh_replicate), []
     if isinstance(event, (StepSynced, RanksSynced)):
         return _on_step_synced(state, event)
@@ -161,7 +163,9 @@ def _facts(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()
         home_agents_up={state.agent_of(r) for r in failed} <= state.agents, standby=bool(state.standbys),
         standbys=len(state.standbys), lost_agents=tuple(sorted(state.hosts() - state.agents)),
         restarts_used=state.restarts_used,
-        repeats=crash_loop.repeats(state.failures + (failure,)))
+        repeats=crash_loop.repeats(state.failures + (failure,)),
+        nodes_left=len(state.hosts() & state.agents), mesh=state.mesh, mesh_replicate=state.mesh_replicate,
+        num_replicas=state.num_replicas, not_exact=state.not_exact)
 
 
 def _replica_map(state: JobState) -> Replicas:
@@ -190,13 +194,17 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
         return state, [Decide(rung, failure, reason), AbortGeneration(gen, reason)]
     if rung in REPLACING_RUNGS:
         return _replace_ranks(state, failure, decision, facts, lost | {failure.rank})
+    if rung == Rung.ELASTIC:  # no standby for a lost node: a job restart on the nodes left, smaller
+        return elastic.shrink(state, failure, decision, facts)
     if state.recovery is not None:
         state = _replace(state, recovery=None)
     if rung == GIVE_UP:
         return _fail(state, failure, reason, exit_code=decision.exit_code)
     stop = StopAttempt(state.attempt, f"{rung}: {failure.describe()}")
     state = _onto_standbys(state)
-    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [Decide(rung, failure, reason), stop]
+    # restore_ranks=(): every rank restores its own snapshots again (a shrink's renumbering is past)
+    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset(), restore_ranks=()), [
+        Decide(rung, failure, reason), stop]
 
 
 def _onto_standbys(state: JobState) -> JobState:
@@ -251,7 +259,7 @@ def _on_agent_stopped(state: JobState, event: AgentStopped) -> tuple[JobState, l
                      stopped_agents=frozenset(), finished_ranks=RankSet(), loop_finished=RankSet(),
                      exited_after_loop=RankSet(), hung_after_loop=RankSet(), hung_ranks=frozenset(),
                      gen=0, committed_step=-1, sync_step=-1, synced=RankSet(), ready=RankSet(),
-                     not_in_flight=(), mesh=(), mesh_replicate="", recovery=None, unconfirmed=None)
+                     not_in_flight=(), not_exact=(), mesh=(), mesh_replicate="", recovery=None, unconfirmed=None)
     return state, [StartAttempt(attempt)]
 
 
@@ -306,7 +314,7 @@ def _on_rank_degraded(state: JobState, event: RankDegraded) -> tuple[JobState, l
         state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(),
                          recovery=Recovery(Rung.DUMP, gen, frozenset(), state.policy.max_recovery_tries))
         return state, [Decide(Rung.DUMP, failure, decision.reason), AbortGeneration(gen, decision.reason)]
-    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [
+    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset(), restore_ranks=()), [
         Decide(decision.rung, failure, decision.reason), StopAttempt(state.attempt, f"exit: {failure.describe()}")]
 
 

@@ -198,7 +198,8 @@ class Controller:
         """After a restart: once every rank is back at the step the fault hit, log the recovery."""
         if self._state.phase is not sm.JobPhase.RUNNING:
             return
-        fields = self.timing.check_recovered(self.board.views(), self._state.attempt, time.monotonic())
+        views = [w for w in self.board.views() if w.rank < self._state.world_size]  # (fewer after rung elastic)
+        fields = self.timing.check_recovered(views, self._state.attempt, time.monotonic())
         if fields is not None:
             self.events.emit("recovered", **fields)
 

@@ -102,6 +102,12 @@ class StartRanks(Message):
     world_size: int
     ranks: list[int] = dataclasses.field(default_factory=list)  # empty: this node's own ranks
     store_prefix: str = ""  # the attempt's secret rendezvous key prefix (controller/rendezvous.py)
+    # After rung elastic shrank the job (controller/elastic.py), one entry per rank of ``ranks``:
+    local_ranks: list[int] = dataclasses.field(default_factory=list)  # empty: rank - node_rank * nproc
+    data_ranks: list[str] = dataclasses.field(default_factory=list)  # "0,2": the data-parallel ranks it runs
+    restore_ranks: list[int] = dataclasses.field(default_factory=list)  # whose memory-tier snapshot it restores
+    data_world_size: int = 0  # the data-parallel world the global batch is split into (0: world_size)
+    lr_scale: float = 1.0  # --elastic-lr-scaling's factor (fast mode)
 
 
 @message("peer_agents")
@@ -210,6 +216,7 @@ class SessionReady(Message):
     mesh_names: list[str] = dataclasses.field(default_factory=list)
     mesh_sizes: list[int] = dataclasses.field(default_factory=list)
     mesh_replicate: str = ""
+    not_exact: str = ""  # why this rank's script cannot keep its global batch on fewer ranks ("": it can)
 
 
 @message("step_synced")
@@ -315,6 +322,9 @@ class RestartRank(Message):
     store_port: int = 0
     world_size: int = 0  # the job's (a standby agent does not know it from its own flags)
     store_prefix: str = ""
+    data_ranks: str = ""  # after rung elastic: the data-parallel ranks it runs, "0,2" ("": its rank)
+    data_world_size: int = 0  # after rung elastic: the data-parallel world (0: world_size)
+    lr_scale: float = 1.0  # after rung elastic: --elastic-lr-scaling's factor
 
 
 # the storage tier, written by agents from the memory tier

@@ -56,6 +56,12 @@ class FaultFacts:
     lost_agents: tuple[int, ...] = ()  # agents hosting ranks whose connection is gone
     restarts_used: int = 0
     repeats: int = 0  # episodes in a row with this same failure (recovery/crash_loop.py)
+    # Rung elastic (continue on the nodes left): what decides whether the job can shrink.
+    nodes_left: int = 0  # agents that host ranks and are still connected
+    mesh: tuple[tuple[str, int], ...] = ()  # the job's mesh (name, size), () for a flat data-parallel job
+    mesh_replicate: str = ""  # its data-parallel (replicate) dimension
+    num_replicas: int = 0  # a ShardedOptimizer's copies of each shard (0: full replication, no shards)
+    not_exact: tuple[tuple[int, str], ...] = ()  # (rank, why its script cannot keep the global batch smaller)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ def choose(facts: FaultFacts, policy: JobPolicy) -> Decision:
     feasible = {Rung.RETRY: in_flight and facts.kind in RETRY_KINDS and not facts.recovering,
                 Rung.RECOVER_IN_PLACE: in_flight and facts.home_agents_up,
                 Rung.RECOVER: in_flight and facts.standby,
+                Rung.ELASTIC: not elastic_refusal(facts, policy),
                 Rung.DUMP: in_flight and facts.storage and facts.recovering != Rung.DUMP,
                 Rung.EXIT: facts.restarts_used < policy.max_restarts and len(facts.lost_agents) <= facts.standbys}
     rung = choose_rung(policy.allowed, feasible)
@@ -125,6 +132,34 @@ def in_flight_refusal(facts: FaultFacts, policy: JobPolicy) -> str:
     return ""
 
 
+def elastic_refusal(facts: FaultFacts, policy: JobPolicy) -> str:
+    """Why rung `elastic` (restart the job on the nodes left, a smaller world) cannot handle the fault
+    ("": it can). It drops whole nodes, so only whole data-parallel replicas: the state of every lost
+    rank is replicated on a survivor and reloaded from the survivors' own memory-tier snapshots."""
+    if not facts.lost_agents:
+        return "no node was lost (elastic drops whole nodes; a lost process is replaced instead)"
+    if facts.nodes_left < policy.min_nodes:
+        return (f"{facts.nodes_left} node(s) left, fewer than --min-nodes {policy.min_nodes}")
+    if facts.restarts_used >= policy.max_restarts:
+        return f"restart budget spent ({facts.restarts_used} of --max-restarts {policy.max_restarts} used)"
+    others = [(name, size) for name, size in facts.mesh if name != facts.mesh_replicate and size > 1]
+    if others:  # a TP/PP rank's piece exists once per replica: the world cannot lose an arbitrary node of it
+        shape = " x ".join(f"{name}={size}" for name, size in facts.mesh)
+        return (f"the job's mesh ({shape}) has dimensions other than its data-parallel one "
+                f"({facts.mesh_replicate or 'none'}); only a pure data-parallel job can shrink")
+    if facts.num_replicas:
+        return (f"its ShardedOptimizer shards the optimizer state over {facts.world_size} ranks "
+                f"({facts.num_replicas} copies each); re-sharding it onto fewer ranks is not built")
+    if policy.elastic_mode == "exact":
+        if facts.not_ready:
+            return (f"ranks {list(facts.not_ready)} have not committed a step through unbroken in this attempt, "
+                    "so it is not known whether they split their batch by job.data_ranks() (--elastic-mode exact)")
+        if facts.not_exact:
+            rank, why = min(facts.not_exact)
+            return f"rank {rank} cannot keep the global batch on fewer ranks: {why} (--elastic-mode exact)"
+    return ""
+
+
 def choose_rung(allowed: Sequence[str], feasible: Mapping[str, bool], *, after: str | None = None) -> str:
     """The first rung below ``after`` that is allowed and feasible; :data:`GIVE_UP` if none.
 
@@ -159,6 +194,11 @@ def _reason(rung: str, facts: FaultFacts, policy: JobPolicy, why: str) -> str:
         return f"{facts.what}; {why}; survivors dump the state, then the job restarts"
     if rung in REPLACING_RUNGS:
         return f"{facts.what}; {why}; replacing ranks {sorted(facts.dead)} (try {facts.tries})"
+    if rung == Rung.ELASTIC:
+        how = ("the survivors also run the lost ranks' micro-batches: same global batch and sample order"
+               if policy.elastic_mode == "exact" else "a smaller global batch (--elastic-mode fast)")
+        return (f"{facts.what}; the job goes on without node(s) {list(facts.lost_agents)} on the "
+                f"{facts.nodes_left} node(s) left, from their newest snapshot; {how}")
     if rung == GIVE_UP:
         return _why_no_rung(facts, policy, why)
     in_flight_rungs = IN_FLIGHT_RUNGS & set(policy.allowed)
@@ -173,8 +213,14 @@ def _why_no_rung(facts: FaultFacts, policy: JobPolicy, in_flight_why: str) -> st
     if Rung.EXIT in allowed and facts.restarts_used >= policy.max_restarts:
         return f"restart budget spent ({facts.restarts_used} of --max-restarts {policy.max_restarts} used)"
     if facts.lost_agents:
-        if not facts.standby:
-            spare = "no standby agent to host their ranks (unbroken run --standby)"
+        if Rung.ELASTIC in allowed:
+            spare = (f"no standby agent to host their ranks (unbroken run --standby), and rung elastic cannot go "
+                     f"on without them: {elastic_refusal(facts, policy)}") if not facts.standby else \
+                f"their ranks cannot move to a standby agent in flight ({in_flight_why}), and rung elastic " \
+                f"cannot go on without them: {elastic_refusal(facts, policy)}"
+        elif not facts.standby:
+            spare = ("no standby agent to host their ranks (unbroken run --standby), and rung elastic (go on "
+                     "without them) is not in --recover-strategy")
         elif Rung.EXIT in allowed and 0 < facts.standbys < len(facts.lost_agents):
             spare = (f"{facts.standbys} standby agent(s) for {len(facts.lost_agents)} lost node(s): a job restart "
                      "needs one for each")

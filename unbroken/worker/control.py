@@ -177,10 +177,11 @@ class ControlClient:
         self._send(m.RankEvent(rank=self.rank, attempt=self.attempt, name=name, fields=fields))
 
     def session_ready(self, num_replicas: int, not_in_flight: str = "",
-                      mesh: tuple[tuple[str, int], ...] = (), mesh_replicate: str = "") -> None:
+                      mesh: tuple[tuple[str, int], ...] = (), mesh_replicate: str = "", not_exact: str = "") -> None:
         self._send(m.SessionReady(rank=self.rank, attempt=self.attempt, num_replicas=num_replicas,
                                   not_in_flight=not_in_flight, mesh_names=[n for n, _ in mesh],
-                                  mesh_sizes=[s for _, s in mesh], mesh_replicate=mesh_replicate))
+                                  mesh_sizes=[s for _, s in mesh], mesh_replicate=mesh_replicate,
+                                  not_exact=not_exact))
 
     def wait_commit(self, gen: int, step: int, poll_s: float = 0.05, state: bytes = b"",
                     state_same: bool = False) -> bool:

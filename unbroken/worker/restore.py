@@ -66,6 +66,7 @@ class RestoreSources:
     rank: int
     attempt: int
     recovery_timeout_s: float
+    state_rank: int  # whose checkpoints it loads: its own rank, or its old one after rung elastic renumbered it
     memory: SnapshotReader | None  # this node's shared-memory snapshots (under `unbroken run`)
     stores: tuple[StoredSteps, ...]  # in the order restore prefers them
     control: ControlClient | None  # the controller decides the step; None: the ranks agree by all_min
@@ -80,12 +81,15 @@ def build_sources(cfg: WorkerConfig, *, own_storage: StorageTier | None, control
     first, then --load's."""
     own_run = cfg.attempt > 0
     ckpt = cfg.checkpoint
-    memory = SnapshotReader(ckpt.shm_dir, cfg.job_id, cfg.rank) if own_run and control is not None and cfg.job_id \
+    # After rung elastic renumbered the ranks, a rank loads what its process wrote under its old number
+    # (on this node: controller/elastic.py); the state it reads is replicated on every rank that wrote it.
+    state_rank = cfg.restore_rank if cfg.restore_rank >= 0 else cfg.rank
+    memory = SnapshotReader(ckpt.shm_dir, cfg.job_id, state_rank) if own_run and control is not None and cfg.job_id \
         else None
     stores = ([StoredSteps(own_storage, own_run_only=True)] if own_run and own_storage is not None else []) \
         + ([StoredSteps(StorageTier(ckpt.load_dir), own_run_only=False)] if ckpt.load_dir else [])
     return RestoreSources(rank=cfg.rank, attempt=cfg.attempt, recovery_timeout_s=cfg.worker.recovery_timeout_s,
-                          memory=memory, stores=tuple(stores), control=control, all_min=all_min)
+                          state_rank=state_rank, memory=memory, stores=tuple(stores), control=control, all_min=all_min)
 
 
 def restore(src: RestoreSources, tracked: TrackedState, event: Callable[..., None]) -> int:
@@ -113,7 +117,7 @@ def restore(src: RestoreSources, tracked: TrackedState, event: Callable[..., Non
     tracked.load_tree(state)
     seconds = time.monotonic() - started
     log.info("rank %d: restored step %d from %s (%s) in %.3f s", src.rank, agreed, tier, where, seconds)
-    event("restored", step=agreed, tier=tier, dir=where, seconds=seconds)
+    event("restored", step=agreed, tier=tier, dir=where, seconds=seconds, from_rank=src.state_rank)
     return agreed
 
 
@@ -127,7 +131,7 @@ def _agree(src: RestoreSources, round_: int, bound: int | None) -> int:
     # Listed by metadata only (cheap); a file that rotted in place fails its checksum at
     # load, and the next round goes older.
     storage_steps = sorted({s for store in src.stores
-                            for s in store.steps(store.tier.loadable_steps(src.rank, at_or_below=bound))},
+                            for s in store.steps(store.tier.loadable_steps(src.state_rank, at_or_below=bound))},
                            reverse=True)
     timeout_s = src.recovery_timeout_s
     step = src.control.restore_at(round_, memory_steps, storage_steps, timeout_s,
@@ -168,8 +172,8 @@ def _memory_tier(src: RestoreSources) -> str:
 def _newest_available(src: RestoreSources, bound: int | None) -> int:
     steps = [s for s, _ in src.memory.committed()] if src.memory is not None else []
     for store in src.stores:  # newest first; the tensor files' checksums are verified here
-        stored = next((s for s in store.steps(store.tier.loadable_steps(src.rank, at_or_below=bound))
-                       if _verifies(store.tier, s, src.rank)), None)
+        stored = next((s for s in store.steps(store.tier.loadable_steps(src.state_rank, at_or_below=bound))
+                       if _verifies(store.tier, s, src.state_rank)), None)
         steps += [stored] if stored is not None else []
     return max((s for s in steps if bound is None or s <= bound), default=-1)
 
@@ -199,7 +203,7 @@ def _load_step(src: RestoreSources, tracked: TrackedState, step: int) -> tuple[d
         if not store.steps([step]):
             continue
         try:
-            return store.tier.load_rank(step, src.rank)[0], "storage", str(store.tier.root)
+            return store.tier.load_rank(step, src.state_rank)[0], "storage", str(store.tier.root)
         except CheckpointError as exc:
             log.warning("rank %d: checkpoint of step %d in %s unusable: %s", src.rank, step, store.tier.root, exc)
     return None

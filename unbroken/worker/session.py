@@ -31,6 +31,7 @@ from unbroken.errors import EXIT_FATAL, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import Phase
+from unbroken.worker.data_share import DataShare, sum_in_data_rank_order
 from unbroken.worker import first_group, integrity, meshes, restore, script_imports, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
@@ -72,7 +73,8 @@ class Job:
         self._boundary = StepBoundary(
             self.rank, finite_check=cfg.worker.finite_check, control=lambda: self._control,
             generation=lambda: self._inflight.gen, tracked=self._tracked, injector=self._injector, ckpt=self._ckpt,
-            ready_fields=lambda: meshes.ready_fields(self._mesh, self._tracked, self.world_size), metrics=self._metrics)
+            ready_fields=self._ready_fields, metrics=self._metrics)
+        self._data_share = DataShare(cfg)
         backend = backend or _default_backend(self.device)
         start = first_group.build(cfg, backend, self.device,  # DDP's all-reduce marks 'sync':
                                   before_reduce=functools.partial(self._boundary.advance, Phase.SYNC))
@@ -234,6 +236,38 @@ class Job:
     def phase(self, name: str, step: int | None = None) -> None:
         """Record the phase of the step in flight; fires injected faults planned for it."""
         self._boundary.enter(name, step)
+
+    # -- this rank's share of the global batch (rung elastic) -------------------------------
+    @property
+    def data_world_size(self) -> int:
+        """How many data-parallel shards the global batch is split into: the world size, or the launch's
+        world size after rung elastic shrank the job in exact mode. Average gradients over this, not
+        ``world_size``."""
+        return self._data_share.world_size
+
+    def data_ranks(self) -> tuple[int, ...]:
+        """The data-parallel shards (ranks of a world of :attr:`data_world_size`) this rank runs this step:
+        ``(rank,)``, or more after rung elastic shrank the job in exact mode. Run one micro-batch per entry
+        and accumulate the gradients; the global batch and the sample order stay the fault-free run's.
+        A job whose every rank calls it in its steps may shrink exactly (``--elastic-mode exact``)."""
+        return self._data_share.ranks()
+
+    def sum_over_data_ranks(self, parts: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The job-wide sum of one tensor per data-parallel rank (``parts``: this rank's, keyed by the
+        entries of :meth:`data_ranks`), added in data-rank order: bit for bit the same at any world size,
+        unlike an all-reduce, whose order of additions follows the world. Use it for the gradients when a
+        shrunk job (rung elastic, exact mode) must keep the fault-free run's bits."""
+        return sum_in_data_rank_order(parts, self.data_world_size, self.world_size, self.all_gather)
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor for the learning rate ``--elastic-lr-scaling`` sets after the job shrank in fast
+        mode (1.0 otherwise)."""
+        return self.cfg.lr_scale
+
+    def _ready_fields(self) -> dict[str, Any]:
+        return dict(meshes.ready_fields(self._mesh, self._tracked, self.world_size),
+                    not_exact=self._data_share.not_exact(self._tracked.objects, self._tracked.per_rank))
 
     # -- collectives that can be abandoned ----------------------------------------------
     @property

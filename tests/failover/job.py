@@ -71,13 +71,15 @@ class FailoverJob:
     """Nodes 0..nnodes-1 on loopback, a standby if asked, all with ``--controller-store``."""
 
     def __init__(self, tmp: Path, store: str, *, nnodes: int = 2, nproc: int = 1, steps: int = 12,
-                 standby: bool = True, flags: list[str] = (), train_args: list[str] = ()) -> None:
+                 standby: bool = True, flags: list[str] = (), train_args: list[str] = (),
+                 script: Path | None = None) -> None:
         self.tmp = tmp
         self.out = tmp / "weights.safetensors"
         self.port = free_port()
         self.job_id = f"failover-{uuid.uuid4().hex[:8]}"
         self.shm_root = Path("/dev/shm") / f"unbroken-test-{self.job_id}"
-        script = [str(EXAMPLE), "--steps", str(steps), "--out", str(self.out), *TRAIN_ARGS, *train_args]
+        script = [str(script)] if script is not None else [
+            str(EXAMPLE), "--steps", str(steps), "--out", str(self.out), *TRAIN_ARGS, *train_args]
         common = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                   "--master-port", str(self.port), "--rdzv-id", self.job_id, "--controller-store", store, *flags]
         self.agents: list[Agent] = []

@@ -84,6 +84,7 @@ class Agent:
         self._leader = leader  # where the leading controller is (--controller-store): followed when lost
         self._term = 0  # the term of the leader this agent serves
         self._lost = ""  # why the last controller connection ended
+        self._warm_restart = False  # the next attempt follows a takeover: start it from the warm spare
         self.standby = cfg.standby
         self._placement = Placement(cfg.node_rank, cfg.nproc_per_node, cfg.standby)
         self._spares = Spares(cfg, self._prerun_env, self._send)
@@ -192,7 +193,7 @@ class Agent:
                     self.node_rank, lost)
         self._watch.stop()
         self._stop_all(None, grace_s=0.0)
-        self._fenced = ""
+        self._fenced, self._warm_restart = "", True
         deadline = time.monotonic() + FOLLOW_TIMEOUT_S
         while (left_s := deadline - time.monotonic()) > 0:
             try:
@@ -275,8 +276,11 @@ class Agent:
 
     # -- workers -------------------------------------------------------------------------
     def _start(self, msg: m.StartWorkers) -> None:
+        # After a takeover (--controller-store), the restart's workers come from this node's warm spare
+        # where it has one (torch already imported): they are the recovery.
+        warm, self._warm_restart = self._warm_restart, False
         for rank in self._placement.start(msg):
-            self._spawn(rank, msg.attempt, gen=0)
+            self._spawn(rank, msg.attempt, gen=0, warm=warm)
         self._spares.start()
 
     def _restart(self, msg: m.RestartWorker) -> None:
@@ -289,13 +293,13 @@ class Agent:
         self._placement.restart(msg)
         self._spawn(msg.rank, msg.attempt, gen=msg.gen)
 
-    def _spawn(self, rank: int, attempt: int, gen: int) -> None:
+    def _spawn(self, rank: int, attempt: int, gen: int, warm: bool = False) -> None:
         local_rank = self._placement.local_rank(rank)
         env = dict(os.environ, **self._worker_env(rank, local_rank, attempt, gen))
         argv = [self.cfg.script, *self.cfg.script_args]
         proc = self._from_prerun(WorkerProc(rank, local_rank, attempt, None), env, argv) if gen > 0 else None
         if proc is None:
-            popen = self._spares.take_warm(env, argv) if gen > 0 else None
+            popen = self._spares.take_warm(env, argv) if gen > 0 or warm else None
             if popen is None:
                 popen = subprocess.Popen([sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,

@@ -170,7 +170,11 @@ class Agent:
     def _first_controller(self, timeout_s: float) -> tuple[str, int]:
         if self._leader is None:
             return self._controller_addr
-        host, port, self._term = self._leader.find(after_term=0, timeout_s=timeout_s)
+        try:
+            host, port, self._term = self._leader.find(after_term=0, timeout_s=timeout_s)
+        except TimeoutError as exc:
+            raise ConnectionClosed(f"agent {self.node_rank}: {exc}; is node 0's agent started with the same "
+                                   "--controller-store and --rdzv-id, and does etcd answer there?") from None
         return host, port
 
     def _open(self, host: str, port: int, timeout_s: float) -> None:

@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import replace
 from typing import Callable
 
@@ -46,8 +47,10 @@ __all__ = ["DurableMirror", "EtcdLeader", "SeatHost", "seat_address"]
 FIRST_LEADER_WAIT_S = 120.0
 ETCD_TIMEOUT_S = 2.0
 
-#: (host, port, takeover or None for a fresh job, durable listener) -> a started controller.
-StartController = Callable[[str, int, "Takeover | None", Callable[[sm.JobState], None]], Controller]
+#: (host, port, takeover or None for a fresh job, durable listener, whether the term still holds)
+#: -> a started controller.
+StartController = Callable[[str, int, "Takeover | None", Callable[[sm.JobState], None], Callable[[], bool]],
+                           Controller]
 
 
 def seat_address(cfg: LaunchConfig) -> tuple[str, int]:
@@ -64,6 +67,11 @@ def seat_address(cfg: LaunchConfig) -> tuple[str, int]:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as free:
         free.bind((host, 0))
         return host, free.getsockname()[1]
+
+
+def _holds(term: Term) -> bool:
+    """The term still holds by the leader's own clock (Term.check without raising)."""
+    return not term.lost.is_set() and time.monotonic() < term.valid_until
 
 
 class EtcdLeader:
@@ -173,10 +181,14 @@ class SeatHost:
             self._led = True
             mirror = DurableMirror(self._seat.store, term, self._on_fenced)
             try:
-                controller = self._start_controller(self.host, self.port, takeover, mirror.offer)
-            except Exception:
+                controller = self._start_controller(self.host, self.port, takeover, mirror.offer,
+                                                    lambda: _holds(term))
+            except Exception as exc:  # (its port taken, say) give the term up: another seat may lead
+                log.error("agent %s won the controller's lead (term %d) but could not start a controller on "
+                          "%s:%d: %s; giving the lead up", self.node, term.revision, self.host, self.port, exc)
                 mirror.close(0)
-                raise
+                term.lost.set()  # the keepalive ends the term: the seat campaigns again after the lease
+                return
             self.controller, self._mirror = controller, mirror
             log.warning("agent %s leads the job's controller at %s:%d (term %d%s)", self.node, self.host, self.port,
                         term.revision, ", taking over" if takeover else "")

@@ -72,7 +72,7 @@ class Controller:
     :meth:`add_step_listener`."""
 
     def __init__(self, cfg: LaunchConfig, *, host: str, port: int, events: EventLog,
-                 takeover: tk.Takeover | None = None) -> None:
+                 takeover: tk.Takeover | None = None, term_valid: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
         self.host = host
         self.events = events
@@ -86,6 +86,9 @@ class Controller:
         if takeover is not None:
             self._state = tk.resumed(self._state, takeover.durable)
         self._fenced = ""  # why this controller stopped acting ("": it acts)
+        # --controller-store: whether this controller's leadership term still holds, asked before
+        # each event (a clock check, no etcd call): past it, another controller may lead already.
+        self._term_valid = term_valid
         self._durable_listeners: list[DurableListener] = []
         self._durable_seen: tuple = ()
         self.board = Board(cfg.world_size, cfg.nnodes)
@@ -170,6 +173,16 @@ class Controller:
         self.store_service.close()
         self._server.close()
 
+    def _term_over(self) -> bool:
+        """True (and the controller fenced, its connections closed by a thread of its own) when its
+        leadership term has ended; under the lock."""
+        if self._term_valid is None or self._term_valid():
+            return False
+        threading.Thread(target=self.fence, args=("leadership term over: its lease was not refreshed within --controller-lease-s; another "
+                                      "controller may lead now",),
+                         name="unbroken-controller-fence", daemon=True).start()
+        return True
+
     @property
     def fenced(self) -> str:
         return self._fenced
@@ -219,7 +232,7 @@ class Controller:
     def apply(self, event: sm.Event) -> None:
         """One event through the pure state machine; its actions carried out at once. A fenced
         controller applies nothing: another one leads the job."""
-        if self._fenced:
+        if self._fenced or self._term_over():
             return
         self._state, actions = sm.transition(self._state, event)
         if self._takeover is not None and self._state.phase is sm.JobPhase.STARTING:
@@ -303,7 +316,7 @@ class Controller:
     def _join_over(self) -> None:
         """The takeover's join window ended: hosts still missing are lost (controller/takeover.py)."""
         self._join_deadline = None
-        if self._fenced or self._takeover is None:
+        if self._fenced or self._takeover is None or self._term_over():
             return
         self._state, actions = tk.window_over(self._state, self._takeover.lost, self.cfg.node_timeout_s)
         self._executor.execute(actions)

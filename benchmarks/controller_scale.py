@@ -76,8 +76,8 @@ def recovery(state, n):
     for r in range(n):  # step 5 committed; the fault hits step 6
         state, _ = sm.transition(state, sm.StepSynced(r, 0, state.gen, 5))
     events = [sm.RankExited(n - 1, 0, None, 9, step=6)]
-    events += [sm.WorkerPaused(r, 0, 6, "compute") for r in range(n - 1)] + [sm.ReplacementJoined(n - 1, 0, 1)]
-    events += [sm.WorkerResumed(r, 0, 1) for r in range(n)]
+    events += [sm.RankPaused(r, 0, 6, "compute") for r in range(n - 1)] + [sm.ReplacementJoined(n - 1, 0, 1)]
+    events += [sm.RankResumed(r, 0, 1) for r in range(n)]
     t = time.process_time()
     for ev in events:
         state, actions = sm.transition(state, ev)
@@ -134,7 +134,7 @@ def handlers(n, relayed=False):
     each node's agent (agent/relay.py, --node-reports)."""
     import tempfile, msgpack
     from unbroken.config import LaunchConfig
-    from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS, Connections
+    from unbroken.controller.connections import AGENT_HANDLERS, RANK_HANDLERS, Connections
     from unbroken.controller.eventlog import EventLog
     from unbroken.controller.server import Controller
     from unbroken.ops.live_view import LiveView
@@ -179,7 +179,7 @@ def handlers(n, relayed=False):
                 if relayed:
                     AGENT_HANDLERS[type(msg)](handling, who, msg)
                 else:
-                    WORKER_HANDLERS[type(msg)](handling, who, 0, conns[who], msg)
+                    RANK_HANDLERS[type(msg)](handling, who, 0, conns[who], msg)
     from unbroken.controller.health import WINDOW
     for step in range(1, WINDOW + 2):  # warm: the imports, and every rank's compute times for the straggler rule
         feed(frames(step))

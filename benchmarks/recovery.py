@@ -111,7 +111,7 @@ class Stopper:
             return
         pid = worker_pid(self.run_dir, KILL_RANK)
         if pid is None:
-            self.error = f"no worker_started event for rank {KILL_RANK}: nothing to SIGSTOP"
+            self.error = f"no rank_started event for rank {KILL_RANK}: nothing to SIGSTOP"
             return
         os.kill(pid, signal.SIGSTOP)
         self.stop_t = time.time()

@@ -96,7 +96,7 @@ def add_event_figures(run: Run, events: list[dict], stop_t: float | None = None)
 def prerun_note(events: list[dict], rank: int = KILL_RANK) -> str:
     """Whether the killed rank's replacement was the pre-run spare (ready before the fault) or not."""
     ready = {ev["pid"]: ev.get("where") for ev in events if ev.get("event") == "spare_ready"}
-    starts = [ev["pid"] for ev in events if ev.get("event") == "worker_started" and ev.get("rank") == rank]
+    starts = [ev["pid"] for ev in events if ev.get("event") == "rank_started" and ev.get("rank") == rank]
     if starts[1:] and starts[-1] in ready:
         return f"pre-run spare (blocked at {ready[starts[-1]]})"
     failed = [ev for ev in events if ev.get("event") == "prerun_failed"]

@@ -163,6 +163,6 @@ def median(values: list[float]) -> float:
 
 
 def worker_pid(run_dir: Path, rank: int) -> int | None:
-    """The pid of ``rank``'s newest worker process, from the run's ``worker_started`` events."""
-    pids = [ev["pid"] for ev in read_events(run_dir) if ev.get("event") == "worker_started" and ev.get("rank") == rank]
+    """The pid of ``rank``'s newest worker process, from the run's ``rank_started`` events."""
+    pids = [ev["pid"] for ev in read_events(run_dir) if ev.get("event") == "rank_started" and ev.get("rank") == rank]
     return int(pids[-1]) if pids else None

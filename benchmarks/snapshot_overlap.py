@@ -37,7 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from unbroken.checkpoint.codec import flatten_state
+from unbroken.state.tree import flatten_state
 from unbroken.checkpoint.memory import SnapshotWriter
 from unbroken.checkpoint.shm_files import remove_job
 from unbroken.worker.api import SessionHooks

@@ -36,7 +36,7 @@ $VPY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.c
 
 rc=0
 step "pytest -m gpu"
-timeout 300 $VPY -m pytest -q -m gpu tests/gpu tests/worker/test_device_errors.py -rs \
+timeout 300 $VPY -m pytest -q -m gpu tests/gpu -rs \
   --junitxml="$OUT/pytest-gpu.xml" || rc=1
 
 step "benchmarks/checkpoint.py --device cuda --size-mb 4096"

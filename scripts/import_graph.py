@@ -7,7 +7,7 @@ and the modules over the line limit. Exit 1 if there is any of them.
 Stdlib ``ast`` only: every ``import``/``from ... import`` in a module counts, at the top, in
 functions and under ``TYPE_CHECKING`` alike (a circle through type hints is still a circle
 of knowledge). ``from pkg import name`` is an arrow to ``pkg.name`` when that is a module,
-else to ``pkg``. The layer rules are :data:`FORBIDDEN`.
+else to ``pkg``. The layer rules are :data:`FORBIDDEN` and :data:`LAYERS`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("unbroken.names", "unbroken.", "the vocabulary is the ground floor"),
     ("unbroken.units", "unbroken.", "size arithmetic is the ground floor"),
     ("unbroken.errors", "unbroken.", "the exceptions are the ground floor"),
+    ("unbroken.comm", "unbroken.checkpoint", "collective machinery lies below the checkpoint engine (state: unbroken.state)"),
     ("unbroken.comm", "unbroken.optim", "collective machinery lies below the optimizer"),
     ("unbroken.comm", "unbroken.recovery", "collective machinery lies below recovery"),
     ("unbroken.comm", "unbroken.worker", "collective machinery lies below the worker"),
@@ -45,6 +46,15 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("unbroken.protocol", "unbroken.controller", "the protocol lies below both ends"),
     ("unbroken.protocol", "unbroken.worker", "the protocol lies below both ends"),
     ("unbroken.protocol", "unbroken.agent", "the protocol lies below both ends"),
+)
+
+
+#: The layers, lowest first, above the ground floor (names, units, errors: they import nothing):
+#: (package, the only packages it may import besides its own, why). An arrow to anything else
+#: is forbidden like a :data:`FORBIDDEN` one.
+LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("unbroken.state", ("unbroken.errors", "unbroken.names", "unbroken.units"),
+     "a rank's state (dtypes, tree, blob) lies below every package that moves or stores it"),
 )
 
 
@@ -121,12 +131,16 @@ def _under(name: str, prefix: str) -> bool:
 
 
 def forbidden_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str, str]]:
-    """(importer, imported, rule) for every arrow a :data:`FORBIDDEN` rule refuses."""
+    """(importer, imported, rule) for every arrow a :data:`FORBIDDEN` rule or a :data:`LAYERS`
+    floor refuses."""
     out = []
     for src, targets in sorted(graph.items()):
         for dst in sorted(targets):
             for a, b, why in FORBIDDEN:
                 if _under(src, a) and _under(dst, b):
+                    out.append((src, dst, why))
+            for layer, allowed, why in LAYERS:
+                if _under(src, layer) and not any(_under(dst, p) for p in (layer, *allowed)):
                     out.append((src, dst, why))
     return out
 

@@ -39,3 +39,20 @@ def test_the_tool_sees_a_cycle_and_an_upward_arrow(tmp_path):
     graph = graph_tool.build_graph(pkg)
     assert graph_tool.cycles(graph) == [["unbroken.optim.b", "unbroken.recovery.a"]]
     assert [(s, d) for s, d, _ in graph_tool.forbidden_arrows(graph)] == [("unbroken.recovery.a", "unbroken.optim.b")]
+
+
+def test_the_lowest_layer_imports_only_the_ground_floor_and_comm_not_the_checkpoint_engine(tmp_path):
+    graph_tool = _script()
+    pkg = tmp_path / "unbroken"
+    for sub in ("state", "checkpoint", "comm"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "state" / "tree.py").write_text("from unbroken.errors import X\nfrom unbroken.state import blob\n")
+    (pkg / "state" / "blob.py").write_text("from unbroken.checkpoint import files\n")
+    (pkg / "checkpoint" / "files.py").write_text("from unbroken.state.tree import flatten_state\n")
+    (pkg / "comm" / "p2p.py").write_text("from unbroken.checkpoint.files import x\nfrom unbroken.state.tree import y\n")
+    graph = graph_tool.build_graph(pkg)
+    assert sorted((s, d) for s, d, _ in graph_tool.forbidden_arrows(graph)) == [
+        ("unbroken.comm.p2p", "unbroken.checkpoint.files"), ("unbroken.state.blob", "unbroken.checkpoint.files")]

@@ -1,5 +1,12 @@
 """The vocabulary every package shares: recovery rungs, step phases, worker states.
 
+One word per thing. A *rank* is the training identity: every act about one (started, exited,
+killed, restarted, paused, resumed, hung, damaged, degraded) says *rank*, in the same word on the
+wire (``messages.KillRank``, type ``kill_rank``), in the controller's machine (``KillRank``) and in
+the event log (``kill_rank``). *Worker* means only the OS process that runs a rank and what it is
+told: the ``unbroken.worker`` package inside it, ``WorkerConfig``/``WorkerSettings``, the agent's
+``WorkerProc`` and :class:`WorkerState` below.
+
 String enums, so a value is its wire and log spelling (``Rung.RECOVER_IN_PLACE ==
 "recover-in-place"``) and messages, events and configs keep carrying plain strings. Pure:
 no imports from the rest of the package, so anything may import it.

@@ -117,9 +117,9 @@ def test_a_pause_and_a_lone_mark_go_at_once_after_what_came_before(relay):
     node, sent = relay
     with _workers(node, 2) as conns:
         conns[0].send(_compute(0, 3))
-        conns[0].send(m.Paused(rank=0, attempt=0, gen=1, step=3, phase="compute"))
+        conns[0].send(m.RankPaused(rank=0, attempt=0, gen=1, step=3, phase="compute"))
         sent.wait(1)
-        assert [type(e).__name__ for _, e in sent.entries(0)] == ["Progress", "Paused"]
+        assert [type(e).__name__ for _, e in sent.entries(0)] == ["Progress", "RankPaused"]
 
 
 def test_a_dead_ranks_last_reports_go_before_its_exit_is_reported(relay):
@@ -128,7 +128,7 @@ def test_a_dead_ranks_last_reports_go_before_its_exit_is_reported(relay):
     _connected(node, 2)
     conns[1].send(m.StepSynced(rank=1, attempt=0, gen=0, step=2))
     conns[1].close()  # the process died
-    node.rank_gone(1)  # the agent's watcher, before it sends WorkerExited
+    node.rank_gone(1)  # the agent's watcher, before it sends RankExited
     assert [e.rank for _, e in sent.entries(0)] == [1]
     conns[0].close()
 
@@ -201,7 +201,7 @@ def _wait_commit(client: ControlClient, step: int) -> list:
 
 def test_a_relayed_worker_registers_so_reports_through_its_agent_and_gets_the_fanned_out_commit(relayed):
     node, sent, ctl, client = relayed
-    assert ctl.got.get(timeout=5) == m.WorkerRegister(rank=0, pid=1000, attempt=0, relay=True)
+    assert ctl.got.get(timeout=5) == m.RankRegister(rank=0, pid=1000, attempt=0, relay=True)
     client.progress(4, "compute")
     t, out = _wait_commit(client, 4)
     sent.wait(2)  # the compute report, then StepSynced: each a complete batch of this one-rank node

@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import run_cli
 from unbroken.checkpoint import tools
-from unbroken.checkpoint.codec import flatten_state, unflatten_state
+from unbroken.state.tree import flatten_state, unflatten_state
 from unbroken.checkpoint.step_checks import MANIFEST_CRC_FIELD, manifest_crc
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.errors import CheckpointCorrupt

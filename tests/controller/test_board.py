@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.controller.board import Board
-from unbroken.controller.views import Outcome, WorkerView
+from unbroken.controller.views import Outcome, RankView
 from unbroken.names import Phase, WorkerState
 
 pytestmark = pytest.mark.timeout(10)
@@ -73,8 +73,8 @@ def test_the_counts_are_a_copy():
 
 
 def _view_writes(path: Path) -> list[str]:
-    """``x.<field> = ...`` (or ``x.compute_s.append/clear``) of a WorkerView field, x not ``self``."""
-    fields = {f.name for f in dataclasses.fields(WorkerView)} - {"rank"}
+    """``x.<field> = ...`` (or ``x.compute_s.append/clear``) of a RankView field, x not ``self``."""
+    fields = {f.name for f in dataclasses.fields(RankView)} - {"rank"}
     tree = ast.parse(path.read_text())
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found = []

@@ -44,8 +44,8 @@ def test_the_machine_kills_a_survivor_silent_during_a_recovery():
     state, _ = commit(start(), 3)
     state, actions = run(state, sm.RankExited(2, 0, None, 9, step=4))
     assert actions[0].rung == "recover-in-place"
-    state, _ = run(state, sm.WorkerPaused(0, 0, 4, "sync"), sm.WorkerPaused(3, 0, 4, "sync"))
-    state, actions = run(state, sm.WorkerHung(1, 0, 3, 5.5))  # rank 1 never paused
+    state, _ = run(state, sm.RankPaused(0, 0, 4, "sync"), sm.RankPaused(3, 0, 4, "sync"))
+    state, actions = run(state, sm.RankHung(1, 0, 3, 5.5))  # rank 1 never paused
     assert actions == [sm.KillRank(1, "rank 1 did not answer the abort of generation 1 for 5.5 s")]
     state, actions = run(state, sm.RankExited(1, 0, None, 9, step=4))
     assert actions[0].rung == "recover-in-place" and "AbortGeneration" in kinds(actions)
@@ -54,6 +54,6 @@ def test_the_machine_kills_a_survivor_silent_during_a_recovery():
 
 def test_during_a_recovery_a_paused_or_replaced_rank_is_not_hung():
     state, _ = commit(start(), 3)
-    state, _ = run(state, sm.RankExited(2, 0, None, 9, step=4), sm.WorkerPaused(0, 0, 4, "sync"))
-    assert run(state, sm.WorkerHung(0, 0, 3, 9.0))[1] == []
-    assert run(state, sm.WorkerHung(2, 0, 3, 9.0))[1] == []
+    state, _ = run(state, sm.RankExited(2, 0, None, 9, step=4), sm.RankPaused(0, 0, 4, "sync"))
+    assert run(state, sm.RankHung(0, 0, 3, 9.0))[1] == []
+    assert run(state, sm.RankHung(2, 0, 3, 9.0))[1] == []

@@ -20,11 +20,11 @@ def test_a_rank_hung_after_its_loop_is_killed_once_and_the_job_succeeds_saying_s
     state, _ = commit(start(world=4), 9)
     state, _ = run(state, *(sm.LoopFinished(r, 0) for r in range(4)),
                    *(sm.RankExited(r, 0, 0, None, step=10) for r in range(3)))  # ranks 0-2 exited 0
-    state, actions = run(state, sm.WorkerHung(3, 0, 10, 3.2))
+    state, actions = run(state, sm.RankHung(3, 0, 10, 3.2))
     assert kinds(actions) == ["KillRank"] and actions[0].rank == 3
     assert "rank 3 hung after its step loop (after step 10) for 3.2 s" in actions[0].reason
     assert state.hung_after_loop == {3} and not state.hung_ranks  # the in-loop hang rule stays free
-    assert run(state, sm.WorkerHung(3, 0, 10, 4.0))[1] == []  # killed already: once
+    assert run(state, sm.RankHung(3, 0, 10, 4.0))[1] == []  # killed already: once
     state, actions = run(state, sm.RankExited(3, 0, None, 9, step=10))
     assert actions[0] == sm.ExitedAfterLoop(3, None, 9, 10, hung=True)
     assert state.phase is sm.JobPhase.SUCCEEDED and actions[-1].exit_code == 0
@@ -34,7 +34,7 @@ def test_a_rank_hung_after_its_loop_is_killed_once_and_the_job_succeeds_saying_s
 
 
 def test_a_hang_after_the_loop_while_others_still_train_waits_for_them():
-    state, actions = run(start(world=2), sm.LoopFinished(1, 0), sm.WorkerHung(1, 0, 10, 6.0),
+    state, actions = run(start(world=2), sm.LoopFinished(1, 0), sm.RankHung(1, 0, 10, 6.0),
                          sm.RankExited(1, 0, None, 9, step=10))
     assert kinds(actions) == ["KillRank", "ExitedAfterLoop"] and state.phase is sm.JobPhase.RUNNING
     assert actions[1] == sm.ExitedAfterLoop(1, None, 9, 10, hung=True)  # warned as a hang, not a crash
@@ -43,7 +43,7 @@ def test_a_hang_after_the_loop_while_others_still_train_waits_for_them():
 
 
 def test_a_hang_of_a_rank_still_in_its_loop_is_not_one_after_the_loop():
-    state, actions = run(start(world=2), sm.LoopFinished(0, 0), sm.WorkerHung(1, 0, 7, 6.0))
+    state, actions = run(start(world=2), sm.LoopFinished(0, 0), sm.RankHung(1, 0, 7, 6.0))
     assert kinds(actions) == ["KillRank"] and state.hung_ranks == {1} and not state.hung_after_loop
     assert "made no step progress" in actions[0].reason
 
@@ -59,7 +59,7 @@ def test_a_rank_lost_after_the_others_left_their_loops_restarts_the_job():
 
 
 def test_the_next_attempt_forgets_the_ranks_hung_after_their_loop():
-    state, _ = run(start(world=2, allowed=("exit",)), sm.LoopFinished(1, 0), sm.WorkerHung(1, 0, 5, 6.0),
+    state, _ = run(start(world=2, allowed=("exit",)), sm.LoopFinished(1, 0), sm.RankHung(1, 0, 5, 6.0),
                    sm.RankExited(0, 0, 1, None, step=3), sm.AgentStopped(0, 0))
     assert state.attempt == 1 and not state.hung_after_loop and not state.loop_finished
 
@@ -114,13 +114,13 @@ def test_before_any_step_loop_only_a_stopped_process_is_suspect_at_the_first_ste
 
 
 def _views_after_loop(exited: dict[int, float | None], killed_running: tuple[int, ...] = ()):
-    from unbroken.controller.views import WorkerView
+    from unbroken.controller.views import RankView
     from unbroken.names import WorkerState
 
     views = []
     for rank, exited_t in exited.items():
         state = WorkerState.FINISHED if exited_t is not None else WorkerState.FINISHING
-        views.append(WorkerView(rank=rank, attempt=0, state=state, exited_t=exited_t))
+        views.append(RankView(rank=rank, attempt=0, state=state, exited_t=exited_t))
     return views
 
 
@@ -143,12 +143,12 @@ def test_a_rank_still_running_long_after_every_other_exited_lingers():
 
 def test_nothing_lingers_while_a_rank_still_trains_or_none_exited():
     from unbroken.config import HangConfig
-    from unbroken.controller.views import WorkerView
+    from unbroken.controller.views import RankView
     from unbroken.controller.watchdog import Watchdog
     from unbroken.names import WorkerState
 
     dog = Watchdog(HangConfig(exit_timeout_s=10.0), straggler_factor=0.0)
     views = _views_after_loop({0: 100.0, 1: None})
-    views.append(WorkerView(rank=2, attempt=0, state=WorkerState.RUNNING))  # still in its loop
+    views.append(RankView(rank=2, attempt=0, state=WorkerState.RUNNING))  # still in its loop
     assert dog.find_lingering_after_loop(views, 0, now=500.0) is None
     assert dog.find_lingering_after_loop(_views_after_loop({0: None, 1: None}), 0, now=500.0) is None

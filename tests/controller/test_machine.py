@@ -62,12 +62,12 @@ def test_dead_rank_the_only_one_synced_means_roll_back():
     state, actions = run(state, sm.RankExited(2, 0, None, 9, step=5))
     assert kinds(actions) == ["Decide", "AbortGeneration", "RestartRanks"]
     assert actions[0].rung == "recover-in-place" and actions[2] == sm.RestartRanks(frozenset({2}), 1, 0)
-    state, actions = run(state, *(sm.WorkerPaused(r, 0, 5, "sync") for r in (0, 1, 3)),
+    state, actions = run(state, *(sm.RankPaused(r, 0, 5, "sync") for r in (0, 1, 3)),
                          sm.ReplacementJoined(2, 0, 1))
     (regroup,) = actions
     assert (regroup.gen, regroup.resume_step, regroup.replaced) == (1, 5, frozenset({2}))
     assert regroup.direction == "roll-back"
-    state, actions = run(state, *(sm.WorkerResumed(r, 0, 1) for r in range(4)))
+    state, actions = run(state, *(sm.RankResumed(r, 0, 1) for r in range(4)))
     assert actions == [sm.Recovered(1, 5, frozenset({2}))]
     assert state.phase is sm.JobPhase.RUNNING and state.gen == 1
 
@@ -75,18 +75,18 @@ def test_dead_rank_the_only_one_synced_means_roll_back():
 def test_crash_after_commit_rolls_forward():
     state, _ = commit(start(), 5)
     state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
-    state, actions = run(state, sm.WorkerPaused(0, 0, 5, "update"), sm.WorkerPaused(2, 0, 6, "sync"),
-                         sm.WorkerPaused(3, 0, 6, "compute"), sm.ReplacementJoined(1, 0, 1))
+    state, actions = run(state, sm.RankPaused(0, 0, 5, "update"), sm.RankPaused(2, 0, 6, "sync"),
+                         sm.RankPaused(3, 0, 6, "compute"), sm.ReplacementJoined(1, 0, 1))
     assert actions[0].resume_step == 6
 
 
 def test_a_second_fault_during_recovery_starts_the_next_generation():
     state = start()
-    state, _ = run(state, sm.RankExited(2, 0, None, 9), sm.WorkerPaused(0, 0, 0, "sync"))
+    state, _ = run(state, sm.RankExited(2, 0, None, 9), sm.RankPaused(0, 0, 0, "sync"))
     state, actions = run(state, sm.RankExited(0, 0, None, 9))  # a source dies while recovering
     assert kinds(actions) == ["Decide", "AbortGeneration", "RestartRanks"]
     assert state.recovery.gen == 2 and state.recovery.replaced == {0, 2} and state.recovery.paused == frozenset()
-    state, actions = run(state, sm.WorkerPaused(1, 0, 0, "sync"), sm.WorkerPaused(3, 0, 0, "sync"),
+    state, actions = run(state, sm.RankPaused(1, 0, 0, "sync"), sm.RankPaused(3, 0, 0, "sync"),
                          sm.ReplacementJoined(2, 0, 2), sm.ReplacementJoined(0, 0, 2))
     assert kinds(actions) == ["OrderRegroup"] and actions[0].gen == 2
 
@@ -148,7 +148,7 @@ def test_recovery_timeout_falls_to_exit():
 
 def test_hang_kills_one_rank_at_a_time():
     state = start()
-    state, actions = run(state, sm.WorkerHung(1, 0, 7, 6.0), sm.WorkerHung(2, 0, 7, 6.0))
+    state, actions = run(state, sm.RankHung(1, 0, 7, 6.0), sm.RankHung(2, 0, 7, 6.0))
     assert actions == [sm.KillRank(1, "rank 1 made no step progress for 6.0 s")]
     state, actions = run(state, sm.RankExited(1, 0, None, 9, step=7))
     assert actions[0].failure.kind == "hang"

@@ -21,7 +21,7 @@ def dumping(**kw):
     state, actions = run(state, SIGTERM)
     assert kinds(actions) == ["Terminating", "AbortGeneration"] and actions[0].dump
     assert state.phase is sm.JobPhase.RECOVERING and state.recovery.rung == "dump"
-    state, actions = run(state, *(sm.WorkerPaused(r, 0, 5, "compute") for r in range(4)))
+    state, actions = run(state, *(sm.RankPaused(r, 0, 5, "compute") for r in range(4)))
     (order,) = actions
     assert isinstance(order, sm.DumpOrder) and order.step == 5 and order.assign == ()  # every rank writes its own
     return state
@@ -59,7 +59,7 @@ def test_every_agent_asking_starts_one_dump():
     (sm.GraceExpired(20.0), "the dump did not finish within 20 s (--sigterm-dump-timeout-s)"),
     (sm.StepDumped(2, 0, 5, (2,), "disk full"), "rank 2 could not dump step 5: disk full"),
     (sm.RankExited(1, 0, None, 9), "rank 1 exited (signal 9) during the dump"),
-    (sm.WorkerHung(3, 0, 5, 30.0), "rank 3 hung during the dump"),
+    (sm.RankHung(3, 0, 5, 30.0), "rank 3 hung during the dump"),
     (sm.AgentLost(0), "node 0 was lost with its agent during the dump"),
     (sm.RecoveryTimeout(0, 1), "passed its deadline (--recovery-timeout-s)"),
 ])
@@ -94,8 +94,8 @@ def test_sigterm_between_attempts_stops_at_once():
 
 def test_sigterm_during_a_sub_health_dump_stops_after_it_instead_of_restarting():
     state, _ = commit(start(can_dump=True, sub_health_policy="grace-exit"), 4)
-    state, _ = run(state, sm.WorkerDegraded(2, 0, "slow", step=5),
-                   *(sm.WorkerPaused(r, 0, 5, "compute") for r in range(4)))
+    state, _ = run(state, sm.RankDegraded(2, 0, "slow", step=5),
+                   *(sm.RankPaused(r, 0, 5, "compute") for r in range(4)))
     state, actions = run(state, SIGTERM)
     assert kinds(actions) == ["Terminating"] and actions[0].dump
     state, actions = run(state, *(sm.StepDumped(r, 0, 5, (r,), "") for r in range(4)))

@@ -11,7 +11,7 @@ from unbroken.controller import machine as sm
 from tests.conftest import run_machine as run
 from unbroken.controller.executor import _committed
 from unbroken.controller.watchdog import Watchdog
-from unbroken.controller.views import WorkerView
+from unbroken.controller.views import RankView
 from unbroken.names import Phase, WorkerState
 
 pytestmark = pytest.mark.timeout(10)
@@ -103,8 +103,8 @@ def test_the_decision_event_has_no_committed_step_when_none_was_committed():
     assert _committed(-1) is None and _committed(0) == 0 and _committed(105) == 105
 
 
-def _view(rank: int, started_t: float, *, in_loop: bool = False, phase: str = Phase.STARTING) -> WorkerView:
-    return WorkerView(rank=rank, attempt=0, started_t=started_t, last_progress_t=started_t, phase=phase,
+def _view(rank: int, started_t: float, *, in_loop: bool = False, phase: str = Phase.STARTING) -> RankView:
+    return RankView(rank=rank, attempt=0, started_t=started_t, last_progress_t=started_t, phase=phase,
                       state=WorkerState.RUNNING, in_step_loop=in_loop)
 
 

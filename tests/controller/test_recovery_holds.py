@@ -14,9 +14,9 @@ def recover_rank_2(state, step):
     state, actions = run(state, sm.RankExited(2, 0, None, 9, step=step))
     assert actions[0].rung == "recover-in-place", actions[0].reason
     gen = state.recovery.gen
-    state, _ = run(state, *(sm.WorkerPaused(r, 0, step, "compute") for r in (0, 1, 3)),
+    state, _ = run(state, *(sm.RankPaused(r, 0, step, "compute") for r in (0, 1, 3)),
                    sm.ReplacementJoined(2, 0, gen))
-    state, actions = run(state, *(sm.WorkerResumed(r, 0, gen) for r in range(4)))
+    state, actions = run(state, *(sm.RankResumed(r, 0, gen) for r in range(4)))
     assert actions == [sm.Recovered(gen, step, frozenset({2}))]
     return state
 
@@ -84,7 +84,7 @@ def test_an_attempt_that_saw_only_a_hang_kill_does_not_break_a_crash_loop():
     line = ("ValueError: rank 0: batch 1 has the wrong shape",)
     for attempt in range(4):
         if attempt == 1:  # the erring rank was slow to exit: killed as hung, its peer's error unseen
-            state, _ = run(state, sm.WorkerHung(0, attempt, 1, 5.0), sm.RankExited(0, attempt, None, 9, step=1))
+            state, _ = run(state, sm.RankHung(0, attempt, 1, 5.0), sm.RankExited(0, attempt, None, 9, step=1))
         else:
             state, _ = run(state, sm.RankExited(attempt % 2, attempt, 1, None, step=1, last_lines=line))
         if state.phase is sm.JobPhase.FAILED:

@@ -12,14 +12,14 @@ import pytest
 from unbroken.config import LaunchConfig
 from unbroken.controller import machine as sm
 from unbroken.controller.board import Board
-from unbroken.controller.connections import AGENT_HANDLERS, WORKER_HANDLERS, Connections
+from unbroken.controller.connections import AGENT_HANDLERS, RANK_HANDLERS, Connections
 from unbroken.controller.executor import Executor
 from unbroken.controller.liveness import Liveness
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.server import Controller
 from unbroken.controller.store_service import StoreService
 from unbroken.controller.timing import RecoveryTiming
-from unbroken.controller.views import WorkerView
+from unbroken.controller.views import RankView
 from unbroken.controller.watchdog import Watchdog
 from unbroken.names import Phase, WorkerState
 from unbroken.protocol import messages as m
@@ -128,7 +128,7 @@ class FakeHub:
 
 
 def worker_msg(hub, rank, msg, conn=None):
-    WORKER_HANDLERS[type(msg)](hub.connections, rank, 0, conn or FakeConn(), msg)
+    RANK_HANDLERS[type(msg)](hub.connections, rank, 0, conn or FakeConn(), msg)
 
 
 def test_a_message_that_is_its_own_event_gets_the_connections_rank_and_attempt():
@@ -181,7 +181,7 @@ def test_step_synced_puts_the_rank_in_sync_and_the_commit_moves_every_rank_to_up
 def test_a_death_after_the_loop_is_no_fault_to_time():
     hub = FakeHub()
     worker_msg(hub, 1, m.Progress(rank=1, attempt=0, step=9, phase="finished", metrics={}))
-    AGENT_HANDLERS[m.WorkerExited](hub.connections, 0, m.WorkerExited(rank=1, pid=101, attempt=0, exit_code=None,
+    AGENT_HANDLERS[m.RankExited](hub.connections, 0, m.RankExited(rank=1, pid=101, attempt=0, exit_code=None,
                                                                        signal=9, last_lines=[]))
     assert hub.applied[-1] == sm.RankExited(1, 0, None, 9, None, ()) and hub.timing.fault_t is None
 
@@ -189,11 +189,11 @@ def test_a_death_after_the_loop_is_no_fault_to_time():
 def test_a_worker_exit_becomes_rank_exited_with_the_step_the_controller_saw():
     hub = FakeHub()
     hub.board.view(1).step = 9
-    AGENT_HANDLERS[m.WorkerExited](hub.connections, 0, m.WorkerExited(rank=1, pid=101, attempt=0, exit_code=None,
+    AGENT_HANDLERS[m.RankExited](hub.connections, 0, m.RankExited(rank=1, pid=101, attempt=0, exit_code=None,
                                                                        signal=9, last_lines=["boom"]))
     assert hub.applied == [sm.RankExited(1, 0, None, 9, 9, ("boom",))]
     assert hub.board.view(1).state == WorkerState.FAILED and hub.timing.fault_t is not None
-    AGENT_HANDLERS[m.WorkerExited](hub.connections, 0, m.WorkerExited(rank=0, pid=100, attempt=5, exit_code=0,
+    AGENT_HANDLERS[m.RankExited](hub.connections, 0, m.RankExited(rank=0, pid=100, attempt=5, exit_code=0,
                                                                        signal=None, last_lines=[]))
     assert len(hub.applied) == 1  # another attempt's exit is ignored
 
@@ -246,12 +246,12 @@ def test_the_executor_turns_actions_into_the_messages_agents_and_workers_get():
     hub.connect(0, worker)
     hub.executor.execute([sm.KillRank(1, "hung"), sm.CommitStep(gen=0, step=3),
                           sm.OrderRegroup(2, 3, frozenset({1, 0})), sm.AbortGeneration(2, "lost rank 1")])
-    assert agent.sent == [m.KillWorker(rank=1, pid=101, reason="hung")]
+    assert agent.sent == [m.KillRank(rank=1, pid=101, reason="hung")]
     assert worker.sent == [m.CommitStep(gen=0, step=3),
                            m.Regroup(gen=2, resume_step=3, replaced=[0, 1], fallback=[0, 1]),
                            m.Abort(gen=2, reason="lost rank 1")]
     assert hub.board.recovery_deadline[0] == 2
-    assert hub.events.names() == ["kill_worker", "regroup", "per_rank_state", "per_rank_state", "abort_generation"]
+    assert hub.events.names() == ["kill_rank", "regroup", "per_rank_state", "per_rank_state", "abort_generation"]
 
 
 def test_a_replaced_rank_gets_its_own_per_rank_state_in_its_regroup_order():
@@ -260,9 +260,9 @@ def test_a_replaced_rank_gets_its_own_per_rank_state_in_its_regroup_order():
     for r, conn in conns.items():
         hub.connect(r, conn)
     # What rank 1 reported: the start of step 3 (compute), then the state after computing 3.
-    WORKER_HANDLERS[m.Progress](hub.connections, 1, 0, conns[1], m.Progress(
+    RANK_HANDLERS[m.Progress](hub.connections, 1, 0, conns[1], m.Progress(
         rank=1, attempt=0, step=3, phase="compute", metrics={}, state=b"start-3"))
-    WORKER_HANDLERS[m.StepSynced](hub.connections, 1, 0, conns[1], m.StepSynced(
+    RANK_HANDLERS[m.StepSynced](hub.connections, 1, 0, conns[1], m.StepSynced(
         rank=1, attempt=0, gen=0, step=3, state=b"after-3"))
     assert hub.applied[-1] == m.StepSynced(rank=1, attempt=0, gen=0, step=3)  # the machine never sees the bytes
     hub.executor.execute([sm.OrderRegroup(2, 4, frozenset({1, 2}))])  # rolled forward: step 3 committed
@@ -287,7 +287,7 @@ def test_the_executor_finishes_the_job_and_tells_every_agent():
 
 def test_recovery_timing_reports_the_in_flight_milestones():
     timing = RecoveryTiming()
-    views = [WorkerView(rank=0, step=7), WorkerView(rank=1, step=6)]
+    views = [RankView(rank=0, step=7), RankView(rank=1, step=6)]
     timing.fault_began(10.0, views)
     timing.fault_began(11.0, views)  # the first fault of a cascade counts
     timing.decided(10.5)
@@ -305,11 +305,11 @@ def test_recovery_timing_reports_the_in_flight_milestones():
 
 def test_an_agents_process_status_reaches_the_view_only_for_the_current_process():
     hub = FakeHub()
-    AGENT_HANDLERS[m.WorkerStatus](hub.connections, 0, m.WorkerStatus(rank=1, pid=101, attempt=0, status="stopped"))
-    AGENT_HANDLERS[m.WorkerStatus](hub.connections, 0, m.WorkerStatus(rank=0, pid=999, attempt=0, status="zombie"))
+    AGENT_HANDLERS[m.RankStatus](hub.connections, 0, m.RankStatus(rank=1, pid=101, attempt=0, status="stopped"))
+    AGENT_HANDLERS[m.RankStatus](hub.connections, 0, m.RankStatus(rank=0, pid=999, attempt=0, status="zombie"))
     assert (hub.board.view(1).process, hub.board.view(0).process) == ("stopped", "running")
-    assert hub.events.lines == [("worker_status", {"rank": 1, "pid": 101, "status": "stopped"})]
-    AGENT_HANDLERS[m.WorkerStarted](hub.connections, 0, m.WorkerStarted(rank=1, pid=102, attempt=0))
+    assert hub.events.lines == [("rank_status", {"rank": 1, "pid": 101, "status": "stopped"})]
+    AGENT_HANDLERS[m.RankStarted](hub.connections, 0, m.RankStarted(rank=1, pid=102, attempt=0))
     assert hub.board.view(1).process == "running"  # a new process of the rank starts running
 
 
@@ -367,8 +367,8 @@ def test_what_the_script_imported_goes_to_every_agent_once_checked():
     for node, conn in agents.items():
         hub.agent(node, conn)
     modules = ["numpy", "torch.distributed.fsdp", "os; rm -rf /", 7]
-    worker_msg(hub, 0, m.WorkerEvent(rank=0, attempt=0, name="script_imports", fields={"modules": modules}))
-    worker_msg(hub, 1, m.WorkerEvent(rank=1, attempt=0, name="script_imports", fields={"modules": ["other"]}))
+    worker_msg(hub, 0, m.RankEvent(rank=0, attempt=0, name="script_imports", fields={"modules": modules}))
+    worker_msg(hub, 1, m.RankEvent(rank=1, attempt=0, name="script_imports", fields={"modules": ["other"]}))
     for conn in agents.values():  # the first report only, names only
         assert conn.sent == [m.SpareImports(modules=["numpy", "torch.distributed.fsdp"])]
     assert hub.events.lines == [("script_imports", {"count": 2, "modules": ["numpy", "torch.distributed.fsdp"]})]
@@ -424,9 +424,9 @@ def test_a_run_of_relayed_step_synced_is_one_transition_in_the_batch_order():
     hub, conns, agent = _relayed_hub()
     worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=1))
     _node_reports(hub, [m.StepSynced(rank=1, attempt=0, gen=0, step=1), m.StepSynced(rank=2, attempt=0, gen=0, step=1),
-                        m.Paused(rank=1, attempt=0, gen=0, step=1, phase="sync"),
+                        m.RankPaused(rank=1, attempt=0, gen=0, step=1, phase="sync"),
                         m.StepSynced(rank=3, attempt=0, gen=0, step=1)])
-    assert [type(e).__name__ for e in hub.applied] == ["StepSynced", "RanksSynced", "WorkerPaused", "RanksSynced"]
+    assert [type(e).__name__ for e in hub.applied] == ["StepSynced", "RanksSynced", "RankPaused", "RanksSynced"]
     assert (hub.applied[1].ranks, hub.applied[3].ranks) == ({1, 2}, {3})
     assert hub.state.committed_step == 1 and agent.sent == [m.CommitStep(gen=0, step=1)]
     assert hub.board.counts.relayed["StepSynced"] == 3

@@ -80,9 +80,9 @@ def test_a_survivor_that_pauses_twice_counts_with_its_latest_position():
     for r in range(3):
         state, _ = sm.transition(state, sm.StepSynced(r, 0, 0, 4))
     state, _ = sm.transition(state, sm.RankExited(2, 0, None, 9, step=4))
-    state, _ = sm.transition(state, sm.WorkerPaused(0, 0, 4, "update"))  # its first report, then a later one
-    state, _ = sm.transition(state, sm.WorkerPaused(0, 0, 5, "compute"))
-    state, _ = sm.transition(state, sm.WorkerPaused(1, 0, 4, "update"))
+    state, _ = sm.transition(state, sm.RankPaused(0, 0, 4, "update"))  # its first report, then a later one
+    state, _ = sm.transition(state, sm.RankPaused(0, 0, 5, "compute"))
+    state, _ = sm.transition(state, sm.RankPaused(1, 0, 4, "update"))
     state, actions = sm.transition(state, sm.ReplacementJoined(2, 0, 1))
     (order,) = actions
     assert order.resume_step == 5 and order.direction == "roll-back"  # with rank 0 at (4, update): roll-forward

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 
 from unbroken.config import HangConfig
-from unbroken.controller.views import WorkerView
+from unbroken.controller.views import RankView
 from unbroken.controller.watchdog import Watchdog
 from unbroken.names import Phase, WorkerState
 
 NOW = 1000.0
 
 
-def views(phases: dict[int, str], silent_s: float = 0.0, steps: int = 5) -> list[WorkerView]:
-    return [WorkerView(rank=r, attempt=0, state=WorkerState.RUNNING, phase=p, last_progress_t=NOW - silent_s,
+def views(phases: dict[int, str], silent_s: float = 0.0, steps: int = 5) -> list[RankView]:
+    return [RankView(rank=r, attempt=0, state=WorkerState.RUNNING, phase=p, last_progress_t=NOW - silent_s,
                        steps_in_generation=steps, in_step_loop=True) for r, p in phases.items()]
 
 

@@ -73,7 +73,7 @@ def run_and_sigstop(cmd: list[str], run_dir: Path, *, rank: int, after_step: int
             assert line and time.monotonic() < deadline, f"the job never reached step {after_step}"
             if f"[rank 0] step {after_step}:" in line:
                 break
-        pid = next(e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == rank)
+        pid = next(e["pid"] for e in events(run_dir, "rank_started") if e["rank"] == rank)
         os.kill(pid, signal.SIGSTOP)
         output, _ = job.communicate(timeout=finish_s)
     finally:
@@ -92,7 +92,7 @@ def check_in_flight(returncode: int, output: str, run_dir, replaced: set[int]) -
     assert len(events(run_dir, "attempt_started")) == 1, "the job was restarted: not in flight"
     assert not events(run_dir, "restored"), "a checkpoint was read during an in-flight recovery"
     first, last = {}, {}
-    for e in events(run_dir, "worker_started"):
+    for e in events(run_dir, "rank_started"):
         first.setdefault(e["rank"], e["pid"])
         last[e["rank"]] = e["pid"]
     assert {r: p for r, p in first.items() if r not in replaced} == \

@@ -33,8 +33,8 @@ def test_a_rank_killed_after_its_loop_ends_the_job_at_once_with_success(tmp_path
     (warning,) = events(run_dir, "exited_after_loop")
     assert (warning["rank"], warning["signal"]) == (1, signal.SIGKILL)
     assert [e["attempt"] for e in events(run_dir, "attempt_started")] == [0]  # no job restart
-    assert not events(run_dir, "decision") and not events(run_dir, "restart_worker")  # no recovery
-    (died,) = [e for e in events(run_dir, "worker_exited") if e["rank"] == 1]
+    assert not events(run_dir, "decision") and not events(run_dir, "restart_rank")  # no recovery
+    (died,) = [e for e in events(run_dir, "rank_exited") if e["rank"] == 1]
     (finished,) = events(run_dir, "job_finished")
     # promptly: rank 0 exits as soon as it is done (the old path waited for the 60 s recovery timeout)
     assert finished["t"] - died["t"] < 30
@@ -44,7 +44,7 @@ def test_a_rank_killed_after_its_loop_ends_the_job_at_once_with_success(tmp_path
 def _run_and_stop(tmp_path: Path, name: str, *, point: str | None, rank: int, nproc: int = 4, steps: int = 6,
                   flags: tuple[str, ...] = (), finish_s: float = 60) -> tuple[int, str, Path, Path]:
     """`unbroken run` the script; once rank ``rank`` says it waits at ``point``, SIGSTOP its worker
-    from outside (its pid from the run dir's ``worker_started`` events) and wait for the job, at
+    from outside (its pid from the run dir's ``rank_started`` events) and wait for the job, at
     most ``finish_s``. (exit code, output, weights, run dir); the job is killed if it overruns."""
     run_dir, out = tmp_path / f"run-{name}", tmp_path / f"{name}.safetensors"
     cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", str(nproc), "--run-dir",
@@ -62,7 +62,7 @@ def _run_and_stop(tmp_path: Path, name: str, *, point: str | None, rank: int, np
             assert line and time.monotonic() < deadline, f"rank {rank} never reached {point}:\n{''.join(lines)}"
             lines.append(line)
             if f"WAITING rank={rank} at={point}" in line:
-                stopped = [e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == rank][-1]
+                stopped = [e["pid"] for e in events(run_dir, "rank_started") if e["rank"] == rank][-1]
                 os.kill(stopped, signal.SIGSTOP)
         rest, _ = job.communicate(timeout=finish_s)
         lines.append(rest)
@@ -100,7 +100,7 @@ def _detected_within_the_hang_timeout(run_dir: Path, rank: int) -> dict:
     agent seeing it stopped (plus the monitor's and the agent's polling)."""
     (hang,) = events(run_dir, "hang_detected")
     assert (hang["rank"], hang["process"]) == (rank, "stopped"), hang
-    (status,) = [e for e in events(run_dir, "worker_status") if e["status"] == "stopped"]
+    (status,) = [e for e in events(run_dir, "rank_status") if e["status"] == "stopped"]
     assert hang["t"] - status["t"] < HANG_TIMEOUT_S + 2, (status, hang)
     return hang
 

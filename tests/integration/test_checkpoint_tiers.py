@@ -81,7 +81,7 @@ def test_a_memory_tier_too_big_for_the_shm_dir_fails_before_step_0_without_a_res
     assert elapsed < 60, f"took {elapsed:.1f} s"
     assert "ShmCapacityError" in output and f"does not fit in {shm_300m}" in output
     assert "--ckpt-every-steps 0" in output
-    exits = events(run_dir, "worker_exited")
+    exits = events(run_dir, "rank_exited")
     assert 97 in [e["exit_code"] for e in exits] and {e["attempt"] for e in exits} == {0}
     assert all(e["step"] in (None, 0) for e in exits)  # before the first step ran
     assert [e["attempt"] for e in events(run_dir, "attempt_started")] == [0]  # no restart

@@ -2,7 +2,7 @@
 
 tests/integration/scripts/ddp_user_script.py: ``nn.Sequential(Linear, BatchNorm1d, ReLU, Linear)``
 under DDP, AdamW, CosineAnnealingLR, a tracked cursor, 4 real gloo ranks, no sleep. The fault is a
-SIGKILL (or SIGSTOP) of one worker's pid, found in the run's ``worker_started`` events, sent once
+SIGKILL (or SIGSTOP) of one worker's pid, found in the run's ``rank_started`` events, sent once
 the script printed that a given step is done; the final module state (weights and BatchNorm
 buffers) must equal the fault-free run's bit for bit.
 
@@ -67,7 +67,7 @@ def run_with_signal(tmp: Path, steps: int, *, rank: int, after_step: int, sig: i
             lines.append(line)
             if marker in line:
                 break
-        pid = [e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == rank][-1]
+        pid = [e["pid"] for e in events(run_dir, "rank_started") if e["rank"] == rank][-1]
         os.kill(pid, sig)
         rest, _ = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
@@ -103,7 +103,7 @@ def _kill_case(tmp_path: Path, steps: int, rank: int, after_step: int, script_ar
     returncode, output, out, run_dir = run_with_signal(tmp_path, steps, rank=rank, after_step=after_step,
                                                        script_args=script_args)
     check_in_flight(returncode, output, run_dir, {rank})
-    starts = [e for e in events(run_dir, "worker_started") if e["rank"] == rank]
+    starts = [e for e in events(run_dir, "rank_started") if e["rank"] == rank]
     assert len(starts) == 2, f"rank {rank} was started {len(starts)} times (replaced more than once)"
     return out
 

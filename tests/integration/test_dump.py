@@ -95,7 +95,7 @@ def test_sub_health_grace_exit_dumps_and_restarts_cleanly(tmp_path, sharded_refe
     assert (ckpt / f"step_{dumped['step']:08d}" / "MANIFEST.json").exists()
     (recovered,) = events(run_dir, "recovered")
     assert recovered["restored_step"] == dumped["step"]
-    assert not [e for e in events(run_dir, "worker_exited") if e.get("exit_code") not in (0, None)
+    assert not [e for e in events(run_dir, "rank_exited") if e.get("exit_code") not in (0, None)
                 and not e.get("signal")], "a worker failed instead of being stopped"
 
 

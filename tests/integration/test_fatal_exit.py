@@ -25,7 +25,7 @@ def test_a_fatal_exit_fails_the_job_without_a_restart(tmp_path, mode, says):
     output = result.stdout + result.stderr
     assert result.returncode == EXIT_FATAL, output[-3000:]  # 97, for the cluster manager: do not restart
     assert says in output
-    assert [(e["rank"], e["exit_code"]) for e in events(run_dir, "worker_exited")][:1] == [(1, EXIT_FATAL)]
+    assert [(e["rank"], e["exit_code"]) for e in events(run_dir, "rank_exited")][:1] == [(1, EXIT_FATAL)]
     assert [e["attempt"] for e in events(run_dir, "attempt_started")] == [0]  # no restart
     assert [(e["rung"], e["kind"]) for e in events(run_dir, "decision")] == [("give-up", "fatal")]
     (finished,) = events(run_dir, "job_finished")
@@ -42,7 +42,7 @@ def test_the_same_exception_three_times_in_a_row_stops_the_job(tmp_path):
     result = run_cli(["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), str(SCRIPT), "bug"], timeout_s=140)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]
-    failed = [e for e in events(run_dir, "worker_exited") if e["rank"] == 1 and e["exit_code"] not in (0, None)]
+    failed = [e for e in events(run_dir, "rank_exited") if e["rank"] == 1 and e["exit_code"] not in (0, None)]
     assert len(failed) == 3
     (finished,) = events(run_dir, "job_finished")
     assert "crash loop" in finished["reason"] and "batch 2 is empty" in finished["reason"]

@@ -2,7 +2,7 @@
 (``set_requires_gradient_sync(False)`` on the first), ``clip_grad_norm_`` over DTensor gradients,
 LayerNorm + dropout blocks, AdamW and a warm-up LambdaLR (tests/integration/scripts/fsdp_accum_script.py),
 on 4 real gloo ranks under `unbroken run`. Faults come from outside the job: SIGKILL of the worker
-found by its rank in the run dir's ``worker_started`` events, sent while the survivors hold the first
+found by its rank in the run dir's ``rank_started`` events, sent while the survivors hold the first
 micro-batch's accumulated, not yet reduced gradient. The job recovers in flight and its final weights
 equal the fault-free run's bit for bit:
 
@@ -63,7 +63,7 @@ def kill_between_micro_batches(tmp: Path, script_args: list[str], *, rank: int |
                                anywhere: bool = False, flags: list[str] = (),
                                timeout_s: float = 300) -> tuple[int, str, Path, Path]:
     """Run the script with a sleep after the first micro-batch; SIGKILL ``rank``'s worker (its pid from
-    ``worker_started``; a tuple: each of them) once rank 0 printed that it is in that sleep at ``step``;
+    ``rank_started``; a tuple: each of them) once rank 0 printed that it is in that sleep at ``step``;
     wait for the job (``flags``: the launcher's).
     ``anywhere``: no sleep, the kill is sent once rank 0 printed the end of ``step`` (it lands wherever
     the next step is). Returns (exit code, output, weights path, run dir); the job's process group is
@@ -83,7 +83,7 @@ def kill_between_micro_batches(tmp: Path, script_args: list[str], *, rank: int |
             if marker in line:
                 break
         for r in (rank,) if isinstance(rank, int) else rank:
-            os.kill(next(e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == r), signal.SIGKILL)
+            os.kill(next(e["pid"] for e in events(run_dir, "rank_started") if e["rank"] == r), signal.SIGKILL)
         rest, _ = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if job.poll() is None:

@@ -34,7 +34,7 @@ def sharded_reference(tmp_path_factory):
 def _survivor_pids(run_dir, replaced: set[int]) -> tuple[dict, dict]:
     """pids of the first start of every rank, and of the ranks at the end (last start per rank)."""
     first, last = {}, {}
-    for e in events(run_dir, "worker_started"):
+    for e in events(run_dir, "rank_started"):
         first.setdefault(e["rank"], e["pid"])
         last[e["rank"]] = e["pid"]
     return ({r: p for r, p in first.items() if r not in replaced},
@@ -142,7 +142,7 @@ def test_recover_onto_a_standby_agent_bit_exact(tmp_path, reference):
     (decision,) = events(run_dir, "decision")
     assert decision["rung"] == "recover"
     (standby,) = events(run_dir, "standby_joined")
-    (restart,) = events(run_dir, "restart_worker")
+    (restart,) = events(run_dir, "restart_rank")
     assert restart["rank"] == 2 and restart["agent"] == standby["agent"]
     first, last = _survivor_pids(run_dir, {2})
     assert first == last

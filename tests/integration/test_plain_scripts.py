@@ -27,7 +27,7 @@ def _progress(path: Path) -> list[tuple[int, int]]:
 
 
 def _pid_of(run_dir: Path, rank: int, attempt: int) -> int | None:
-    for e in events(run_dir, "worker_started"):
+    for e in events(run_dir, "rank_started"):
         if e["rank"] == rank and e["attempt"] == attempt:
             return e["pid"]
     return None

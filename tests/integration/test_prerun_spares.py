@@ -63,7 +63,7 @@ def _wait_event(job: subprocess.Popen, run_dir: Path, name: str, count: int = 1,
 
 
 def _kill_rank(run_dir: Path, rank: int) -> int:
-    pid = [e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == rank][-1]
+    pid = [e["pid"] for e in events(run_dir, "rank_started") if e["rank"] == rank][-1]
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -93,7 +93,7 @@ def _check_prerun_took_over(run_dir: Path, ready: dict, rank: int) -> None:
     """The replacement of ``rank`` is the process that reported ready, blocked at job.steps(),
     and its own script ran (almost) nothing after the order."""
     assert ready["where"] == "job.steps()", ready
-    assert [e["pid"] for e in events(run_dir, "worker_started") if e["rank"] == rank][-1] == ready["pid"]
+    assert [e["pid"] for e in events(run_dir, "rank_started") if e["rank"] == rank][-1] == ready["pid"]
     assert not events(run_dir, "prerun_failed")
 
 
@@ -146,7 +146,7 @@ def test_two_kills_in_a_row_each_replaced_by_a_new_prerun_spare(tmp_path):
     check_in_flight(job.returncode, output, run_dir, {1, 3})
     assert_same_weights(reference, out)
     assert second["pid"] != first["pid"]
-    started = {e["pid"]: e["rank"] for e in events(run_dir, "worker_started")}
+    started = {e["pid"]: e["rank"] for e in events(run_dir, "rank_started")}
     assert (started.get(first["pid"]), started.get(second["pid"])) == (1, 3)
     assert len(events(run_dir, "recovered_in_flight")) == 2 and not events(run_dir, "prerun_failed")
 

@@ -27,7 +27,7 @@ def test_memory_fault_repaired_by_retry_bit_exact(tmp_path, sharded_reference, f
     assert "nothing to damage" not in damage["what"]  # the fault really overwrote a tensor
     (decision,) = events(run_dir, "decision")
     assert decision["rung"] == "retry"
-    assert len(events(run_dir, "worker_started")) == 4, "a process was restarted"
+    assert len(events(run_dir, "rank_started")) == 4, "a process was restarted"
     assert not events(run_dir, "restored"), "storage was read"
     (done,) = events(run_dir, "recovered_in_flight")
     assert done["replaced"] == [int(fault.split("rank=")[1][0])] and done["resume_step"] == 6
@@ -46,7 +46,7 @@ def test_nan_loss_redone_by_retry_bit_exact(tmp_path, sharded_reference):
     assert found["rank"] == 2 and "non-finite gradients in step 7" in found["what"]
     (decision,) = events(run_dir, "decision")
     assert decision["rung"] == "retry" and decision["kind"] == "non-finite"
-    assert len(events(run_dir, "worker_started")) == 4, "a process was restarted"
+    assert len(events(run_dir, "rank_started")) == 4, "a process was restarted"
     assert not events(run_dir, "restored"), "storage was read"
     (done,) = events(run_dir, "recovered_in_flight")
     assert done["resume_step"] == 7
@@ -69,7 +69,7 @@ def test_a_flipped_bit_is_found_by_the_cross_replica_check_and_repaired(tmp_path
     assert found["rank"] == 1 and "differ from the copies of 3 of 4 ranks after step 5" in found["what"]
     (decision,) = events(run_dir, "decision")
     assert decision["rung"] == "retry" and decision["kind"] == "sdc"
-    assert len(events(run_dir, "worker_started")) == 4, "a process was restarted"
+    assert len(events(run_dir, "rank_started")) == 4, "a process was restarted"
     (done,) = events(run_dir, "recovered_in_flight")
     assert done["replaced"] == [1] and done["resume_step"] == 6
 

@@ -32,7 +32,7 @@ def _run(tmp_path: Path, *flags: str, wait_s: float) -> tuple[set[int], Path, ob
 @pytest.mark.timeout(180)
 def test_the_spare_imports_a_module_the_script_imported(tmp_path):
     pids, run_dir, _ = _run(tmp_path, wait_s=90)
-    (worker,) = [e["pid"] for e in events(run_dir, "worker_started")]
+    (worker,) = [e["pid"] for e in events(run_dir, "rank_started")]
     assert worker in pids
     assert pids - {worker}, "no other process (the warm spare) imported the script's module"
     (reported,) = events(run_dir, "script_imports")

@@ -50,7 +50,7 @@ def _run_with_fault(netns_hosts, tmp_path, fault: str, *, standby: bool = True, 
     hosts = netns_hosts(3)
     job = NetnsJob(hosts, tmp_path, standby=standby, steps=STEPS, train_args=SLOW, flags=flags)
     job.wait_step(0, 4, timeout_s=360)
-    victims = [e["pid"] for e in events(job.run_dir, "worker_started") if e["rank"] in (2, 3)]
+    victims = [e["pid"] for e in events(job.run_dir, "rank_started") if e["rank"] in (2, 3)]
     assert len(victims) == 2, events(job.run_dir)  # (a restart before the fault would be a fault of its own)
     fault_t = time.time()
     getattr(hosts[1], fault)()
@@ -67,7 +67,7 @@ def _check_recovered(job: NetnsJob, reference, *, timeout_s: float = 240) -> Non
     decisions = events(job.run_dir, "decision")
     assert [(d["rung"], d["kind"]) for d in decisions] == [("recover", "node-lost")], decisions
     (standby,) = events(job.run_dir, "standby_joined")
-    moved = {e["rank"]: e["agent"] for e in events(job.run_dir, "restart_worker")}
+    moved = {e["rank"]: e["agent"] for e in events(job.run_dir, "restart_rank")}
     assert moved == {2: standby["agent"], 3: standby["agent"]}
     assert events(job.run_dir, "recovered_in_flight")[-1]["replaced"] == [2, 3]
 

@@ -14,15 +14,15 @@ def _log() -> list[dict]:
     SIGKILL of rank 2 at 3.05 s recovered in flight (decision at 3.06 s, resumed at 4.05 s),
     the step in flight redone by 4.15 s, 5 more steps, job finished at 5.0 s."""
     ev = [{"t": T0, "event": "controller_started", "world_size": 4}]
-    ev += [{"t": T0 + 0.01 * (r + 1), "event": "worker_started", "rank": r} for r in range(4)]
+    ev += [{"t": T0 + 0.01 * (r + 1), "event": "rank_started", "rank": r} for r in range(4)]
     t = T0 + 2.0
     for k in range(1, 11):
         t += 0.1
         ev.append({"t": t, "event": "step", "step": k, "step_s": 0.08, "ckpt_s": 0.02})
-    ev += [{"t": T0 + 3.05, "event": "worker_exited", "rank": 2, "exit_code": None, "signal": 9, "step": 10},
+    ev += [{"t": T0 + 3.05, "event": "rank_exited", "rank": 2, "exit_code": None, "signal": 9, "step": 10},
            {"t": T0 + 3.06, "event": "decision", "rung": "recover-in-place", "rank": 2, "kind": "crash", "step": 10},
-           {"t": T0 + 3.07, "event": "worker_paused", "rank": 0, "step": 10},
-           {"t": T0 + 4.05, "event": "worker_resumed", "rank": 0, "step": 10},
+           {"t": T0 + 3.07, "event": "rank_paused", "rank": 0, "step": 10},
+           {"t": T0 + 4.05, "event": "rank_resumed", "rank": 0, "step": 10},
            {"t": T0 + 4.05, "event": "recovered_in_flight", "detect_s": 0.01, "replace_s": 0.1, "regroup_s": 0.01,
             "restore_s": 0.8, "total_s": 1.0, "steps_redone": 0},
            {"t": T0 + 4.15, "event": "step", "step": 11, "step_s": 0.1, "ckpt_s": 0.0},
@@ -57,7 +57,7 @@ def test_rows_add_up_to_the_wall_time_and_each_cause_is_where_it_happened():
 def test_a_job_restart_is_split_into_detect_restart_restore_and_redo():
     ev = [{"t": T0, "event": "controller_started", "world_size": 1},
           {"t": T0 + 1.0, "event": "step", "step": 1, "step_s": 0.5},
-          {"t": T0 + 1.2, "event": "worker_exited", "rank": 0, "exit_code": 1, "step": 1},
+          {"t": T0 + 1.2, "event": "rank_exited", "rank": 0, "exit_code": 1, "step": 1},
           {"t": T0 + 1.3, "event": "decision", "rung": "exit", "rank": 0, "kind": "exit"},
           {"t": T0 + 3.0, "event": "restored", "rank": 0, "attempt": 1, "step": 1, "tier": "memory", "seconds": 0.4},
           {"t": T0 + 3.5, "event": "recovered", "recover_s": 2.3, "step": 1, "restored_step": 1,

@@ -45,11 +45,11 @@ def test_a_recorded_fault_is_in_status_json_before_emit_returns(tmp_path):
             assert time.monotonic() < deadline, "the status thread never wrote status.json"
             time.sleep(0.02)
         assert _faults(tmp_path)[2] == ""
-        events.emit("worker_exited", rank=2, pid=1002, attempt=0, exit_code=None, signal=9, step=12)
+        events.emit("rank_exited", rank=2, pid=1002, attempt=0, exit_code=None, signal=9, step=12)
         assert _faults(tmp_path)[2].startswith("signal 9 at step 12 ("), _faults(tmp_path)
         live = live_status(str(tmp_path), None)  # what `unbroken status RUN_DIR` reads
         assert live is not None and "signal 9 at step 12" in live["ranks"][2]["last_fault"]
-        events.emit("worker_exited", rank=1, pid=1001, attempt=0, exit_code=0, signal=None, step=12)
+        events.emit("rank_exited", rank=1, pid=1001, attempt=0, exit_code=0, signal=None, step=12)
         events.emit("hang_detected", rank=3, step=12, phase="compute")
         faults = _faults(tmp_path)
         assert faults[1] == "" and faults[3].startswith("hang at step 12 (") and faults[2].startswith("signal 9")
@@ -64,7 +64,7 @@ def test_a_fault_recorded_after_close_does_not_replace_the_final_status(tmp_path
     monitor.close()
     final = (tmp_path / STATUS_FILE).read_text()
     assert json.loads(final)["final"] is True
-    events.emit("worker_exited", rank=2, pid=1002, attempt=0, exit_code=1, signal=None, step=12)
+    events.emit("rank_exited", rank=2, pid=1002, attempt=0, exit_code=1, signal=None, step=12)
     events.close()
     assert (tmp_path / STATUS_FILE).read_text() == final
     assert live_status(str(tmp_path), None) is None  # a finished job: `unbroken status` gives the summary

@@ -44,11 +44,11 @@ def test_live_page_shows_every_rank_in_a_real_browser(tmp_path):
     try:
         events.emit("controller_started", world_size=WORLD)
         for r in range(WORLD):
-            events.emit("worker_started", rank=r, pid=1000 + r, attempt=0)
+            events.emit("rank_started", rank=r, pid=1000 + r, attempt=0)
         for step in range(1, 13):
             for r in range(WORLD):
                 monitor.on_step(r, step, {"step_s": 0.05, "ckpt_s": 0.001})
-        events.emit("worker_exited", rank=2, pid=1002, attempt=0, exit_code=None, signal=9, step=12)
+        events.emit("rank_exited", rank=2, pid=1002, attempt=0, exit_code=None, signal=9, step=12)
         url = f"http://{monitor.address}/"
         shot = tmp_path / "page.png"
         _chromium(f"--screenshot={shot}", url)

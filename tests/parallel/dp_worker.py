@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from unbroken.comm import broadcast_state
+from unbroken.comm import wait_all
 from unbroken.parallel import ddp as ddp_gen
 from unbroken.parallel.fabric import Fabric
+from unbroken.state.dtypes import dtype_name, dtype_named
+from unbroken.state.tree import flatten_state, unflatten_state
 
 
 class StoreAbortWatcher(threading.Thread):
@@ -184,6 +186,41 @@ def _transfer(fabric: Fabric, wrapped, opt, step: int, lost: list[int], facts: d
     elif got["step"] != step:
         raise RuntimeError(f"rank {me} is at step {step} but the source rank {src} resumes at {got['step']}")
     return got["step"]
+
+
+def broadcast_state(tree, src: int, group, *, device: torch.device, should_abort, graveyard: list, what: str):
+    """Broadcast ``tree`` from group rank ``src`` (its state tree: a header with the meta's and the
+    data's lengths, the meta as JSON, every tensor in one byte buffer); every rank returns the
+    source's tree. The library moves state point to point (unbroken.comm.p2p); this harness keeps
+    the simplest transfer there is, with the same codec and the same abortable waits."""
+    header = torch.zeros(2, dtype=torch.int64, device=device)
+    if group.rank() == src:
+        tensors, spec = flatten_state(tree)
+        index = [[name, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()] for name, t in tensors.items()]
+        meta = json.dumps({"spec": spec, "index": index}).encode()
+        header[0], header[1] = len(meta), sum(entry[3] for entry in index)
+    wait_all([dist.broadcast(header, group_src=src, group=group, async_op=True)], should_abort, graveyard, what)
+    meta_buf = torch.empty(int(header[0]), dtype=torch.uint8, device=device)
+    data = torch.empty(int(header[1]), dtype=torch.uint8, device=device)
+    if group.rank() == src:
+        meta_buf.copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
+        offset = 0
+        for t in tensors.values():
+            n = t.numel() * t.element_size()
+            data[offset:offset + n].copy_(t.to(device).detach().contiguous().reshape(-1).view(torch.uint8))
+            offset += n
+    works = [dist.broadcast(meta_buf, group_src=src, group=group, async_op=True)]
+    if data.numel():
+        works.append(dist.broadcast(data, group_src=src, group=group, async_op=True))
+    wait_all(works, should_abort, graveyard, what)
+    if group.rank() == src:
+        return tree
+    decoded = json.loads(bytes(meta_buf.cpu().numpy()).decode())
+    out, offset = {}, 0
+    for name, dtype, shape, nbytes in decoded["index"]:
+        out[name] = data[offset:offset + nbytes].clone().view(dtype_named(dtype)).reshape(shape)
+        offset += nbytes
+    return unflatten_state(out, decoded["spec"])
 
 
 if __name__ == "__main__":

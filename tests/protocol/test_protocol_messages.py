@@ -14,15 +14,15 @@ from unbroken.protocol.messages import Encoded, Message, decode, encode, message
 
 EXAMPLES = [
     m.AgentRegister(node_rank=1, nproc=8, host="node-1", pid=4242),
-    m.WorkerStarted(rank=3, pid=100, attempt=0),
-    m.WorkerExited(rank=3, pid=100, attempt=2, exit_code=None, signal=9, last_lines=["a", "b"]),
-    m.WorkerExited(rank=0, pid=1, attempt=0, exit_code=1, signal=None, last_lines=[]),
-    m.WorkersStopped(node_rank=0, attempt=1),
-    m.StartWorkers(attempt=1, store_host="10.0.0.1", store_port=29500, world_size=16),
-    m.StopWorkers(attempt=1, reason="rank 3 died"),
-    m.KillWorker(rank=3, pid=100, reason="hung for 30 s"),
+    m.RankStarted(rank=3, pid=100, attempt=0),
+    m.RankExited(rank=3, pid=100, attempt=2, exit_code=None, signal=9, last_lines=["a", "b"]),
+    m.RankExited(rank=0, pid=1, attempt=0, exit_code=1, signal=None, last_lines=[]),
+    m.RanksStopped(node_rank=0, attempt=1),
+    m.StartRanks(attempt=1, store_host="10.0.0.1", store_port=29500, world_size=16),
+    m.StopRanks(attempt=1, reason="rank 3 died"),
+    m.KillRank(rank=3, pid=100, reason="hung for 30 s"),
     m.Shutdown(exit_code=0, reason="done"),
-    m.WorkerRegister(rank=5, pid=77, attempt=0),
+    m.RankRegister(rank=5, pid=77, attempt=0),
     m.Progress(
         rank=0, attempt=0, step=12, phase="train",
         metrics={"loss": 2.5, "tokens": 1024, "ok": True, "tags": ["x", None], "raw": b"\x00"},
@@ -106,17 +106,17 @@ BAD = [
         "field 'fault_id' must be str, got int",
     ),
     (
-        {"type": "worker_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
+        {"type": "rank_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
          "signal": "KILL", "last_lines": []},
-        "message 'worker_exited': field 'signal' must be int | None, got str",
+        "message 'rank_exited': field 'signal' must be int | None, got str",
     ),
     (
-        {"type": "worker_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
+        {"type": "rank_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
          "signal": None, "last_lines": ["ok", 3]},
-        "message 'worker_exited': field 'last_lines' must be list[str], got int at [1]",
+        "message 'rank_exited': field 'last_lines' must be list[str], got int at [1]",
     ),
     (
-        {"type": "worker_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
+        {"type": "rank_exited", "rank": 0, "pid": 1, "attempt": 0, "exit_code": None,
          "signal": None, "last_lines": "ok"},
         "field 'last_lines' must be list[str], got str",
     ),
@@ -162,9 +162,9 @@ def test_values_nested_too_deep_are_refused_not_recursed() -> None:
 def test_a_decoded_message_is_the_one_its_constructor_builds() -> None:
     """decode builds a message without its __init__: defaults, default factories (fresh per
     message), __post_init__ and frozenness must be what the constructor gives."""
-    a = decode({"type": "resumed", "rank": 1, "attempt": 0, "gen": 2, "step": 3, "restore_s": 0.5})
-    b = decode({"type": "resumed", "rank": 1, "attempt": 0, "gen": 2, "step": 3, "restore_s": 0.5})
-    assert a == m.Resumed(rank=1, attempt=0, gen=2, step=3, restore_s=0.5)
+    a = decode({"type": "rank_resumed", "rank": 1, "attempt": 0, "gen": 2, "step": 3, "restore_s": 0.5})
+    b = decode({"type": "rank_resumed", "rank": 1, "attempt": 0, "gen": 2, "step": 3, "restore_s": 0.5})
+    assert a == m.RankResumed(rank=1, attempt=0, gen=2, step=3, restore_s=0.5)
     assert a.phases == {} and a.phases is not b.phases
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.rank = 5  # type: ignore[misc]

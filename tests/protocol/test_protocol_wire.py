@@ -16,7 +16,7 @@ import pytest
 
 from unbroken.errors import AuthError, ConfigError, ConnectionClosed, ProtocolError
 from unbroken.protocol import handshake
-from unbroken.protocol.messages import FaultClaim, Heartbeat, Progress, StartWorkers, WorkerExited
+from unbroken.protocol.messages import FaultClaim, Heartbeat, Progress, StartRanks, RankExited
 from unbroken.protocol.wire import (
     MAX_FRAME_BYTES,
     Connection,
@@ -50,7 +50,7 @@ class Recorder:
         self.received: queue.Queue = queue.Queue()
 
     def __call__(self, conn: Connection) -> None:
-        conn.send(StartWorkers(attempt=0, store_host=HOST, store_port=1, world_size=2))
+        conn.send(StartRanks(attempt=0, store_host=HOST, store_port=1, world_size=2))
         while True:
             msg = conn.recv()
             self.received.put((conn.role, conn.ident, msg))
@@ -68,7 +68,7 @@ def server() -> Iterator[tuple[Server, Recorder]]:
 
 def assert_serves_a_good_client(srv: Server) -> None:
     with connect(HOST, srv.port, SECRET, "agent", {"node_rank": 0}) as conn:
-        assert isinstance(conn.recv(timeout_s=5), StartWorkers)
+        assert isinstance(conn.recv(timeout_s=5), StartRanks)
         conn.send(Heartbeat(rank=0))
         assert conn.recv(timeout_s=5) == FaultClaim(fault_id="heartbeat", granted=True)
 
@@ -163,7 +163,7 @@ def test_eof_is_connection_closed(pair) -> None:
 def test_connection_over_socketpair(pair) -> None:
     a, b = pair
     left, right = Connection(a, "right"), Connection(b, "left")
-    msg = WorkerExited(rank=1, pid=2, attempt=0, exit_code=None, signal=9, last_lines=["boom"])
+    msg = RankExited(rank=1, pid=2, attempt=0, exit_code=None, signal=9, last_lines=["boom"])
     left.send(msg)
     left.send({"type": "heartbeat", "rank": 4})
     assert right.recv(timeout_s=5) == msg
@@ -236,7 +236,7 @@ def test_good_client_exchanges_messages_both_ways(server) -> None:
     with connect(HOST, srv.port, SECRET, "agent", ident) as conn:
         assert conn.peer == f"{HOST}:{srv.port}"
         assert (conn.role, conn.ident) == ("agent", ident)
-        assert conn.recv(timeout_s=5) == StartWorkers(
+        assert conn.recv(timeout_s=5) == StartRanks(
             attempt=0, store_host=HOST, store_port=1, world_size=2
         )
         sent = Progress(rank=1, attempt=0, step=9, phase="train", metrics={"loss": 0.5})

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConfigError
-from unbroken.worker import rollback, state_blob
+from unbroken.state import blob
+from unbroken.worker import rollback
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.tracked import TrackedState
 
@@ -83,7 +84,7 @@ def test_per_rank_state_over_the_limit_names_the_biggest_object(monkeypatch):
 def test_a_tree_round_trips_exactly():
     tree = {"a": [1, (2, 3.5)], "t": torch.ones(2), "bf": torch.arange(4, dtype=torch.bfloat16).reshape(2, 2),
             "empty": torch.empty(0, 3), "c": torch.tensor([1 + 2j])}
-    back = state_blob.decode_tree(state_blob.encode_tree(tree), "x")
+    back = blob.decode_tree(blob.encode_tree(tree), "x")
     assert back["a"] == [1, (2, 3.5)]
     for key in ("t", "bf", "empty", "c"):
         assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key]), key
@@ -99,11 +100,11 @@ def _blob_with(header: dict, tail: bytes = b"") -> bytes:
     _blob_with({"format": "other"}),
     _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "os", [1], 1]]}, b"\x00"),
     _blob_with({"format": "unbroken-state-blob-1", "spec": {}, "tensors": [["x", "float32", [4], 16]]}, b"\x00"),
-    state_blob.encode_tree({"x": torch.ones(2)}) + b"\x00",
+    blob.encode_tree({"x": torch.ones(2)}) + b"\x00",
 ], ids=["not-json", "short", "length-past-end", "format", "not-a-dtype", "truncated", "trailing"])
 def test_bytes_that_are_not_an_encoded_state_are_refused(data):
     with pytest.raises(CheckpointCorrupt, match="per-rank state"):
-        state_blob.decode_tree(data, "per-rank state")
+        blob.decode_tree(data, "per-rank state")
 
 
 class DrawsOnRead(Position):
@@ -149,7 +150,7 @@ def test_an_unchanged_per_rank_state_is_sent_once_and_the_controller_reuses_it()
     states.begin(1, *tracked.step_start())  # the update moved nothing per rank
     assert states.start_report.same
     kept.note_report(1, 0, 1, Point.START, states.start_report.state, same=states.start_report.same)
-    got = state_blob.decode_tree(kept.for_resume(1, 0, 1).state, "x")
+    got = blob.decode_tree(kept.for_resume(1, 0, 1).state, "x")
     want = tracked.per_rank_tree()
     assert got["objects"]["data"]["position"] == 8 and rollback.same(got["rng"]["torch"], want["rng"]["torch"])
     tracked.objects["data"].position += 1
@@ -239,7 +240,7 @@ def test_modules_without_norm_statistics_add_nothing_to_the_per_rank_state():
 def test_equal_encodings_are_equal_states_bit_for_bit(a, b, equal):
     """StepStates tells an unchanged per-rank state by its encoding: equal bytes must mean equal
     types, key order, float signs, tensor dtypes, shapes and bytes."""
-    encoder = state_blob.TreeEncoder()
+    encoder = blob.TreeEncoder()
     assert (encoder.encode(a) == encoder.encode(b)) is equal
 
 
@@ -352,9 +353,9 @@ def test_the_replicated_part_is_kept_encoded_and_a_device_tensor_keeps_a_snapsho
 
 
 def test_an_encoder_for_cpu_values_refuses_a_device_tensor_and_a_big_int():
-    encoder = state_blob.TreeEncoder(cpu_only=True)
+    encoder = blob.TreeEncoder(cpu_only=True)
     with pytest.raises(CheckpointError, match="meta"):
         encoder.encode({"t": torch.zeros(1, device="meta")})
     with pytest.raises(CheckpointError, match="format 2"):
         encoder.encode({"n": 1 << 70})
-    assert state_blob.decode_tree(encoder.encode({"t": torch.arange(3)}), "x")["t"].tolist() == [0, 1, 2]
+    assert blob.decode_tree(encoder.encode({"t": torch.arange(3)}), "x")["t"].tolist() == [0, 1, 2]

@@ -64,8 +64,8 @@ def test_a_completed_step_with_no_next_step_is_flushed_before_anything_else_goes
     reports.phase(1, Phase.FINISHED)  # the loop ended: done first, then finished
     assert [(x.phase, x.step) for x in wire[1:]] == [(Phase.DONE, 1), (Phase.FINISHED, 1)]
     reports.done(2, {})
-    reports.send_now(m.Paused(rank=3, attempt=1, gen=1, step=2, phase="compute"))  # a recovery: done first
-    assert [type(x).__name__ for x in wire[3:]] == ["Progress", "Paused"] and wire[3].phase == Phase.DONE
+    reports.send_now(m.RankPaused(rank=3, attempt=1, gen=1, step=2, phase="compute"))  # a recovery: done first
+    assert [type(x).__name__ for x in wire[3:]] == ["Progress", "RankPaused"] and wire[3].phase == Phase.DONE
     reports.done(3, {})
     reports.flush_due(time.monotonic() + DELAY_S * 2)  # the safety net: sent alone after the delay
     assert (wire[-1].phase, wire[-1].step) == (Phase.DONE, 3)

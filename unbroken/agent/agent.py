@@ -150,16 +150,16 @@ class Agent:
                 self._lost = str(exc)
                 return None
             self._watch.heard()
-            if isinstance(msg, m.StartWorkers):
+            if isinstance(msg, m.StartRanks):
                 self._start(msg)
-            elif isinstance(msg, m.StopWorkers):
+            elif isinstance(msg, m.StopRanks):
                 self._stop_all(msg.attempt)
-                self._send(m.WorkersStopped(node_rank=self.node_rank, attempt=msg.attempt))
+                self._send(m.RanksStopped(node_rank=self.node_rank, attempt=msg.attempt))
             elif isinstance(msg, m.CommitStep) and self._relay is not None:
                 self._relay.fan_out(msg)
-            elif isinstance(msg, m.KillWorker):
+            elif isinstance(msg, m.KillRank):
                 self._kill(msg.rank, msg.pid)
-            elif isinstance(msg, m.RestartWorker):
+            elif isinstance(msg, m.RestartRank):
                 self._restart(msg)
             elif isinstance(msg, m.SpareImports):
                 self._spares.set_imports(msg.modules)
@@ -279,7 +279,7 @@ class Agent:
             return sorted(r for r, p in self._procs.items() if p.state == "running")
 
     # -- workers -------------------------------------------------------------------------
-    def _start(self, msg: m.StartWorkers) -> None:
+    def _start(self, msg: m.StartRanks) -> None:
         # After a takeover (--controller-store), the restart's workers come from this node's warm spare
         # where it has one (torch already imported): they are the recovery.
         warm, self._warm_restart = self._warm_restart, False
@@ -287,7 +287,7 @@ class Agent:
             self._spawn(rank, msg.attempt, gen=0, warm=warm)
         self._spares.start()
 
-    def _restart(self, msg: m.RestartWorker) -> None:
+    def _restart(self, msg: m.RestartRank) -> None:
         """Start one worker again (in-flight recovery); the old process is already dead."""
         with self._lock:
             old = self._procs.get(msg.rank)
@@ -315,7 +315,7 @@ class Agent:
         popen = proc.popen
         with self._lock:
             self._procs[rank] = proc
-        self._send(m.WorkerStarted(rank=rank, pid=popen.pid, attempt=attempt))
+        self._send(m.RankStarted(rank=rank, pid=popen.pid, attempt=attempt))
 
     def _worker_env(self, rank: int, local_rank: int, attempt: int, gen: int) -> dict[str, str]:
         host, port = self._placement.store_addr
@@ -368,7 +368,7 @@ class Agent:
                 if self._relay is not None:
                     self._relay.rank_gone(p.rank)  # its last step reports go before its exit
                 code = p.popen.returncode
-                self._send(m.WorkerExited(rank=p.rank, pid=p.popen.pid, attempt=p.attempt,
+                self._send(m.RankExited(rank=p.rank, pid=p.popen.pid, attempt=p.attempt,
                                           exit_code=code if code >= 0 else None,
                                           signal=-code if code < 0 else None, last_lines=list(p.tail)))
 
@@ -381,7 +381,7 @@ class Agent:
             status = process_state(p.popen.pid)
             if status != p.process:
                 p.process = status
-                self._send(m.WorkerStatus(rank=p.rank, pid=p.popen.pid, attempt=p.attempt, status=status))
+                self._send(m.RankStatus(rank=p.rank, pid=p.popen.pid, attempt=p.attempt, status=status))
 
     def _kill(self, rank: int, pid: int) -> None:
         with self._lock:

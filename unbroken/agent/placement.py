@@ -25,14 +25,14 @@ class Placement:
     def own_ranks(self) -> list[int]:
         return [self._node_rank * self._nproc + i for i in range(self._nproc)]
 
-    def start(self, msg: m.StartWorkers) -> list[int]:
+    def start(self, msg: m.StartRanks) -> list[int]:
         """A new attempt: its store, key prefix and world size; the ranks to start (this node's own
         by default)."""
         self.store_addr, self.store_prefix = (msg.store_host, msg.store_port), msg.store_prefix
         self.world_size = msg.world_size
         return list(msg.ranks) or self.own_ranks()
 
-    def restart(self, msg: m.RestartWorker) -> None:
+    def restart(self, msg: m.RestartRank) -> None:
         """One rank restarted in flight: a store (with its key prefix) or world size in the order
         replaces ours."""
         if msg.store_port:

@@ -1,7 +1,7 @@
 """Per-node aggregation of the per-step commit: the agent's relay of its ranks' step reports.
 
 Without it every rank sends its step reports (a compute report, StepSynced, the rare in-step
-marks and Paused) to the controller and gets each commit from it: ~3 messages per rank per
+marks and RankPaused) to the controller and gets each commit from it: ~3 messages per rank per
 step at one controller. With it (setting ``node_reports``), each rank sends them to its
 node's agent over a local authenticated connection (role ``relay``, the job secret) and the
 agent forwards one :class:`~unbroken.protocol.messages.NodeReports` per batch; the controller
@@ -17,7 +17,7 @@ What the controller must still know, and why the batching keeps it:
 * **Order**: one rank's relayed messages reach the controller in the order it sent them (one
   connection per rank, one ordered buffer per node), and the buffer is flushed before the
   agent reports a worker's exit (:meth:`NodeRelay.rank_gone`): a dead rank's last reports
-  (its step-start state, its StepSynced) arrive before its death. Paused and any other
+  (its step-start state, its StepSynced) arrive before its death. RankPaused and any other
   report travel at once. A commit that comes through the agent may arrive after a direct
   abort order: the abort carries the committed step (``Abort.committed_step``).
 * **Hang blame** (controller/hangs.py): an incomplete batch is sent after ``delay_s`` (0.5 s,
@@ -73,7 +73,7 @@ def _batch_key(msg: m.Message) -> tuple[str, int] | None:
         return ("synced", msg.step)
     if isinstance(msg, m.Progress) and msg.phase == Phase.COMPUTE:
         return ("compute", msg.step)
-    return None  # anything else (Paused, a mark, a lone completed step, finished) goes at once
+    return None  # anything else (RankPaused, a mark, a lone completed step, finished) goes at once
 
 
 class NodeRelay:

@@ -53,6 +53,7 @@ from unbroken.checkpoint.sources import flatten_sources
 from unbroken.checkpoint.shm_files import (check_dir, open_ours, open_slot, persisted_path, read_ours,
                                            read_persisted, slot_path)
 from unbroken.errors import CheckpointError, ConfigError
+from unbroken.state.dtypes import dtype_name
 from unbroken.units import round_up
 
 logger = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class SnapshotWriter:
         index, cursor = {}, HEADER_BYTES
         for name, (host, _) in sources.items():
             cursor, nbytes = round_up(cursor, ALIGN_BYTES), host.numel() * host.element_size()
-            index[name] = {"dtype": str(host.dtype).removeprefix("torch."),
+            index[name] = {"dtype": dtype_name(host.dtype),
                            "shape": list(host.shape), "offset": cursor, "nbytes": nbytes}
             cursor += nbytes
         self._seq += 1

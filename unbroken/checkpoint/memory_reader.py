@@ -29,11 +29,12 @@ from typing import Any
 import torch
 import xxhash
 
-from unbroken.checkpoint.codec import unflatten_state
 from unbroken.checkpoint.memory import (HASH, HEADER, HEADER_BYTES, META_FORMAT, VERSION, SlotState, SlotHeader,
                                         hashed_ranges, read_header)
 from unbroken.checkpoint.shm_files import check_dir, open_ours, slot_path
 from unbroken.errors import CheckpointCorrupt, NoCheckpoint
+from unbroken.state.dtypes import dtype_name, dtype_named
+from unbroken.state.tree import unflatten_state
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ def _plan_reads(path: Path, index: dict, targets: dict[str, torch.Tensor], h: Sl
     that overlaps no other target (two snapshot tensors must not land in one memory)."""
     entries = sorted(index.items(), key=lambda item: item[1]["offset"])
     used = {name: t for name, e in entries if e["nbytes"]
-            and _fits(t := targets.get(name), getattr(torch, e["dtype"]), e["shape"])}
+            and _fits(t := targets.get(name), dtype_named(e["dtype"]), e["shape"])}
     end = 0
     for name, t in sorted(used.items(), key=lambda item: item[1].data_ptr()):
         if t.data_ptr() < end:  # overlaps the one before it in memory: use a new tensor
@@ -221,7 +222,7 @@ def _plan_reads(path: Path, index: dict, targets: dict[str, torch.Tensor], h: Sl
             regions.append((cursor, e["offset"] - cursor, None))
         dst = used.get(name)
         if dst is None:
-            dst = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+            dst = torch.empty(e["shape"], dtype=dtype_named(e["dtype"]))
         if e["nbytes"]:
             # A writable view of the tensor's memory for os.preadv, without numpy.
             raw = (ctypes.c_ubyte * e["nbytes"]).from_address(dst.data_ptr())
@@ -289,7 +290,7 @@ def _into_targets(spec: dict, into: Any) -> dict[str, Any]:
         if tag == "tensor" and isinstance(leaf, torch.Tensor) and node.get("k") not in out:
             if "dtype" not in node:
                 out[node["k"]] = leaf
-            elif str(leaf.dtype).removeprefix("torch.") == node["dtype"] \
+            elif dtype_name(leaf.dtype) == node["dtype"] \
                     and list(leaf.shape) == node["shape"] and leaf.is_contiguous():
                 out[node["k"]] = leaf.detach().reshape(-1).view(torch.uint8)
         elif tag == "dict" and isinstance(leaf, Mapping):
@@ -314,8 +315,8 @@ def _parse_meta(path: Path, raw: bytes, h: SlotHeader) -> dict:
                 or type(meta["meta"]) is not dict:
             raise ValueError("format, version, step or seq disagree with the header")
         for name, e in meta["tensors"].items():
-            dtype = getattr(torch, e["dtype"], None)
-            if not isinstance(dtype, torch.dtype) or not (
+            dtype = dtype_named(e["dtype"])
+            if dtype is None or not (
                     h.data_off <= e["offset"] <= e["offset"] + e["nbytes"] <= h.meta_off
                     and min(e["shape"], default=0) >= 0
                     and e["nbytes"] == math.prod(e["shape"]) * dtype.itemsize):

@@ -12,17 +12,12 @@ import struct
 import zlib
 from typing import Any, Callable, Iterator
 
-import safetensors.torch
 import torch
 
 from unbroken.errors import CheckpointError
+from unbroken.state.dtypes import SAFETENSORS_NAMES
 
 _CHUNK_BYTES = 4 << 20
-# torch dtype -> safetensors dtype name; flatten_state only emits these.
-_SAFETENSORS_DTYPES = {dtype: name for name, dtype in getattr(safetensors.torch, "_TYPES", {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool}).items()}
 
 
 class SafetensorsStream:
@@ -41,11 +36,11 @@ class SafetensorsStream:
         index: dict[str, Any] = {"__metadata__": metadata}
         offset = 0
         for name, t in order:
-            if t.dtype not in _SAFETENSORS_DTYPES:
+            if t.dtype not in SAFETENSORS_NAMES:  # flatten_state emits only these
                 raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors "
                                       "cannot store")
             nbytes = t.numel() * t.element_size()
-            index[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+            index[name] = {"dtype": SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
                            "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         head = json.dumps(index, separators=(",", ":")).encode()

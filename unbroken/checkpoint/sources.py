@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint.codec import flatten_state
+from unbroken.state.tree import flatten_state
 
 
 def is_host(t: torch.Tensor) -> bool:

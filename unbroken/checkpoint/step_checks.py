@@ -10,17 +10,15 @@ Pure functions over bytes and parsed JSON, used by StorageTier.
 from __future__ import annotations
 
 import json
-import re
 import struct
 import zlib
 from typing import IO, Any, Callable
 
 from unbroken.errors import CheckpointCorrupt
+from unbroken.state.spec import is_plain_name
 
 MANIFEST_CRC_FIELD = "manifest_crc32"
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on its JSON header
-_MAX_NAME_CHARS = 4096
-_BAD_NAME_RE = re.compile(r"[\x00-\x1f\x7f\\]")
 
 
 def manifest_crc(manifest: dict) -> int:
@@ -38,13 +36,6 @@ def check_manifest_crc(manifest: dict, path: Any) -> None:
     if got != recorded:
         raise CheckpointCorrupt(f"{path}: crc32 mismatch: the manifest was changed after it was "
                                 f"written (expected {recorded:#010x}, got {got:#010x})")
-
-
-def is_plain_name(name: Any) -> bool:
-    """A tensor name we write: a non-empty str of "/"-joined parts, none empty, "." or "..",
-    no control characters or backslashes."""
-    return (isinstance(name, str) and 0 < len(name) <= _MAX_NAME_CHARS and not _BAD_NAME_RE.search(name)
-            and all(part not in ("", ".", "..") for part in name.split("/")))
 
 
 def spec_tensor_names(spec: Any, path: Any) -> set[str]:

@@ -99,7 +99,7 @@ class StorageTier:
         must not change until this returns. Raises CheckpointError when the state cannot be
         encoded or written (a full disk, for one); the previous checkpoints are untouched then.
         """
-        from unbroken.checkpoint.codec import flatten_state  # torch: only where tensors are (not the controller)
+        from unbroken.state.tree import flatten_state  # torch: only where tensors are (not the controller)
         from unbroken.checkpoint.safetensors_stream import SafetensorsStream
         self._check_rank_args(step, rank, world_size)
         tensors, spec = flatten_state(state)
@@ -278,7 +278,7 @@ class StorageTier:
     def load_rank(self, step: int, rank: int) -> tuple[Any, dict]:
         """Verify, then return (state tree, meta saved with it). Nothing is returned half-way."""
         import safetensors.torch  # torch: only where tensors are (not the controller)
-        from unbroken.checkpoint.codec import unflatten_state
+        from unbroken.state.tree import unflatten_state
         path, entry, record = self._check_metadata(step, rank)
         try:
             data = self._files.read_bytes(path)

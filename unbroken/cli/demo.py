@@ -108,7 +108,7 @@ def summarize(run_dir: Path) -> list[dict[str, Any]]:
     for fault in (e for e in events if e["event"] == "fault_injected"):
         after = [e for e in events if e["t"] >= fault["t"]]
         detection = next((e for e in after if e["event"] in ("hang_detected", *_DAMAGE) or
-                          (e["event"] == "worker_exited" and e.get("exit_code") != 0)), None)
+                          (e["event"] == "rank_exited" and e.get("exit_code") != 0)), None)
         decision = next((e for e in after if e["event"] == "decision"), None)
         in_flight = next((e for e in after if e["event"] == "recovered_in_flight"), None)
         in_flight_rungs = ("retry", "recover-in-place", "recover")

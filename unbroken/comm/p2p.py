@@ -8,9 +8,10 @@ ranks travel together as one *bundle*, in few messages, so the cost is a few rou
 holder, not one message per tensor:
 
 1. a header: two int64, the meta's bytes and the flat buffer's bytes;
-2. the meta (UTF-8 JSON: per piece its key, codec spec and tensor index ``[name, dtype,
-   shape]``) and one flat byte buffer holding every tensor of at most ``BATCH_MAX_BYTES``
-   (64-byte aligned, in index order), both received at once;
+2. the meta (UTF-8 JSON: per piece its key, :mod:`unbroken.state.tree` spec and tensor index
+   ``[name, dtype, shape]``, dtypes by their :mod:`unbroken.state.dtypes` names) and one flat
+   byte buffer holding every tensor of at most ``BATCH_MAX_BYTES`` (64-byte aligned, in index
+   order), both received at once;
 3. one message per larger tensor, received straight into the receiver's own tensor of that
    name where device, dtype and shape match (its existing state: a replacement's freshly built
    model), or into a new one.
@@ -39,10 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.checkpoint.codec import flatten_state, unflatten_state
-from unbroken.comm.transfer import DTYPES
 from unbroken.comm.wait import wait_all
 from unbroken.errors import CheckpointCorrupt, CollectiveAborted
+from unbroken.state.dtypes import PLAIN_DTYPES, dtype_name, dtype_named
+from unbroken.state.tree import flatten_state, unflatten_state
 
 Move = tuple[str, int, int]  # (key, src, dst): group ranks; unbroken.recovery.transfer_plan.Move is one
 _TAG_STRIDE = 1 << 20  # message k of bundle i has tag i * _TAG_STRIDE + k: up to ~1M large tensors a bundle
@@ -195,7 +196,7 @@ def _pack_bundle(b: _Bundle, state_of: Callable[[str], Any], device: torch.devic
     for key in b.keys:
         tensors, spec = flatten_state(state_of(key))
         pieces.append({"key": key, "spec": spec,
-                       "index": [[name, str(t.dtype), list(t.shape)] for name, t in tensors.items()]})
+                       "index": [[name, dtype_name(t.dtype), list(t.shape)] for name, t in tensors.items()]})
         for t in tensors.values():
             (small if t.numel() * t.element_size() <= BATCH_MAX_BYTES else large).append(t)
     offsets, total = _flat_offsets([t.numel() * t.element_size() for t in small])
@@ -299,21 +300,22 @@ def _decode_meta(buf: torch.Tensor, where: str) -> list[dict]:
         raise CheckpointCorrupt(f"{where}: its index is not valid JSON of the expected shape ({exc})") from exc
     if not ok:
         raise CheckpointCorrupt(f"{where}: its index does not list each piece's key, spec and tensors as "
-                                f"[name, dtype, shape] with dtypes among {sorted(DTYPES)}")
+                                f"[name, dtype, shape] with dtypes among {sorted(map(dtype_name, PLAIN_DTYPES))}")
     return pieces
 
 
 def _index_entry_ok(e: Any) -> bool:
-    return (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and e[1] in DTYPES
+    return (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and dtype_named(e[1]) in PLAIN_DTYPES
             and isinstance(e[2], list) and all(isinstance(n, int) and n >= 0 for n in e[2]))
 
 
 def _targets(index: list, own: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """Where each incoming tensor lands: the receiver's own tensor of that name if it fits, else a new one."""
     out = {}
-    for name, dtype, shape in index:
+    for name, named, shape in index:
+        dtype = dtype_named(named)
         t = own.get(name)
-        fits = (t is not None and t.device == device and t.dtype == DTYPES[dtype] and list(t.shape) == shape
+        fits = (t is not None and t.device == device and t.dtype == dtype and list(t.shape) == shape
                 and t.is_contiguous())
-        out[name] = t if fits else torch.empty(shape, dtype=DTYPES[dtype], device=device)
+        out[name] = t if fits else torch.empty(shape, dtype=dtype, device=device)
     return out

@@ -5,9 +5,11 @@ no threads.
 
 Each noun is declared once: where an event or an action is exactly a wire message
 (:class:`SessionReady`, :class:`StepSynced`, :class:`CommitStep`) the message *is* the noun;
-where the controller adds what it knows (the step a rank was at, a kill's pid), the names
-differ (:class:`RankExited` vs ``messages.WorkerExited``, :class:`KillRank` vs
-``messages.KillWorker``, :class:`OrderRegroup` vs ``messages.Regroup``).
+where the controller adds what it knows (the step a rank was at, a kill's pid), the noun is its
+own class: under the message's name where the act is the same (:class:`RankExited` and
+``messages.RankExited``, :class:`KillRank` and ``messages.KillRank``), under its own where the
+act differs (:class:`OrderRegroup` vs ``messages.Regroup``). One act, one name: a rank's acts
+say *rank* on the wire, in the machine and in the event log (``rank_exited``, ``kill_rank``).
 """
 
 from __future__ import annotations

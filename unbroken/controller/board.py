@@ -4,7 +4,7 @@ The :class:`~unbroken.controller.server.Controller` builds one; its connections
 (:mod:`~unbroken.controller.connections`: what agents and workers report) and its executor
 (:mod:`~unbroken.controller.executor`: what the state machine ordered) change it only through
 the methods below, each named for what happened, and read it through :meth:`Board.view`,
-:meth:`Board.views` and the read-only properties. Nothing else writes a :class:`WorkerView`.
+:meth:`Board.views` and the read-only properties. Nothing else writes a :class:`RankView`.
 Everything runs under the controller's lock; :meth:`Board.wait` is the one exception (an
 :class:`threading.Event`).
 
@@ -22,7 +22,7 @@ import dataclasses
 import threading
 from collections.abc import Iterable
 
-from unbroken.controller.views import Outcome, WorkerView
+from unbroken.controller.views import Outcome, RankView
 from unbroken.names import Phase, WorkerState
 from unbroken.protocol.messages import spare_import_names
 from unbroken.protocol.wire import Connection
@@ -44,7 +44,7 @@ class Board:
 
     def __init__(self, world_size: int, nnodes: int) -> None:
         self._nnodes = nnodes
-        self._workers = {r: WorkerView(rank=r) for r in range(world_size)}
+        self._workers = {r: RankView(rank=r) for r in range(world_size)}
         self._agents: dict[int, Connection] = {}
         self._fired: set[str] = set()
         self._spare_imports: list[str] | None = None
@@ -54,10 +54,10 @@ class Board:
         self._done = threading.Event()
 
     # -- reads ---------------------------------------------------------------------------------
-    def view(self, rank: int) -> WorkerView:
+    def view(self, rank: int) -> RankView:
         return self._workers[rank]
 
-    def views(self) -> Iterable[WorkerView]:
+    def views(self) -> Iterable[RankView]:
         return self._workers.values()
 
     def ranks(self) -> set[int]:

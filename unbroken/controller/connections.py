@@ -32,7 +32,7 @@ from unbroken.recovery.restore_point import RankOffer
 log = logging.getLogger(__name__)
 
 AgentHandler = Callable[["Connections", int, Any], None]
-WorkerHandler = Callable[["Connections", int, int, Connection, Any], None]
+RankHandler = Callable[["Connections", int, int, Connection, Any], None]
 
 
 class Connections:
@@ -117,14 +117,14 @@ class Connections:
     def _serve_worker(self, conn: Connection) -> None:
         hub = self._hub
         first = conn.recv(timeout_s=10.0)
-        if not isinstance(first, m.WorkerRegister) or not 0 <= first.rank < hub.cfg.world_size:
+        if not isinstance(first, m.RankRegister) or not 0 <= first.rank < hub.cfg.world_size:
             raise ProtocolError(f"worker {conn.peer} must register with a rank in [0, {hub.cfg.world_size})")
         with hub.lock:
             w = hub.board.view(first.rank)
             # Fencing: a process of an older attempt, or one that is not the agent's current
             # process for this rank, never joins.
             if first.attempt != hub.state.attempt or (w.pid and first.pid != w.pid):
-                hub.events.emit("worker_fenced", rank=first.rank, pid=first.pid, attempt=first.attempt)
+                hub.events.emit("rank_fenced", rank=first.rank, pid=first.pid, attempt=first.attempt)
                 return
             hub.board.connected(first.rank, conn, relayed=first.relay)
             if first.replacement:
@@ -135,7 +135,7 @@ class Connections:
                 hub.board.count_received(type(msg).__name__)
                 if first.attempt != hub.state.attempt or hub.board.view(first.rank).conn is not conn:
                     continue  # an older attempt's, or a process this rank no longer is
-                handler = WORKER_HANDLERS.get(type(msg))
+                handler = RANK_HANDLERS.get(type(msg))
                 if handler is not None:
                     handler(self, first.rank, first.attempt, conn, msg)
 
@@ -156,12 +156,12 @@ class Connections:
 
 
 # -- agent messages ------------------------------------------------------------------------
-def _worker_started(self: Connections, agent: int, msg: m.WorkerStarted) -> None:
+def _rank_started(self: Connections, agent: int, msg: m.RankStarted) -> None:
     self._hub.board.process_started(msg.rank, msg.pid, msg.attempt, time.monotonic())
-    self._hub.events.emit("worker_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
+    self._hub.events.emit("rank_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt)
 
 
-def _worker_exited(self: Connections, agent: int, msg: m.WorkerExited) -> None:
+def _rank_exited(self: Connections, agent: int, msg: m.RankExited) -> None:
     hub = self._hub
     if msg.attempt != hub.state.attempt:
         return
@@ -169,20 +169,20 @@ def _worker_exited(self: Connections, agent: int, msg: m.WorkerExited) -> None:
     w = hub.board.view(msg.rank)
     if msg.exit_code != 0 and not after_loop:
         hub.timing.fault_began(time.monotonic(), hub.board.views())
-    hub.events.emit("worker_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
+    hub.events.emit("rank_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
                     exit_code=msg.exit_code, signal=msg.signal, step=w.step, after_loop=after_loop)
     hub.apply(sm.RankExited(msg.rank, msg.attempt, msg.exit_code, msg.signal, w.step, tuple(msg.last_lines)))
 
 
-def _worker_status(self: Connections, agent: int, msg: m.WorkerStatus) -> None:
+def _rank_status(self: Connections, agent: int, msg: m.RankStatus) -> None:
     """The agent saw a worker's process stop (SIGSTOP, a debugger), turn zombie or run again:
     evidence for the watchdog (hangs.py). A report of another process of the rank is stale."""
     if self._hub.board.process_status(msg.rank, msg.pid, msg.attempt, msg.status, time.monotonic()):
-        self._hub.events.emit("worker_status", rank=msg.rank, pid=msg.pid, status=msg.status)
+        self._hub.events.emit("rank_status", rank=msg.rank, pid=msg.pid, status=msg.status)
 
 
-def _workers_stopped(self: Connections, agent: int, msg: m.WorkersStopped) -> None:
-    self._hub.events.emit("workers_stopped", node_rank=agent, attempt=msg.attempt)
+def _ranks_stopped(self: Connections, agent: int, msg: m.RanksStopped) -> None:
+    self._hub.events.emit("ranks_stopped", node_rank=agent, attempt=msg.attempt)
     self._hub.apply(sm.AgentStopped(agent, msg.attempt))
 
 
@@ -233,7 +233,7 @@ def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
         if type(inner) is m.StepSynced:
             run.append(inner)
         else:
-            WORKER_HANDLERS[type(inner)](self, rank, inner.attempt, None, inner)
+            RANK_HANDLERS[type(inner)](self, rank, inner.attempt, None, inner)
     if run:
         _steps_synced(self, run)
 
@@ -252,8 +252,8 @@ def _steps_synced(self: Connections, run: list[m.StepSynced]) -> None:
 
 AGENT_HANDLERS: dict[type, AgentHandler] = {
     m.AgentEvent: _agent_event,
-    m.WorkerStarted: _worker_started, m.WorkerExited: _worker_exited, m.WorkerStatus: _worker_status,
-    m.WorkersStopped: _workers_stopped,
+    m.RankStarted: _rank_started, m.RankExited: _rank_exited, m.RankStatus: _rank_status,
+    m.RanksStopped: _ranks_stopped,
     m.Persisted: _persisted, m.Heartbeat: lambda self, agent, msg: None, m.StopRequested: _stop_requested,
     m.NodeReports: _node_reports,
 }
@@ -295,32 +295,32 @@ def _claim_fault(self: Connections, rank: int, attempt: int, conn: Connection, m
 
 
 def _dumped(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Dumped) -> None:
-    self._hub.events.emit("worker_dumped", rank=rank, step=msg.step, ranks=msg.ranks, error=msg.error)
+    self._hub.events.emit("rank_dumped", rank=rank, step=msg.step, ranks=msg.ranks, error=msg.error)
     self._hub.apply(sm.StepDumped(rank, attempt, msg.step, tuple(msg.ranks), msg.error))
 
 
-def _damaged(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Damaged) -> None:
+def _damaged(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RankDamaged) -> None:
     hub = self._hub
     step = hub.board.view(rank).step
     hub.timing.fault_began(time.monotonic(), hub.board.views())
     name = {"non-finite": "non_finite", "sdc": "sdc_detected"}.get(msg.kind, "memory_fault")
     hub.events.emit(name, rank=rank, what=msg.what, kind=msg.kind, step=step)
-    hub.apply(sm.WorkerDamaged(rank, attempt, msg.what, msg.kind, step))
+    hub.apply(sm.RankDamaged(rank, attempt, msg.what, msg.kind, step))
 
 
-def _paused(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Paused) -> None:
-    self._hub.events.emit("worker_paused", rank=rank, gen=msg.gen, step=msg.step, phase=msg.phase)
+def _paused(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RankPaused) -> None:
+    self._hub.events.emit("rank_paused", rank=rank, gen=msg.gen, step=msg.step, phase=msg.phase)
     phase = msg.phase if msg.phase in STEP_PHASES else Phase.COMPUTE
-    self._hub.apply(sm.WorkerPaused(rank, attempt, msg.step, phase))
+    self._hub.apply(sm.RankPaused(rank, attempt, msg.step, phase))
 
 
-def _resumed(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Resumed) -> None:
+def _resumed(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RankResumed) -> None:
     hub = self._hub
     hub.timing.resumed(msg.restore_s)
-    hub.events.emit("worker_resumed", rank=rank, gen=msg.gen, step=msg.step, restore_s=round(msg.restore_s, 4))
+    hub.events.emit("rank_resumed", rank=rank, gen=msg.gen, step=msg.step, restore_s=round(msg.restore_s, 4))
     if msg.phases:  # (one report for both: N of them come at once at the end of a recovery)
         _emit_worker_fields(self, "restore_phases", rank, attempt, msg.phases)
-    hub.apply(sm.WorkerResumed(rank, attempt, msg.gen))
+    hub.apply(sm.RankResumed(rank, attempt, msg.gen))
 
 
 def _restore_offer(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RestoreOffer) -> None:
@@ -332,7 +332,7 @@ def _restore_offer(self: Connections, rank: int, attempt: int, conn: Connection,
     self._hub.apply(sm.RestoreOffered(rank, attempt, msg.round, offer))
 
 
-def _worker_event(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.WorkerEvent) -> None:
+def _rank_event(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RankEvent) -> None:
     if msg.name == "restored":
         self._hub.timing.restored(attempt, msg.fields.get("step", 0), msg.fields.get("tier", "none"))
     if msg.name == SCRIPT_IMPORTS_EVENT:
@@ -348,23 +348,23 @@ def _emit_worker_fields(self: Connections, name: str, rank: int, attempt: int, f
                           **{k: v for k, v in fields.items() if k not in ("rank", "attempt", "t", "event")})
 
 
-def _register_again(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.WorkerRegister) -> None:
+def _register_again(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RankRegister) -> None:
     if msg.replacement:
         self._replacement_joined(rank, msg.gen)
 
 
-def _relabelled(event_of: Callable[[Any], Any]) -> WorkerHandler:
+def _relabelled(event_of: Callable[[Any], Any]) -> RankHandler:
     """A handler for a message that is its own event, with the connection's rank and attempt."""
     def handler(self: Connections, rank: int, attempt: int, conn: Connection, msg: Any) -> None:
         self._hub.apply(dataclasses.replace(event_of(msg), rank=rank, attempt=attempt))
     return handler
 
 
-WORKER_HANDLERS: dict[type, WorkerHandler] = {
+RANK_HANDLERS: dict[type, RankHandler] = {
     m.Progress: _progress, m.StepSynced: _step_synced, m.ClaimFault: _claim_fault,
-    m.Dumped: _dumped, m.Damaged: _damaged,
-    m.Degraded: lambda self, rank, attempt, conn, msg: self._hub.degraded(rank, attempt, msg.reason),
-    m.SessionReady: _relabelled(lambda msg: msg), m.Paused: _paused, m.WorkerRegister: _register_again,
-    m.Resumed: _resumed, m.RestoreOffer: _restore_offer, m.WorkerEvent: _worker_event,
+    m.Dumped: _dumped, m.RankDamaged: _damaged,
+    m.RankDegraded: lambda self, rank, attempt, conn, msg: self._hub.degraded(rank, attempt, msg.reason),
+    m.SessionReady: _relabelled(lambda msg: msg), m.RankPaused: _paused, m.RankRegister: _register_again,
+    m.RankResumed: _resumed, m.RestoreOffer: _restore_offer, m.RankEvent: _rank_event,
     m.Heartbeat: lambda self, rank, attempt, conn, msg: None,
 }

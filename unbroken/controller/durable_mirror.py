@@ -15,8 +15,7 @@ from dataclasses import replace
 
 from unbroken.consensus.durable import DurableState
 from unbroken.controller.api import JobState
-from unbroken.recovery.mesh_map import MeshReplicaMap
-from unbroken.recovery.replica_map import ReplicaMap
+from unbroken.recovery.replicas import holders_of_all, job_replicas
 
 __all__ = ["agent_name", "durable_from_job", "job_from_durable", "replica_map_of"]
 
@@ -28,21 +27,8 @@ def agent_name(agent: int) -> str:
 
 def replica_map_of(state: JobState) -> dict[int, tuple[int, ...]]:
     """rank -> every rank holding all that ``rank`` holds (itself included), ascending."""
-    if state.mesh:
-        replicas: ReplicaMap | MeshReplicaMap = MeshReplicaMap(state.mesh, state.mesh_replicate,
-                                                               shard_replicas=state.num_replicas)
-    elif state.num_replicas:
-        replicas = ReplicaMap(state.world_size, state.num_replicas)
-    else:
-        replicas = ReplicaMap.full(state.world_size)
-    out = {}
-    for rank in range(state.world_size):
-        holders = None
-        for piece in replicas.pieces_of(rank):
-            these = set(replicas.holders(piece))  # type: ignore[arg-type]
-            holders = these if holders is None else holders & these
-        out[rank] = tuple(sorted(holders or {rank}))
-    return out
+    replicas = job_replicas(state.world_size, state.num_replicas, state.mesh, state.mesh_replicate)
+    return {rank: holders_of_all(replicas, rank) for rank in range(state.world_size)}
 
 
 def durable_from_job(state: JobState) -> DurableState:

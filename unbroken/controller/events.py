@@ -2,8 +2,9 @@
 
 All frozen dataclasses. Where an event is exactly a wire message (:class:`SessionReady`,
 :class:`StepSynced`) the message *is* the event; where the controller adds what it knows (the
-step a rank was at), the names differ (:class:`RankExited` vs ``messages.WorkerExited``). The
-job state and the actions are in :mod:`unbroken.controller.api`.
+step a rank was at), the event is its own class under the message's name (:class:`RankExited`
+and ``messages.RankExited``, :class:`RankPaused` and ``messages.RankPaused``). The job state and
+the actions are in :mod:`unbroken.controller.api`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class LoopFinished:
 
 
 @dataclass(frozen=True)
-class WorkerHung:
+class RankHung:
     rank: int
     attempt: int
     step: int | None
@@ -74,7 +75,7 @@ class StandbyJoined:
 
 
 @dataclass(frozen=True)
-class WorkerPaused:
+class RankPaused:
     """A survivor left the broken generation and waits for the regroup order."""
 
     rank: int
@@ -91,14 +92,14 @@ class ReplacementJoined:
 
 
 @dataclass(frozen=True)
-class WorkerResumed:
+class RankResumed:
     rank: int
     attempt: int
     gen: int
 
 
 @dataclass(frozen=True)
-class WorkerDegraded:
+class RankDegraded:
     """A live rank reports sub-health (``--sub-health-policy`` says what follows)."""
 
     rank: int
@@ -108,7 +109,7 @@ class WorkerDegraded:
 
 
 @dataclass(frozen=True)
-class WorkerDamaged:
+class RankDamaged:
     """A live rank reports damaged state (kind: memory-fault, non-finite, sdc): rung `retry`."""
 
     rank: int
@@ -180,6 +181,6 @@ class StepPersisted:
     error: str = ""
 
 
-Event = (AgentJoined | RankExited | LoopFinished | WorkerHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
-         | RanksSynced | WorkerPaused | ReplacementJoined | WorkerResumed | RecoveryTimeout | WorkerDamaged | StepDumped
-         | WorkerDegraded | RestoreOffered | StepPersisted | TerminateRequested | GraceExpired)
+Event = (AgentJoined | RankExited | LoopFinished | RankHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
+         | RanksSynced | RankPaused | ReplacementJoined | RankResumed | RecoveryTimeout | RankDamaged | StepDumped
+         | RankDegraded | RestoreOffered | StepPersisted | TerminateRequested | GraceExpired)

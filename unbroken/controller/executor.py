@@ -127,20 +127,20 @@ class Executor:
         hub.events.emit("attempt_started", attempt=action.attempt, store_port=self.store.port)
         for agent in sorted(hub.state.hosts()):
             ranks = [r for r in range(hub.cfg.world_size) if hub.state.agent_of(r) == agent]
-            self.send_to_agent(agent, m.StartWorkers(
+            self.send_to_agent(agent, m.StartRanks(
                 attempt=action.attempt, store_host=hub.host, store_port=self.store.port,
                 store_prefix=self.store_prefix, world_size=hub.cfg.world_size, ranks=ranks))
 
     def _stop_attempt(self, action: sm.StopAttempt) -> None:
-        self._hub.events.emit("stop_workers", attempt=action.attempt, reason=action.reason)
-        self.broadcast_agents(m.StopWorkers(attempt=action.attempt, reason=action.reason))
+        self._hub.events.emit("stop_ranks", attempt=action.attempt, reason=action.reason)
+        self.broadcast_agents(m.StopRanks(attempt=action.attempt, reason=action.reason))
 
     def _kill(self, action: sm.KillRank) -> None:
         hub = self._hub
         w = hub.board.view(action.rank)
-        hub.events.emit("kill_worker", rank=action.rank, pid=w.pid, reason=action.reason)
+        hub.events.emit("kill_rank", rank=action.rank, pid=w.pid, reason=action.reason)
         self.send_to_agent(hub.state.agent_of(action.rank),
-                                      m.KillWorker(rank=action.rank, pid=w.pid, reason=action.reason))
+                                      m.KillRank(rank=action.rank, pid=w.pid, reason=action.reason))
 
     def _exited_after_loop(self, action: sm.ExitedAfterLoop) -> None:
         how = f"signal {action.signal}" if action.signal else f"exit code {action.exit_code}"
@@ -155,8 +155,8 @@ class Executor:
         hub = self._hub
         for rank in sorted(action.ranks):
             hub.board.restarting(rank)
-            hub.events.emit("restart_worker", rank=rank, gen=action.gen, agent=action.agent)
-            self.send_to_agent(action.agent, m.RestartWorker(
+            hub.events.emit("restart_rank", rank=rank, gen=action.gen, agent=action.agent)
+            self.send_to_agent(action.agent, m.RestartRank(
                 rank=rank, attempt=hub.state.attempt, gen=action.gen, store_host=hub.host,
                 store_port=self.store.port if self.store else 0, store_prefix=self.store_prefix,
                 world_size=hub.cfg.world_size))

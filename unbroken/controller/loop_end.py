@@ -15,7 +15,7 @@ a warning (:class:`ExitedAfterLoop`), and the job ends once every rank finished:
 A rank past its loop can also hang there (stopped by SIGSTOP or a debugger during the script's
 final save, ``job.close()``, ``destroy_process_group``): the hang monitor finds its process
 stopped for longer than its hang timeout (:func:`unbroken.controller.hangs.hung_after_loop`) and
-reports it hung (:class:`WorkerHung`); it is killed, and its exit is one after its loop::
+reports it hung (:class:`RankHung`); it is killed, and its exit is one after its loop::
 
     RUNNING --r (in loop_finished) hung--> RUNNING (r in hung_after_loop; KillRank r)
     RUNNING --r exits (killed)--> RUNNING (r finished, warned that it hung) --...--> SUCCEEDED
@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 
 from unbroken.controller.api import Action, ExitedAfterLoop, Finish, JobPhase, JobState, KillRank
-from unbroken.controller.events import LoopFinished, RankExited, WorkerHung
+from unbroken.controller.events import LoopFinished, RankExited, RankHung
 
 
 def covers(state: JobState, event: RankExited) -> bool:
@@ -46,13 +46,13 @@ def on_loop_finished(state: JobState, event: LoopFinished) -> tuple[JobState, li
     return dataclasses.replace(state, loop_finished=state.loop_finished | {event.rank}), []
 
 
-def covers_hang(state: JobState, event: WorkerHung) -> bool:
+def covers_hang(state: JobState, event: RankHung) -> bool:
     """Whether a hang is one after the rank's loop (decided here: a kill, never a recovery)."""
     return (event.attempt == state.attempt and state.phase is JobPhase.RUNNING and event.rank in state.loop_finished
             and event.rank not in state.finished_ranks)
 
 
-def on_hung_after_loop(state: JobState, event: WorkerHung) -> tuple[JobState, list[Action]]:
+def on_hung_after_loop(state: JobState, event: RankHung) -> tuple[JobState, list[Action]]:
     """Kill a rank that hangs after its loop (once); its exit then counts it as finished."""
     if event.rank in state.hung_after_loop:
         return state, []

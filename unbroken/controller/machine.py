@@ -37,12 +37,11 @@ from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for
     CommitPersisted, Recovery, RestoreRounds, JobPolicy, JobState, Action, FINAL_PHASES, Terminating, RecoveryHeld,
     Unconfirmed)
 from unbroken.controller.events import (  # noqa: F401  (the nouns, re-exported for callers)
-    AgentJoined, RankExited, LoopFinished, WorkerHung, AgentStopped, AgentLost, StandbyJoined, SessionReady,
-    StepSynced, RanksSynced, WorkerPaused, ReplacementJoined, WorkerResumed, WorkerDamaged, WorkerDegraded,
+    AgentJoined, RankExited, LoopFinished, RankHung, AgentStopped, AgentLost, StandbyJoined, SessionReady,
+    StepSynced, RanksSynced, RankPaused, ReplacementJoined, RankResumed, RankDamaged, RankDegraded,
     StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, Event, TerminateRequested, GraceExpired)
 from unbroken.errors import EXIT_FATAL
-from unbroken.recovery.mesh_map import MeshReplicaMap
-from unbroken.recovery.replica_map import ReplicaMap
+from unbroken.recovery.replicas import Replicas, job_replicas
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
 from unbroken.recovery import crash_loop
 from unbroken.recovery.ladder import GIVE_UP, RETRY_KINDS, Decision, FaultFacts, choose
@@ -63,12 +62,12 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return terminate.transition(state, event)
     if isinstance(event, AgentJoined):
         return _on_agent_joined(state, event)
-    if isinstance(event, WorkerHung):
+    if isinstance(event, RankHung):
         if loop_end.covers_hang(state, event):  # past its loop: killed, counted as finished (loop_end.py)
             return loop_end.on_hung_after_loop(state, event)
-        return _on_worker_hung(state, event)
+        return _on_rank_hung(state, event)
     if isinstance(event, RankExited):
-        return _on_worker_exited(state, event)
+        return _on_rank_exited(state, event)
     if isinstance(event, AgentStopped):
         return _on_agent_stopped(state, event)
     if isinstance(event, StandbyJoined):
@@ -86,7 +85,7 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
                         mesh_replicate=event.mesh_replicate), []
     if isinstance(event, (StepSynced, RanksSynced)):
         return _on_step_synced(state, event)
-    if isinstance(event, WorkerDamaged):
+    if isinstance(event, RankDamaged):
         rec = state.recovery
         if rec is not None and rec.rung == Rung.RETRY and not rec.regrouped and event.kind in RETRY_KINDS:
             # Found by a second rank before the regroup: it receives its state from replicas too.
@@ -97,14 +96,14 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return _recover(state, Failure(rank=event.rank, attempt=event.attempt, kind=kind, step=event.step))
     if isinstance(event, StepDumped):
         return _on_step_dumped(state, event)
-    if isinstance(event, WorkerDegraded):
-        return _on_worker_degraded(state, event)
-    if isinstance(event, (WorkerPaused, ReplacementJoined, WorkerResumed, RecoveryTimeout)):
+    if isinstance(event, RankDegraded):
+        return _on_rank_degraded(state, event)
+    if isinstance(event, (RankPaused, ReplacementJoined, RankResumed, RecoveryTimeout)):
         return _on_recovery_event(state, event)
     raise TypeError(f"unknown event {event!r}")
 
 
-def _on_worker_hung(state: JobState, event: WorkerHung) -> tuple[JobState, list[Action]]:
+def _on_rank_hung(state: JobState, event: RankHung) -> tuple[JobState, list[Action]]:
     """Kill a hung rank; its exit then takes the ladder. While running: one hang-kill at a
     time (the ranks blocked on the hung one in a collective look hung too, but fail by
     themselves: gloo sees the kill in milliseconds). During a recovery: a survivor that did
@@ -129,7 +128,7 @@ def _on_agent_joined(state: JobState, event: AgentJoined) -> tuple[JobState, lis
     return state, []
 
 
-def _on_worker_exited(state: JobState, event: RankExited) -> tuple[JobState, list[Action]]:
+def _on_rank_exited(state: JobState, event: RankExited) -> tuple[JobState, list[Action]]:
     if event.attempt != state.attempt or state.phase not in (JobPhase.RUNNING, JobPhase.RECOVERING):
         return state, []  # a worker of an attempt that is already being stopped
     if event.exit_code == 0 and state.phase is JobPhase.RECOVERING:
@@ -164,13 +163,10 @@ def _facts(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()
         repeats=crash_loop.repeats(state.failures + (failure,)))
 
 
-def _replica_map(state: JobState) -> ReplicaMap | MeshReplicaMap:
+def _replica_map(state: JobState) -> Replicas:
     """Who holds what: the job's mesh (replicas along its replicate dimension), else the flat
     data-parallel layout of ``num_replicas`` (0: full replication)."""
-    if state.mesh:  # num_replicas: copies of a distributed optimizer's shards inside dp (0: none)
-        return MeshReplicaMap(state.mesh, state.mesh_replicate, shard_replicas=state.num_replicas)
-    return ReplicaMap.full(state.world_size) if state.num_replicas == 0 else \
-        ReplicaMap(state.world_size, state.num_replicas)
+    return job_replicas(state.world_size, state.num_replicas, state.mesh, state.mesh_replicate)
 
 
 def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()) -> tuple[JobState, list[Action]]:
@@ -279,7 +275,7 @@ def _subject(state: JobState, rec: Recovery) -> int:
     return min(rec.replaced) if rec.replaced else state.failures[-1].rank
 
 
-def _on_worker_degraded(state: JobState, event: WorkerDegraded) -> tuple[JobState, list[Action]]:
+def _on_rank_degraded(state: JobState, event: RankDegraded) -> tuple[JobState, list[Action]]:
     """Sub-health under ``--sub-health-policy grace-exit``: no process is lost, so every rank
     dumps its own state at the decided step (rung `dump` with nobody replaced), then the job
     restarts cleanly from it. Without a storage tier, a clean restart from the memory tier."""
@@ -341,12 +337,12 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
         state = _replace(state, recovery=Recovery(rec.rung, rec.gen, rec.replaced, state.policy.max_recovery_tries))
         return _recover(state, failure)
-    if isinstance(event, WorkerPaused) and event.rank not in rec.replaced:
+    if isinstance(event, RankPaused) and event.rank not in rec.replaced:
         rec = replace(rec, paused=rec.paused.with_rank(event.rank),
                       positions=rec.positions.push((event.rank, event.step, event.phase)))
     elif isinstance(event, ReplacementJoined) and event.rank in rec.replaced:
         rec = replace(rec, joined=rec.joined.with_rank(event.rank))
-    elif isinstance(event, WorkerResumed) and event.gen == rec.gen and rec.regrouped:
+    elif isinstance(event, RankResumed) and event.gen == rec.gen and rec.regrouped:
         rec = replace(rec, resumed=rec.resumed.with_rank(event.rank))
         if rec.resumed == state.ranks:
             state = _replace(state, phase=JobPhase.RUNNING, gen=rec.gen, recovery=None, synced=RankSet(),

@@ -8,7 +8,7 @@ rendezvous with it):
   over the authenticated control plane (:mod:`unbroken.controller.store_service`). A
   process without the job secret cannot connect to it, so it can neither read the keys nor
   write one the job reads. Its keys also live under a random per-attempt prefix (128 bits),
-  handed out only over the control plane (``StartWorkers``/``RestartWorker`` -> the agent ->
+  handed out only over the control plane (``StartRanks``/``RestartRank`` -> the agent ->
   the worker's environment, readable only by the job's user);
 - **a plain torchrun script** (``dist.init_process_group()`` with env://, no unbroken API)
   reaches ``MASTER_ADDR:MASTER_PORT`` with torch's TCPStore client, which cannot

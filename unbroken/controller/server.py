@@ -47,12 +47,12 @@ from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
 from unbroken.controller import takeover as tk
 from unbroken.controller.timing import RecoveryTiming
-from unbroken.controller.views import Outcome, WorkerView
+from unbroken.controller.views import Outcome, RankView
 from unbroken.controller.watchdog import WATCH_INTERVAL_S, Watchdog
 from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES, Heartbeat
 from unbroken.protocol.wire import Server
 
-__all__ = ["Controller", "Outcome", "WorkerView", "WATCH_INTERVAL_S", "StepListener"]
+__all__ = ["Controller", "Outcome", "RankView", "WATCH_INTERVAL_S", "StepListener"]
 
 #: Told of each completed step: (rank, steps completed, the step's metrics as the rank reported them).
 StepListener = Callable[[int, int, dict], None]
@@ -225,7 +225,7 @@ class Controller:
         with self.lock:
             return self.state.first_failure
 
-    def hang_timeout_s(self, w: WorkerView) -> float:
+    def hang_timeout_s(self, w: RankView) -> float:
         return self._watchdog.hang_timeout_s(w)
 
     # -- shared by the pieces (under the lock) ----------------------------------------------
@@ -272,7 +272,7 @@ class Controller:
         if self.cfg.recovery.sub_health_policy == "grace-exit":
             self.timing.fault_began(time.monotonic(), self.board.views())
         self.events.emit("sub_health", rank=rank, reason=reason, step=step, policy=self.cfg.recovery.sub_health_policy)
-        self.apply(sm.WorkerDegraded(rank, attempt, reason, step))
+        self.apply(sm.RankDegraded(rank, attempt, reason, step))
 
     def terminate(self, reason: str) -> None:
         """An agent got SIGTERM: the job dumps its newest committed step where it can, then stops
@@ -380,8 +380,8 @@ class Controller:
             why = f"no answer to the abort of generation {rec.gen}; process {blamed.process}"
             self._hung(self.board.view(blamed.rank), blamed, why, during="recovery")
 
-    def _hung(self, w: WorkerView, blamed: RankProgress, why: str, during: str) -> None:
+    def _hung(self, w: RankView, blamed: RankProgress, why: str, during: str) -> None:
         self.events.emit("hang_detected", rank=w.rank, step=w.step, phase=w.phase, silent_s=round(blamed.silent_s, 3),
                          timeout_s=round(blamed.timeout_s, 3), median_step_s=self._watchdog.median_step_s(),
                          attempt=w.attempt, process=w.process, why=why, during=during)
-        self.apply(sm.WorkerHung(w.rank, w.attempt, w.step, blamed.silent_s))
+        self.apply(sm.RankHung(w.rank, w.attempt, w.step, blamed.silent_s))

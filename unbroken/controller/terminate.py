@@ -31,7 +31,7 @@ import signal
 from unbroken.controller.api import (AbortGeneration, Action, CommitDump, Finish, JobPhase, JobState, Recovery,
                                      StopAttempt, Terminating)
 from unbroken.controller.events import (AgentLost, Event, GraceExpired, RankExited, RecoveryTimeout, StepDumped,
-                                        TerminateRequested, WorkerDamaged, WorkerDegraded, WorkerHung)
+                                        TerminateRequested, RankDamaged, RankDegraded, RankHung)
 from unbroken.controller.values import RankSet
 from unbroken.errors import EXIT_FATAL
 from unbroken.names import Rung
@@ -39,7 +39,7 @@ from unbroken.names import Rung
 #: `unbroken run`'s exit code after SIGTERM, with or without the dump: restartable (128 + 15).
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
-_WHILE_TERMINATING = (RankExited, WorkerHung, AgentLost, WorkerDamaged, WorkerDegraded, StepDumped, RecoveryTimeout)
+_WHILE_TERMINATING = (RankExited, RankHung, AgentLost, RankDamaged, RankDegraded, StepDumped, RecoveryTimeout)
 
 
 def covers(state: JobState, event: Event) -> bool:
@@ -71,9 +71,9 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         if rec is None or event.gen != rec.gen:
             return state, []
         return _stop(state, f"the dump of generation {rec.gen} passed its deadline (--recovery-timeout-s)")
-    if isinstance(event, WorkerDegraded):
+    if isinstance(event, RankDegraded):
         return state, []
-    what = {WorkerHung: "hung", AgentLost: "was lost with its agent", WorkerDamaged: "reported damaged state"}
+    what = {RankHung: "hung", AgentLost: "was lost with its agent", RankDamaged: "reported damaged state"}
     rank = getattr(event, "rank", getattr(event, "node_rank", -1))
     who = f"node {rank}" if isinstance(event, AgentLost) else f"rank {rank}"
     return _stop(state, f"{who} {what[type(event)]} during the dump")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from unbroken.controller.views import WorkerView
+from unbroken.controller.views import RankView
 
 
 class RecoveryTiming:
@@ -26,7 +26,7 @@ class RecoveryTiming:
         self._restore_s: list[float] = []
         self._restored: dict[int, tuple[int, str]] = {}  # attempt -> (step, tier) of its first restore
 
-    def fault_began(self, t: float, workers: Iterable[WorkerView]) -> None:
+    def fault_began(self, t: float, workers: Iterable[RankView]) -> None:
         """Note when (monotonic ``t``) and at which step the failure being recovered began,
         unless one is already being timed (the first fault of a cascade counts)."""
         if self.fault_t is None:
@@ -69,7 +69,7 @@ class RecoveryTiming:
         self._restore_s = []
         return fields
 
-    def check_recovered(self, workers: Iterable[WorkerView], attempt: int, now: float) -> dict[str, Any] | None:
+    def check_recovered(self, workers: Iterable[RankView], attempt: int, now: float) -> dict[str, Any] | None:
         """Once every rank is back at the step the fault hit: the fields of ``recovered`` (once)."""
         if self.fault_t is None or not all((w.step or 0) >= self.fault_step for w in workers):
             return None

@@ -13,7 +13,7 @@ from unbroken.protocol.wire import Connection
 
 
 @dataclass
-class WorkerView:
+class RankView:
     """What the controller knows of one rank in the current attempt."""
 
     rank: int

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from unbroken.config import HangConfig
 from unbroken.controller import hangs, health
 from unbroken.controller.api import Recovery
-from unbroken.controller.views import WorkerView
+from unbroken.controller.views import RankView
 from unbroken.names import LIVE_WORKER_STATES, Phase, WorkerState
 
 WATCH_INTERVAL_S = 0.1
@@ -44,7 +44,7 @@ class Watchdog:
         times = sorted(self._step_times)
         return times[min(len(times) - 1, int(0.99 * len(times)))]
 
-    def hang_timeout_s(self, w: WorkerView) -> float:
+    def hang_timeout_s(self, w: RankView) -> float:
         """``--first-step-timeout-s`` for a rank's first step of its attempt and the first step after an
         in-flight recovery (every rank of the new generation: its peers wait in the redo step's first
         collective for the replacement's first step and its new connections); else the calibrated one."""
@@ -75,7 +75,7 @@ class Watchdog:
         calibrated hang timeouts scale with."""
         self._step_times.append(seconds)
 
-    def progress(self, workers: Iterable[WorkerView], attempt: int, now: float,
+    def progress(self, workers: Iterable[RankView], attempt: int, now: float,
                  since_t: float | None = None) -> list[hangs.RankProgress]:
         """Every live rank of ``attempt``, silent since its last step (or since ``since_t``).
 
@@ -102,7 +102,7 @@ class Watchdog:
             ranks.append(rank)
         return ranks
 
-    def find_hung(self, workers: Iterable[WorkerView], attempt: int,
+    def find_hung(self, workers: Iterable[RankView], attempt: int,
                   now: float) -> tuple[hangs.RankProgress, str] | None:
         """The rank to blame for a hang and the evidence, once some rank of ``attempt`` is past
         its hang timeout. Who is blamed is decided among all live ranks (:mod:`.hangs`): the
@@ -125,14 +125,14 @@ class Watchdog:
         blamed = hangs.blame_hang(ranks)
         return None if blamed is None else (blamed, hangs.why(blamed, ranks))
 
-    def find_silent_in_recovery(self, workers: Iterable[WorkerView], attempt: int, rec: Recovery,
+    def find_silent_in_recovery(self, workers: Iterable[RankView], attempt: int, rec: Recovery,
                                 ordered_t: float, now: float) -> hangs.RankProgress | None:
         """A survivor of recovery ``rec`` that has not answered its abort order (given at
         ``ordered_t``) within its hang timeout; the replaced ranks are not asked."""
         ranks = [r for r in self.progress(workers, attempt, now, since_t=ordered_t) if r.rank not in rec.replaced]
         return hangs.silent_in_recovery(ranks, rec.paused)
 
-    def find_hung_after_loop(self, workers: Iterable[WorkerView], attempt: int, now: float,
+    def find_hung_after_loop(self, workers: Iterable[RankView], attempt: int, now: float,
                              killed: Iterable[int] = ()) -> hangs.RankProgress | None:
         """A rank of ``attempt`` past its step loop (it reported ``finished``, has not exited; not one
         of ``killed`` already) whose process its agent has seen stopped or a zombie for longer than
@@ -143,7 +143,7 @@ class Watchdog:
                  if w.attempt == attempt and w.state is WorkerState.FINISHING and w.rank not in skip]
         return hangs.hung_after_loop(ranks)
 
-    def find_lingering_after_loop(self, workers: Iterable[WorkerView], attempt: int, now: float,
+    def find_lingering_after_loop(self, workers: Iterable[RankView], attempt: int, now: float,
                                   killed: Iterable[int] = ()) -> hangs.RankProgress | None:
         """A rank of ``attempt`` past its step loop whose process still runs ``--exit-timeout-s`` after
         the last rank that exited by itself (not one of ``killed``), once every rank left its loop and
@@ -158,7 +158,7 @@ class Watchdog:
         return hangs.lingering_after_loop(
             hangs.RankProgress(w.rank, w.phase, now - max(ended), self._hang.exit_timeout_s, w.process))
 
-    def new_stragglers(self, workers: Iterable[WorkerView]) -> list[tuple[int, str]]:
+    def new_stragglers(self, workers: Iterable[RankView]) -> list[tuple[int, str]]:
         """(rank, why) of ranks the straggler rule (``--straggler-factor``) finds slow, each once."""
         timings = {w.rank: w.compute_s for w in workers}
         found = []
@@ -169,6 +169,6 @@ class Watchdog:
         return found
 
 
-def _since_seen(w: WorkerView, now: float, timeout_s: float) -> hangs.RankProgress:
+def _since_seen(w: RankView, now: float, timeout_s: float) -> hangs.RankProgress:
     """``w`` as silent since its agent last reported its process state (stopped, a zombie)."""
     return hangs.RankProgress(w.rank, w.phase, now - w.process_t, timeout_s, w.process)

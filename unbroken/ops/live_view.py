@@ -148,7 +148,7 @@ class LiveView:
             return False
         if name in _FAULTS:
             what = _FAULTS[name]
-        elif name == "worker_exited" and (r.get("signal") or r.get("exit_code") not in (0, None)):
+        elif name == "rank_exited" and (r.get("signal") or r.get("exit_code") not in (0, None)):
             what = f"signal {r['signal']}" if r.get("signal") else f"exit {r.get('exit_code')}"
         else:
             return False

@@ -59,8 +59,8 @@ class JobMetrics:
         self._killed: set[int] = set()  # ranks the controller killed (their exit is not a new fault)
         self._stopping = False  # workers of a stopped attempt exit: not faults
         self._handlers: dict[str, Callable[[Record], None]] = {
-            "step": self._on_step, "decision": self._on_decision, "kill_worker": self._on_kill,
-            "worker_exited": self._on_exit, "stop_workers": self._on_stop, "attempt_started": self._on_attempt,
+            "step": self._on_step, "decision": self._on_decision, "kill_rank": self._on_kill,
+            "rank_exited": self._on_exit, "stop_ranks": self._on_stop, "attempt_started": self._on_attempt,
             "abort_generation": self._on_gen, "regroup": self._on_gen, "checkpoint_persisted": self._on_persist,
             "checkpoint_saved": self._on_persist}
 

@@ -50,7 +50,7 @@ class Timeline:
 def _fault_label(e: Record) -> str | None:
     if e["event"] in _DETECTED:
         return f"{_DETECTED[e['event']]} r{e.get('rank')}"
-    if e["event"] == "worker_exited" and (e.get("signal") or e.get("exit_code") not in (0, None)):
+    if e["event"] == "rank_exited" and (e.get("signal") or e.get("exit_code") not in (0, None)):
         how = f"signal {e['signal']}" if e.get("signal") else f"exit {e.get('exit_code')}"
         return f"{'kill' if e.get('signal') == 9 else how} r{e.get('rank')}"
     return None
@@ -81,15 +81,15 @@ class _Lanes:
 
     def on(self, e: Record, t: float) -> None:
         name, rank = e["event"], e.get("rank")
-        if name == "worker_started":
+        if name == "rank_started":
             self.go(rank, "starting", t)
-        elif name == "worker_paused":
+        elif name == "rank_paused":
             self.go(rank, "paused", t)
-        elif name == "worker_resumed":
+        elif name == "rank_resumed":
             self.go(rank, "running", t)
         elif name == "hang_detected":
             self.go(rank, "hung", t - float(e.get("silent_s") or 0.0))
-        elif name == "worker_exited":
+        elif name == "rank_exited":
             self.go(rank, "finished" if e.get("exit_code") == 0 and not e.get("signal") else "down", t)
         elif name == "step":
             for r, (state, _) in self.state.items():
@@ -118,14 +118,14 @@ def build(events: list[Record], now_t: float | None = None) -> Timeline:
             for r in range(world):
                 state = lanes.state[r][0]
                 tl.rank_steps[r].append((t, e["step"] if state == "running" else None))
-        elif e.get("rank") is not None and e["event"] in ("worker_paused", "worker_resumed", "worker_exited") \
+        elif e.get("rank") is not None and e["event"] in ("rank_paused", "rank_resumed", "rank_exited") \
                 and e.get("step") is not None and e["rank"] in tl.rank_steps:
             tl.rank_steps[e["rank"]].append((t, e["step"]))
             steps[e["rank"]] = e["step"]
         label = _fault_label(e)
-        if label and not (e["event"] == "worker_exited" and e.get("rank") in lanes.killed):
+        if label and not (e["event"] == "rank_exited" and e.get("rank") in lanes.killed):
             tl.markers.append(Marker(t, "fault", label, e.get("rank")))
-        if e["event"] == "kill_worker":
+        if e["event"] == "kill_rank":
             lanes.killed.add(e.get("rank"))
         elif e["event"] == "decision":
             tl.markers.append(Marker(t, "decision", str(e.get("rung")), e.get("rank")))

@@ -57,15 +57,15 @@ class AgentEvent(Message):
     fields: dict[str, Any]
 
 
-@message("worker_started")
-class WorkerStarted(Message):
+@message("rank_started")
+class RankStarted(Message):
     rank: int
     pid: int
     attempt: int
 
 
-@message("worker_exited")
-class WorkerExited(Message):
+@message("rank_exited")
+class RankExited(Message):
     rank: int
     pid: int
     attempt: int
@@ -74,8 +74,8 @@ class WorkerExited(Message):
     last_lines: list[str]
 
 
-@message("worker_status")
-class WorkerStatus(Message):
+@message("rank_status")
+class RankStatus(Message):
     """The agent saw a worker's process change state: running | stopped (SIGSTOP, a
     debugger) | zombie. Evidence for the hang monitor (controller/hangs.py)."""
 
@@ -85,8 +85,8 @@ class WorkerStatus(Message):
     status: str
 
 
-@message("workers_stopped")
-class WorkersStopped(Message):
+@message("ranks_stopped")
+class RanksStopped(Message):
     node_rank: int
     attempt: int
 
@@ -94,8 +94,8 @@ class WorkersStopped(Message):
 # controller -> agent
 
 
-@message("start_workers")
-class StartWorkers(Message):
+@message("start_ranks")
+class StartRanks(Message):
     attempt: int
     store_host: str
     store_port: int
@@ -104,14 +104,14 @@ class StartWorkers(Message):
     store_prefix: str = ""  # the attempt's secret rendezvous key prefix (controller/rendezvous.py)
 
 
-@message("stop_workers")
-class StopWorkers(Message):
+@message("stop_ranks")
+class StopRanks(Message):
     attempt: int
     reason: str
 
 
-@message("kill_worker")
-class KillWorker(Message):
+@message("kill_rank")
+class KillRank(Message):
     rank: int
     pid: int
     reason: str
@@ -126,8 +126,8 @@ class Shutdown(Message):
 # worker -> controller
 
 
-@message("worker_register")
-class WorkerRegister(Message):
+@message("rank_register")
+class RankRegister(Message):
     rank: int
     pid: int
     attempt: int
@@ -170,8 +170,8 @@ class FaultClaim(Message):
     granted: bool
 
 
-@message("worker_event")
-class WorkerEvent(Message):
+@message("rank_event")
+class RankEvent(Message):
     """A worker's record for the job's event log (restored, checkpoint_saved, ...)."""
 
     rank: int
@@ -216,7 +216,7 @@ class CommitStep(Message):
 
 
 #: The worker messages an agent relays to the controller in a :class:`NodeReports` (its ranks' step reports).
-RELAYED_TYPES = ("progress", "step_synced", "paused")
+RELAYED_TYPES = ("progress", "step_synced", "rank_paused")
 
 
 @message("node_reports")
@@ -252,8 +252,8 @@ class Abort(Message):
     committed_step: int = -1
 
 
-@message("paused")
-class Paused(Message):
+@message("rank_paused")
+class RankPaused(Message):
     rank: int
     attempt: int
     gen: int
@@ -274,8 +274,8 @@ class Regroup(Message):
     fallback: list[int] = dataclasses.field(default_factory=list)
 
 
-@message("resumed")
-class Resumed(Message):
+@message("rank_resumed")
+class RankResumed(Message):
     rank: int
     attempt: int
     gen: int
@@ -293,8 +293,8 @@ class SpareImports(Message):
     modules: list[str]
 
 
-@message("restart_worker")
-class RestartWorker(Message):
+@message("restart_rank")
+class RestartRank(Message):
     rank: int
     attempt: int
     gen: int
@@ -317,8 +317,8 @@ class Persisted(Message):
     error: str = ""
 
 
-@message("damaged")
-class Damaged(Message):
+@message("rank_damaged")
+class RankDamaged(Message):
     """A worker's state was damaged (its process is fine): rung `retry` repairs it. ``kind``:
     "memory-fault", "non-finite" (loss/gradients) or "sdc" (differs from its replicas)."""
 
@@ -393,8 +393,8 @@ class RestoreAt(Message):
         _at_least(self, -1, "step")
 
 
-@message("degraded")
-class Degraded(Message):
+@message("rank_degraded")
+class RankDegraded(Message):
     """A rank reports itself degraded (sub-health): a health monitor, a user hook, an injected
     fault. Under ``--sub-health-policy grace-exit`` the job dumps its state and restarts."""
 

@@ -20,9 +20,9 @@ from typing import Mapping, Sequence
 
 from unbroken.errors import EXIT_FATAL
 from unbroken.names import IN_FLIGHT_RUNGS, REPLACING_RUNGS, RUNGS, Rung
-from unbroken.recovery.mesh_map import MeshReplicaMap
 from unbroken.recovery.policy import JobPolicy
 from unbroken.recovery.replica_map import ReplicaMap
+from unbroken.recovery.replicas import Replicas
 
 GIVE_UP = "give-up"
 
@@ -43,7 +43,7 @@ class FaultFacts:
     dead: frozenset[int] = frozenset()  # the ranks to replace: lost now, and in the recovery in progress
     last_lines: tuple[str, ...] = ()  # the failed rank's last output (crash loop, EXIT_FATAL)
     detail: str = ""  # sub-health: what the degraded rank reported
-    replicas: ReplicaMap | MeshReplicaMap | None = None  # who holds what (None: every rank holds everything)
+    replicas: Replicas | None = None  # who holds what (None: every rank holds everything)
     not_ready: tuple[int, ...] = ()  # ranks that committed no step through unbroken in this attempt
     not_in_flight: tuple[tuple[int, str], ...] = ()  # (rank, why its state cannot be recovered in flight)
     left_loop: tuple[int, ...] = ()  # ranks, not dead, already past their step loops (loop_end.py)
@@ -110,7 +110,7 @@ def in_flight_refusal(facts: FaultFacts, policy: JobPolicy) -> str:
     alive = frozenset(range(facts.world_size)) - facts.dead
     if not alive:
         return "no rank survived"
-    replicas = facts.replicas or ReplicaMap.full(facts.world_size)
+    replicas: Replicas = facts.replicas or ReplicaMap.full(facts.world_size)
     for rank in sorted(facts.dead):
         for piece in replicas.pieces_of(rank):
             if replicas.live_source(piece, alive) is None:

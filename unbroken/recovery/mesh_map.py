@@ -19,9 +19,10 @@ A distributed optimizer inside the replicate dimension (``shard_replicas`` = N, 
 the ranks with its other coordinates whose dp index has the same shard index ``dp % (dp / N)``.
 With N = 1 that piece has one holder: a kill falls to the checkpoint tiers even with dp > 1.
 
-:class:`MeshReplicaMap` answers the questions :class:`~unbroken.recovery.replica_map.ReplicaMap`
-answers for a flat data-parallel job (``pieces_of``, ``holders``, ``live_source``,
-``sources_for``), so the controller asks either the same way. :func:`object_moves` plans the
+:class:`MeshReplicaMap` answers the replica questions (:class:`~unbroken.recovery.replicas.Replicas`:
+``pieces_of``, ``holders``, ``live_source``, ``sources_for``) as
+:class:`~unbroken.recovery.replica_map.ReplicaMap` does for a flat data-parallel job, so the
+controller asks either the same way. :func:`object_moves` plans the
 transfer of the replicated objects a session tracks to the replaced ranks. No torch here.
 """
 

@@ -41,7 +41,7 @@ from unbroken.checkpoint.storage import StorageTier
 from unbroken.errors import CheckpointError, ShmCapacityError
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
-from unbroken.worker.state_blob import decode_tree
+from unbroken.state.blob import decode_tree
 from unbroken.worker.tracked import TrackedState
 from unbroken.worker_config import WorkerConfig
 

@@ -70,9 +70,9 @@ class ControlClient:
         self.committed_step = -1
         self._restore_at: dict[int, int] = {}  # restore round -> decided step, set by the reader thread
         self._restore_cv = threading.Condition()
-        # progress, StepSynced, Paused: to the controller, or through the agent's relay
+        # progress, StepSynced, RankPaused: to the controller, or through the agent's relay
         self.reports = StepReports(self._send if self._relay is None else self._send_relay, rank=rank, attempt=attempt)
-        self._conn.send(m.WorkerRegister(rank=rank, pid=pid, attempt=attempt, gen=gen, replacement=replacement,
+        self._conn.send(m.RankRegister(rank=rank, pid=pid, attempt=attempt, gen=gen, replacement=replacement,
                                          relay=self._relay is not None))
         self._reader = threading.Thread(target=self._read_loop, name=f"unbroken-ctl-r{rank}", daemon=True)
         self._beater = threading.Thread(target=self._beat_loop, name=f"unbroken-hb-r{rank}", daemon=True)
@@ -174,7 +174,7 @@ class ControlClient:
 
     def event(self, name: str, fields: dict) -> None:
         """Ask the controller to record an event of this worker's in the job's event log."""
-        self._send(m.WorkerEvent(rank=self.rank, attempt=self.attempt, name=name, fields=fields))
+        self._send(m.RankEvent(rank=self.rank, attempt=self.attempt, name=name, fields=fields))
 
     def session_ready(self, num_replicas: int, not_in_flight: str = "",
                       mesh: tuple[tuple[str, int], ...] = (), mesh_replicate: str = "") -> None:
@@ -199,20 +199,20 @@ class ControlClient:
         self._send(m.Dumped(rank=self.rank, attempt=self.attempt, step=step, ranks=ranks, error=error))
 
     def degraded(self, reason: str) -> None:
-        self._send(m.Degraded(rank=self.rank, attempt=self.attempt, reason=reason))
+        self._send(m.RankDegraded(rank=self.rank, attempt=self.attempt, reason=reason))
 
     def damaged(self, what: str, kind: str = "memory-fault") -> None:
-        self._send(m.Damaged(rank=self.rank, attempt=self.attempt, what=what, kind=kind))
+        self._send(m.RankDamaged(rank=self.rank, attempt=self.attempt, what=what, kind=kind))
 
     def paused(self, gen: int, step: int, phase: str) -> None:
-        self.reports.send_now(m.Paused(rank=self.rank, attempt=self.attempt, gen=gen, step=step, phase=phase))
+        self.reports.send_now(m.RankPaused(rank=self.rank, attempt=self.attempt, gen=gen, step=step, phase=phase))
 
     def joined(self, gen: int) -> None:
-        self._send(m.WorkerRegister(rank=self.rank, pid=0, attempt=self.attempt, gen=gen, replacement=True,
+        self._send(m.RankRegister(rank=self.rank, pid=0, attempt=self.attempt, gen=gen, replacement=True,
                                     relay=self._relay is not None))
 
     def resumed(self, gen: int, step: int, restore_s: float, phases: dict[str, Any] | None = None) -> None:
-        self._send(m.Resumed(rank=self.rank, attempt=self.attempt, gen=gen, step=step, restore_s=restore_s,
+        self._send(m.RankResumed(rank=self.rank, attempt=self.attempt, gen=gen, step=step, restore_s=restore_s,
                              phases=phases or {}))
 
     def wait_regroup(self, timeout_s: float, on_abort, reported_gen: int) -> m.Regroup | m.Dump | None:

@@ -55,7 +55,7 @@ from unbroken.recovery.mesh_map import MeshReplicaMap, object_moves
 from unbroken.recovery.transfer_plan import Move, involved, movers as movers_in, plan_moves
 from unbroken.worker import wrappers
 from unbroken.worker.control import ControlClient
-from unbroken.worker.state_blob import decode_tree
+from unbroken.state.blob import decode_tree
 from unbroken.worker.tracked import TrackedState
 from unbroken.worker_config import WorkerConfig
 

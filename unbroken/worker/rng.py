@@ -1,7 +1,7 @@
 """The process's random-number state as training state: captured and restored exactly.
 
 torch (CPU, and CUDA when initialized), Python's ``random`` and, when the script imported
-it, numpy. The captured form holds tensors and plain values only, so the checkpoint codec
+it, numpy. The captured form holds tensors and plain values only, so the state tree
 and the replica transfer carry it without pickle.
 
 :func:`capture`/:func:`restore` read and set the streams once (checkpoints, transfers). A
@@ -177,7 +177,7 @@ class StreamReader:
         made; :func:`_python_state` makes one when it is set); without one, random.getstate()."""
         if self._python_view is None:
             version, internal, gauss = random.getstate()
-            # The 625 words as one tensor: the codec stores it as bytes, not 625 JSON numbers.
+            # The 625 words as one tensor: the state tree stores it as bytes, not 625 JSON numbers.
             return [version, torch.frombuffer(array.array("q", internal), dtype=torch.int64), gauss]
         mark = self._python_now()
         if mark != self._python_mark or self._python_form is None:

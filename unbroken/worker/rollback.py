@@ -9,7 +9,7 @@ survivor loads it back.
 The per-rank part (the RNG streams and the per-rank objects) goes to the controller twice a
 step, so that a replacement for this rank receives *its own* state: with the ``compute``
 report (the start of the step) and with the commit report (after compute). It is encoded at
-each read (:mod:`unbroken.worker.state_blob`; never pickle), and those bytes are also the
+each read (:mod:`unbroken.state.blob`; never pickle), and those bytes are also the
 survivor's copy; they travel only when they differ from the last ones this rank sent:
 :class:`StepStates` otherwise reports "same" and the controller reuses its copy. On most steps
 the start of step k equals the state after computing k - 1 (nothing per rank moves during an
@@ -31,7 +31,7 @@ import torch
 
 from unbroken.errors import CheckpointError, ConfigError
 from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES
-from unbroken.worker.state_blob import TreeEncoder, decode_tree, encode_tree, raw_bytes
+from unbroken.state.blob import TreeEncoder, decode_tree, encode_tree, raw_bytes
 
 # -- copies and comparisons of state trees ---------------------------------------------------
 _IMMUTABLE_LEAVES = frozenset({type(None), bool, int, float, str, bytes, torch.Size})
@@ -41,7 +41,7 @@ _EQUAL_BY_VALUE = frozenset({type(None), bool, int, str, bytes, torch.Size})  # 
 def snapshot(x: Any, path: tuple = ()) -> Any:
     """A deep copy of a state tree that the training step cannot change: tensors cloned (on
     their device), containers and numpy arrays copied, immutable leaves shared. The leaves are
-    those the checkpoint codec takes; CheckpointError naming the path for any other."""
+    those the state tree takes; CheckpointError naming the path for any other."""
     kind = type(x)
     if kind in _IMMUTABLE_LEAVES:
         return x

@@ -1,4 +1,4 @@
-"""Codec: a real training state (model, AdamW, RNG states) round-trips exactly."""
+"""The state tree: a real training state (model, AdamW, RNG states) round-trips exactly."""
 
 import json
 import math
@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from unbroken.checkpoint.codec import flatten_state, unflatten_state
+from unbroken.state.tree import flatten_state, unflatten_state
 from unbroken.errors import CheckpointCorrupt, CheckpointError
 
 

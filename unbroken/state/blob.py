@@ -9,10 +9,11 @@ is encoded and decoded here, fast:
   document (a tensor's: a small binary header, dtype and shape, then its raw bytes). Encoding is C code: ~10x faster than
   walking the tree in Python for the small trees of one rank.
 * format 1 (what msgpack cannot hold, e.g. an int over 64 bits): an 8-byte length, a JSON
-  header (the checkpoint codec's spec and a table of the tensors), the tensors' raw bytes.
+  header (the state tree's spec, :mod:`unbroken.state.tree`, and a table of the tensors), the
+  tensors' raw bytes.
 
 The two cannot be confused: format 1's first 8 bytes are a length far below ``b"UBS2"`` read
-as a number. The tree must hold what the checkpoint codec takes (the caller checks it, e.g.
+as a number. The tree must hold what the state tree takes (the caller checks it, e.g.
 :func:`~unbroken.worker.rollback.snapshot`). Pure functions; any thread.
 """
 
@@ -29,17 +30,13 @@ from typing import Any
 import msgpack
 import torch
 
-from unbroken.checkpoint.codec import flatten_state, unflatten_state
 from unbroken.errors import CheckpointCorrupt, CheckpointError
+from unbroken.state.dtypes import dtype_name, dtype_named
+from unbroken.state.tree import flatten_state, unflatten_state
 
 _MAGIC = b"UBS2"
 _FORMAT_1 = "unbroken-state-blob-1"
 _TENSOR, _TUPLE, _ORDERED, _SIZE, _NDARRAY, _NP_SCALAR = range(1, 7)  # msgpack extension codes
-
-#: dtypes whose bytes numpy gives directly (others are read through a uint8 view)
-_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                           torch.float32, torch.float64, torch.complex64, torch.complex128})
-_DTYPE_NAMES = {d: str(d).removeprefix("torch.").encode() for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
@@ -144,7 +141,7 @@ _new_extension = tuple.__new__
 
 
 def _tensor_header(dtype: torch.dtype, shape: torch.Size) -> bytes:
-    name = _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.").encode()
+    name = dtype_name(dtype).encode()
     return bytes((len(name), len(shape))) + name + struct.pack(f"<{len(shape)}q", *shape)
 
 
@@ -153,7 +150,7 @@ def _encode_format_1(tree: Any) -> bytes:
     table, parts = [], []
     for name, t in tensors.items():
         raw = raw_bytes(t)
-        table.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), len(raw)])
+        table.append([name, dtype_name(t.dtype), list(t.shape), len(raw)])
         parts.append(raw)
     header = json.dumps({"format": _FORMAT_1, "spec": spec, "tensors": table}).encode()
     return len(header).to_bytes(8, "little") + header + b"".join(parts)
@@ -207,10 +204,10 @@ def _tensor_from(payload: bytes) -> torch.Tensor:
     return _tensor(payload[2:shape_at].decode("ascii"), shape, payload[raw_at:])
 
 
-def _tensor(dtype_name: Any, shape: Any, raw: Any) -> torch.Tensor:
-    dtype = getattr(torch, str(dtype_name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{dtype_name!r} is not a torch dtype")
+def _tensor(name: Any, shape: Any, raw: Any) -> torch.Tensor:
+    dtype = dtype_named(str(name))
+    if dtype is None:
+        raise ValueError(f"{name!r} is not a torch dtype")
     numel = 1
     for size in shape:
         if type(size) is not int or size < 0:
@@ -218,7 +215,7 @@ def _tensor(dtype_name: Any, shape: Any, raw: Any) -> torch.Tensor:
         numel *= size
     if not isinstance(raw, bytes) or len(raw) != numel * dtype.itemsize:
         raise ValueError(f"{len(raw) if isinstance(raw, bytes) else type(raw).__name__} bytes for shape "
-                         f"{shape} of {dtype_name}")
+                         f"{shape} of {name}")
     flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)
 
@@ -247,10 +244,10 @@ def _read_format_1(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
     if header.get("format") != _FORMAT_1:
         raise ValueError(f"format {header.get('format')!r}, expected {_FORMAT_1!r}")
     tensors, offset = {}, 8 + header_len
-    for name, dtype_name, shape, nbytes in header["tensors"]:
+    for name, dtype, shape, nbytes in header["tensors"]:
         if offset + int(nbytes) > len(data):
             raise ValueError(f"tensor {name!r}: {nbytes} bytes, {len(data) - offset} left")
-        tensors[name] = _tensor(dtype_name, shape, data[offset:offset + nbytes])
+        tensors[name] = _tensor(dtype, shape, data[offset:offset + nbytes])
         offset += nbytes
     if offset != len(data):
         raise ValueError(f"{len(data) - offset} bytes after the last tensor")

@@ -18,20 +18,12 @@ import sys
 from collections import OrderedDict
 from typing import Any
 
-import safetensors.torch
 import torch
 
-from unbroken.checkpoint.step_checks import is_plain_name
 from unbroken.errors import CheckpointCorrupt, CheckpointError
+from unbroken.state.dtypes import SAFETENSORS_NAMES, dtype_name, dtype_named
+from unbroken.state.spec import ROOT_NAME, SPEC_FORMAT, SPEC_VERSION, is_plain_name
 
-SPEC_FORMAT = "unbroken-tree"
-SPEC_VERSION = 1
-ROOT_NAME = "_root"
-
-# dtypes safetensors stores natively; any other dtype is stored as raw bytes (uint8).
-_NATIVE_DTYPES = frozenset(getattr(safetensors.torch, "_TYPES", {}).values()) or frozenset(
-    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-     torch.int16, torch.int8, torch.uint8, torch.bool})
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -141,8 +133,8 @@ class _Flattener:
                 t = t.clone()  # a different view of a storage already saved
             self._cpu_storages.add(t.untyped_storage().data_ptr())
         out: dict[str, Any] = {"t": "tensor"}
-        if t.dtype not in _NATIVE_DTYPES:
-            out["dtype"] = str(t.dtype).removeprefix("torch.")
+        if t.dtype not in SAFETENSORS_NAMES:  # stored as raw bytes (uint8), its dtype named in the spec
+            out["dtype"] = dtype_name(t.dtype)
             out["shape"] = list(t.shape)
             t = t.reshape(-1).view(torch.uint8)
         out["k"] = self._add(t, path)
@@ -219,8 +211,8 @@ class _Unflattener:
     def _tensor(self, node: dict, path: tuple) -> torch.Tensor:
         t = self._get(node["k"], path)
         if "dtype" in node:  # stored as raw bytes: reinterpret
-            dtype = getattr(torch, node["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
+            dtype = dtype_named(node["dtype"])
+            if dtype is None:
                 raise self._bad(path, f"unknown torch dtype {node['dtype']!r}")
             t = t.view(dtype).reshape(node["shape"])
         return t

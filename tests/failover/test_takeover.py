@@ -31,7 +31,7 @@ def _started(job: FailoverJob, client, prefix):
     """The job running its first attempt under node 0's controller; (leader, etcd store)."""
     first = wait_for_leader(client, prefix, timeout_s=60)
     assert first.node == "agent0", first  # node 0 leads first, as without the flag
-    job.wait_for(lambda: len(events(job.run_dir("node0"), "worker_started")) == 2
+    job.wait_for(lambda: len(events(job.run_dir("node0"), "rank_started")) == 2
                  and events(job.run_dir("node0"), "standby_joined"), 60, "both workers and the standby")
     store = DurableStore(client, prefix)
     job.wait_for(lambda: (s := store.load()) is not None and s.rank_state_at == {0: "agent0", 1: "agent1"},
@@ -56,7 +56,7 @@ def test_node0_lost_a_seat_takes_over_from_the_durable_state(etcd1, tmp_path):
         (takeover,) = events(run_dir, "controller_takeover")
         assert takeover["previous"] == "agent0" and takeover["lost_agents"] == [0] and takeover["attempt"] == 1
         (standby,) = events(run_dir, "standby_joined")
-        started = {e["rank"]: e for e in events(run_dir, "worker_started")}
+        started = {e["rank"]: e for e in events(run_dir, "rank_started")}
         assert sorted(started) == [0, 1] and all(e["attempt"] == 1 for e in started.values())
         assert events(run_dir, "job_finished")[-1]["exit_code"] == 0
         state = store.load()

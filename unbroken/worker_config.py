@@ -137,6 +137,7 @@ class CheckpointConfig:
     persist_every_steps: int = 0  # storage-tier checkpoints (0: none; without a memory tier: every_steps)
     keep: int = 3
     shm_dir: str = "/dev/shm"
+    peer_memory: bool = True  # the agent keeps a copy of each snapshot in the next node's memory (agent/peer_memory.py)
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 0,

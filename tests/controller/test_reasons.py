@@ -46,11 +46,24 @@ def test_a_node_lost_without_a_standby_is_not_called_a_spent_restart_budget():
 
 
 def test_a_node_lost_with_recover_not_allowed_names_the_strategy():
+    state = start(world=4, nnodes=2, allowed=("recover-in-place",))
+    state, _ = run(state, sm.StandbyJoined(2))
+    state, actions = run(state, sm.AgentLost(1))
+    assert "rung recover (onto a standby agent) is not in --recover-strategy recover-in-place" \
+        in finish_reason(actions)
+
+
+def test_a_node_lost_with_exit_allowed_restarts_the_job_with_its_ranks_on_the_standby():
     state = start(world=4, nnodes=2, allowed=("recover-in-place", "exit"))
     state, _ = run(state, sm.StandbyJoined(2))
     state, actions = run(state, sm.AgentLost(1))
-    assert "rung recover (onto a standby agent) is not in --recover-strategy recover-in-place,exit" \
-        in finish_reason(actions)
+    (decision,) = [a for a in actions if isinstance(a, sm.Decide)]
+    assert decision.rung == "exit"
+    assert [state.agent_of(r) for r in range(4)] == [0, 0, 2, 2] and not state.standbys
+    state, actions = run(state, sm.AgentStopped(0, 0))
+    assert not [a for a in actions if isinstance(a, sm.StartAttempt)]  # the standby has not stopped yet
+    state, actions = run(state, sm.AgentStopped(2, 0))
+    assert [a.attempt for a in actions if isinstance(a, sm.StartAttempt)] == [1]
 
 
 def test_a_spent_restart_budget_says_so_with_the_figures():

@@ -97,6 +97,13 @@ ROWS = [
         "all its nodes; rung recover (onto a standby agent) is not in --recover-strategy recover-in-place,exit",
         kind="node-lost", home_agents_up=False, lost_agents=(1,), standby=True,
         policy={"allowed": (Rung.RECOVER_IN_PLACE, Rung.EXIT)}),
+    row("node-lost-exit-onto-standby", Rung.EXIT, "node 1 lost; restart 1 of 3 (dump, recover, recover-in-place, "
+        "retry: no; restoring from replicas is off (--no-replica-restore))", kind="node-lost", what="node 1 lost",
+        home_agents_up=False, lost_agents=(1,), standby=True, standbys=1, policy={"replicas_allowed": False}),
+    row("node-lost-too-few-standbys", GIVE_UP, "the agent of node(s) [1, 2] was lost, so the job cannot restart on "
+        "all its nodes; 1 standby agent(s) for 2 lost node(s): a job restart needs one for each",
+        kind="node-lost", home_agents_up=False, lost_agents=(1, 2), standby=True, standbys=1,
+        policy={"allowed": (Rung.RECOVER_IN_PLACE, Rung.EXIT)}),
     row("node-lost-not-in-flight", GIVE_UP, "the agent of node(s) [1] was lost, so the job cannot restart on all its "
         f"nodes; their ranks cannot move to a standby agent in flight: {NO_REPLICAS}",
         kind="node-lost", home_agents_up=False, lost_agents=(1,), standby=True, policy={"replicas_allowed": False}),

@@ -94,8 +94,9 @@ class Agent:
             # Imported here: the persister reads snapshots with torch; an agent without one never imports torch.
             from unbroken.agent.persister import Persister
 
-            self._persister = Persister(ckpt, cfg.job_id, cfg.world_size, self._running_ranks,
+            self._persister = Persister(ckpt, cfg.job_id, self._job_world_size, self._running_ranks,
                                         self._report_persisted, run_id=run_id(cfg.secret, cfg.job_id))
+        self._peer = None  # the node's peer copies (agent/peer_memory.py), under a memory tier: built in run()
         self._relay: NodeRelay | None = None  # built in run() under the setting node_reports
         self._stop = threading.Event()
         # Heartbeats to the controller; a silent controller (link cut, controller frozen) fences this node.
@@ -106,6 +107,7 @@ class Agent:
     def run(self, connect_timeout_s: float = 30.0) -> tuple[int, str]:
         """Serve the controller until it says shut down; return (exit code, reason). With a leader
         source (--controller-store), a lost controller is followed to the next leader instead."""
+        self._peer = self._build_peer_memory()
         self._open(*self._first_controller(connect_timeout_s), timeout_s=connect_timeout_s)
         if self.cfg.worker.node_reports:  # per-node aggregation of step reports and commits (agent/relay.py)
             self._relay = NodeRelay(self.cfg.secret.encode(), self._send)
@@ -114,6 +116,8 @@ class Agent:
         self._claim_shared_memory()
         if self._persister is not None:
             self._persister.start()
+        if self._peer is not None:
+            self._peer.start()
         if self.standby:
             self._spares.start()
         try:
@@ -131,6 +135,8 @@ class Agent:
             self._stop_all(None)
             if self._persister is not None:
                 self._persister.stop()  # its last report still goes out on the open connection
+            if self._peer is not None:
+                self._peer.stop()
             self._release_shared_memory()
             if self._relay is not None:
                 self._relay.close()
@@ -161,6 +167,8 @@ class Agent:
                 self._kill(msg.rank, msg.pid)
             elif isinstance(msg, m.RestartRank):
                 self._restart(msg)
+            elif isinstance(msg, m.PeerAgents):
+                self._peer_agents(msg)
             elif isinstance(msg, m.SpareImports):
                 self._spares.set_imports(msg.modules)
             elif isinstance(msg, m.Shutdown):
@@ -179,8 +187,10 @@ class Agent:
 
     def _open(self, host: str, port: int, timeout_s: float) -> None:
         """Connect to the controller at host:port, register, and watch it (heartbeats, fencing)."""
-        conn = connect(host, port, self.cfg.secret.encode(), "agent", {"node_rank": self.node_rank},
-                       timeout_s=timeout_s)
+        ident: dict = {"node_rank": self.node_rank}
+        if self._peer is not None:  # its port reaches the controller's address book (PeerAgents)
+            ident["peer_port"] = self._peer.port
+        conn = connect(host, port, self.cfg.secret.encode(), "agent", ident, timeout_s=timeout_s)
         self._conn, self._controller_addr, self.controller = conn, (host, port), f"{host}:{port}"
         self._conn.send(m.AgentRegister(node_rank=self.node_rank, nproc=self.cfg.nproc_per_node,
                                         host=socket.gethostname(), pid=os.getpid(), standby=self.standby))
@@ -271,8 +281,34 @@ class Agent:
         if self.cfg.job_id and os.path.isdir(shm):
             shm_files.remove_job(shm, self.cfg.job_id)
 
+    def _build_peer_memory(self):
+        """The node's peer copies (agent/peer_memory.py) where it has a memory tier and they are on."""
+        cfg, ckpt = self.cfg, self.cfg.checkpoint
+        if not (ckpt.every_steps and ckpt.peer_memory and cfg.job_id and os.path.isdir(ckpt.shm_dir)
+                and (cfg.nnodes > 1 or cfg.standby)):  # one node: no other memory to keep a copy in
+            return None
+        from unbroken.agent.peer_memory import PeerMemory, local_address  # (an agent without one never needs it)
+
+        return PeerMemory(cfg.secret.encode(), ckpt.shm_dir, cfg.job_id, self.node_rank, self._running_ranks,
+                          host=local_address(*self._controller_addr))
+
+    def _peer_agents(self, msg: m.PeerAgents) -> None:
+        if self._peer is not None:
+            peers = {a: (h, p) for a, h, p in zip(msg.agents, msg.hosts, msg.ports)}
+            self._peer.set_peers(peers, set(msg.hosting), me=msg.you)
+
+    def _fetch_peer_copies(self, ranks: list[int]) -> None:
+        """Before a job restart's workers start: the ranks with no snapshot in this node's memory get
+        the newest copy a peer node holds (their restore then says tier ``peer_memory``)."""
+        for rank, got in self._peer.fetch_missing(ranks, timeout_s=self.cfg.worker.recovery_timeout_s).items():
+            self._send(m.AgentEvent(name="peer_copy_fetched", fields={"rank": rank, **got}))
+
     def _report_persisted(self, step: int, ranks: list[int], seconds: float, error: str) -> None:
         self._send(m.Persisted(step=step, ranks=ranks, seconds=seconds, error=error))
+
+    def _job_world_size(self) -> int:
+        """The job's world size, as the controller's orders say (a standby's own flags do not)."""
+        return self._placement.world_size or self.cfg.world_size
 
     def _running_ranks(self) -> list[int]:
         with self._lock:
@@ -283,7 +319,10 @@ class Agent:
         # After a takeover (--controller-store), the restart's workers come from this node's warm spare
         # where it has one (torch already imported): they are the recovery.
         warm, self._warm_restart = self._warm_restart, False
-        for rank in self._placement.start(msg):
+        ranks = self._placement.start(msg)
+        if msg.attempt > 0 and self._peer is not None:  # a job restart: ranks moved here from a lost node
+            self._fetch_peer_copies(ranks)
+        for rank in ranks:
             self._spawn(rank, msg.attempt, gen=0, warm=warm)
         self._spares.start()
 

@@ -58,12 +58,15 @@ class DutyCycle:
 
 
 class Persister:
-    def __init__(self, ckpt: CheckpointConfig, job_id: str, world_size: int, ranks: Callable[[], list[int]],
+    def __init__(self, ckpt: CheckpointConfig, job_id: str, world_size: int | Callable[[], int],
+                 ranks: Callable[[], list[int]],
                  report: Callable[[int, list[int], float, str], None], poll_s: float = 0.2,
                  duty: float = DUTY, run_id: str | None = None) -> None:
         self._ckpt = ckpt
         self._job_id = job_id
-        self._world_size = world_size
+        # The job's world size: a callable where the agent learns it from the controller's orders (a
+        # standby agent's own flags do not say it).
+        self._world_size = world_size if callable(world_size) else (lambda: world_size)
         self._ranks = ranks  # the ranks this agent hosts now
         self._report = report
         self._poll_s = poll_s
@@ -134,7 +137,7 @@ class Persister:
                 self._buffer = state
                 # Copied out: the writer may use the slot again while the (paced) write goes on.
                 self._mark(step, rank)
-                self._storage.save_rank(step, rank, self._world_size, state, meta)
+                self._storage.save_rank(step, rank, self._world_size(), state, meta)
         except (CheckpointError, NoCheckpoint, OSError) as exc:
             self._release(step, ranks)
             self._failed(step, ranks, time.monotonic() - started, exc)

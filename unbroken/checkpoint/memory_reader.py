@@ -31,7 +31,7 @@ import xxhash
 
 from unbroken.checkpoint.memory import (HASH, HEADER, HEADER_BYTES, META_FORMAT, VERSION, SlotState, SlotHeader,
                                         hashed_ranges, read_header)
-from unbroken.checkpoint.shm_files import check_dir, open_ours, slot_path
+from unbroken.checkpoint.shm_files import check_dir, open_ours, peer_slot_path, slot_path
 from unbroken.errors import CheckpointCorrupt, NoCheckpoint
 from unbroken.state.dtypes import dtype_name, dtype_named
 from unbroken.state.tree import unflatten_state
@@ -53,9 +53,12 @@ class SnapshotReader:
     rewrites, and such a slot is never the newest committed one.
     """
 
-    def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> None:
+    def __init__(self, shm_dir: str | os.PathLike | None, job_id: str, rank: int, *, peer: bool = False) -> None:
+        """``peer``: read the copy of another node's rank this node keeps (unbroken.checkpoint.peer_copy)."""
         self.dir, self.job_id, self.rank = check_dir(shm_dir), job_id, rank
-        self.paths = [slot_path(self.dir, job_id, rank, s) for s in (0, 1)]
+        where = peer_slot_path if peer else slot_path
+        self.paths = [where(self.dir, job_id, rank, s) for s in (0, 1)]
+        self.last_seq: int | None = None  # the seq of the snapshot the last successful read returned
 
     def slots(self) -> list[dict]:
         """Per slot: slot, path, bytes, state (SlotState name, MISSING or INVALID), step, seq."""
@@ -108,7 +111,9 @@ class SnapshotReader:
         while (pin := self._pin(step, skip)) is not None:
             slot, fd, header = pin
             try:
-                return _read_slot(self.paths[slot], fd, header, targets)
+                out = _read_slot(self.paths[slot], fd, header, targets)
+                self.last_seq = header.seq
+                return out
             except CheckpointCorrupt as exc:
                 if step is not None:
                     raise

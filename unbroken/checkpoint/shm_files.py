@@ -4,6 +4,9 @@ One job's files on a node (``shm_dir``, /dev/shm by default)::
 
     unbroken-{job}-r{rank:05d}-s{0,1}   the two snapshot slots of a rank (unbroken.checkpoint.memory)
     unbroken-{job}-r{rank:05d}.persisted  the newest step of that rank the agent has in storage
+    unbroken-{job}-r{rank:05d}.peer       the seq and step of a slot fetched from a peer node at a restore
+    unbroken-{job}-p{rank:05d}-s{0,1}   the two slots of another node's rank kept here (its peer copy,
+                                          unbroken.checkpoint.peer_copy)
     unbroken-{job}.owner                  JSON {pid, create_time} of the agent that owns them
 
 The node's agent claims a job's files, removes them when the job ends, and sweeps the files
@@ -38,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR = "/dev/shm"
 _JOB_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_SLOT_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})-r\d{5,}(-s[01]|\.persisted(\.tmp)?)$")
+_SLOT_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})-(r\d{5,}(-s[01]|\.persisted(\.tmp)?|\.peer(\.tmp)?)"
+                      r"|(?P<peer>p\d{5,}-s[01]))$")
 _OWNER_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})\.owner$")
 
 
@@ -48,6 +52,28 @@ def slot_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int, slot: i
     if type(rank) is not int or rank < 0 or slot not in (0, 1):
         raise ConfigError(f"rank must be an int >= 0 and slot 0 or 1, got {rank!r}, {slot!r}")
     return Path(shm_dir or DEFAULT_SHM_DIR) / f"unbroken-{job_id}-r{rank:05d}-s{slot}"
+
+
+def peer_slot_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int, slot: int) -> Path:
+    """Path of slot `slot` of the peer copy of `rank` (another node's rank) this node keeps."""
+    own = slot_path(shm_dir, job_id, rank, slot)
+    return own.with_name(own.name.replace(f"-r{rank:05d}-", f"-p{rank:05d}-"))
+
+
+def peer_marker_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> Path:
+    """The marker naming the snapshot of `rank` this node fetched from a peer node's copy."""
+    return check_dir(shm_dir) / f"unbroken-{check_job_id(job_id)}-r{rank:05d}.peer"
+
+
+def write_json_marker(path: Path, value: dict) -> None:
+    """Replace our file at `path` with `value` as JSON (temporary name, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = open_slot(tmp, truncate=True)
+    try:
+        os.write(fd, json.dumps(value).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def persisted_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> Path:
@@ -255,11 +281,12 @@ def check_job_id(job_id: Any) -> str:
 
 
 def job_bytes(directory: Path, job_id: str) -> int:
-    """Bytes allocated to `job_id`'s slot and marker files in `directory`."""
+    """Bytes allocated to `job_id`'s slot and marker files in `directory` (not its peer copies: those
+    another node sends may need more room later)."""
     total = 0
     for name in os.listdir(directory):
         match = _SLOT_RE.match(name)
-        if match and match.group("job") == job_id:
+        if match and match.group("job") == job_id and not match.group("peer"):
             try:
                 total += os.stat(directory / name).st_blocks * 512
             except FileNotFoundError:

@@ -114,6 +114,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("keep-checkpoints", type=_int, default=3, help="committed checkpoints kept")
     flag("shm-dir", default="/dev/shm", metavar="DIR",
          help="tmpfs directory of the shared-memory snapshots (default /dev/shm); checked to fit before step 0")
+    flag("no-peer-memory", action="store_true",
+         help="keep no copy of this node's newest snapshots in another node's memory (default: kept, so a lost "
+              "node restores from memory, not storage)")
     flag("inject", default="", metavar="PLAN", help="faults to inject, e.g. kill:rank=2:step=30")
     flag("recover-strategy", default="retry,recover-in-place,recover,exit",
          help="allowed recovery strategies, cheapest first, a comma list (default retry,recover-in-place,recover,exit)")
@@ -253,7 +256,8 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         raise ConfigError(f"--shm-dir {args.shm_dir!r} is not a directory; give an existing tmpfs directory "
                           "(default /dev/shm), or --ckpt-every-steps 0 to turn the shared-memory snapshots off")
     return CheckpointConfig(save_dir=args.save, load_dir=args.load, every_steps=every or 0,
-                            persist_every_steps=persist or 0, keep=args.keep_checkpoints, shm_dir=args.shm_dir)
+                            persist_every_steps=persist or 0, keep=args.keep_checkpoints, shm_dir=args.shm_dir,
+                            peer_memory=not args.no_peer_memory)
 
 
 def _stop_on_sigterm(graceful) -> None:

@@ -328,7 +328,7 @@ def _restore_offer(self: Connections, rank: int, attempt: int, conn: Connection,
         log.warning("controller: restore offer of rank %d attempt %d on the connection of rank %d "
                     "attempt %d ignored", msg.rank, msg.attempt, rank, attempt)
         return
-    offer = RankOffer.of(msg.memory_steps, msg.storage_steps)
+    offer = RankOffer.of(msg.memory_steps, msg.storage_steps, msg.peer_steps)
     self._hub.apply(sm.RestoreOffered(rank, attempt, msg.round, offer))
 
 

@@ -125,6 +125,7 @@ class Executor:
         self.store, self.store_prefix = rendezvous.open_store(hub.host), rendezvous.new_prefix()
         hub.board.attempt_started()
         hub.events.emit("attempt_started", attempt=action.attempt, store_port=self.store.port)
+        self._send_peer_book()  # first: an agent fetches its moved ranks' peer copies before it starts them
         for agent in sorted(hub.state.hosts()):
             ranks = [r for r in range(hub.cfg.world_size) if hub.state.agent_of(r) == agent]
             self.send_to_agent(agent, m.StartRanks(
@@ -151,8 +152,26 @@ class Executor:
                               step=action.step, hung=action.hung,
                               warning=f"{what}: counted as finished, nothing recovered")
 
+    def _send_peer_book(self) -> None:
+        """Every agent's peer-memory address and the agents hosting ranks (agent/peer_memory.py): each
+        agent sends its snapshots to the next hosting one, and fetches from any at a job restart."""
+        hub = self._hub
+        ids, hosts, ports = [], [], []
+        for agent in sorted(hub.board.agent_ids()):
+            conn = hub.board.agent_conn(agent)
+            if conn is None:
+                continue
+            ids.append(agent)
+            hosts.append(str(getattr(conn, "peer", "")).rpartition(":")[0].strip("[]"))
+            port = dict(getattr(conn, "ident", {}) or {}).get("peer_port", 0)
+            ports.append(port if type(port) is int and 0 < port < 65536 else 0)
+        hosting = sorted(hub.state.hosts())
+        for agent in [a for a, port in zip(ids, ports) if port]:  # an agent without peer memory needs no book
+            self.send_to_agent(agent, m.PeerAgents(you=agent, agents=ids, hosts=hosts, ports=ports, hosting=hosting))
+
     def _restart_ranks(self, action: sm.RestartRanks) -> None:
         hub = self._hub
+        self._send_peer_book()  # the ring now runs through the agent that takes the ranks
         for rank in sorted(action.ranks):
             hub.board.restarting(rank)
             hub.events.emit("restart_rank", rank=rank, gen=action.gen, agent=action.agent)

@@ -159,7 +159,8 @@ def _facts(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()
         recovering=rec.rung if rec else "", tries=rec.tries + 1 if rec else (prior.tries + 1 if prior else 1),
         recurring_step=prior.resume_step if prior else None,
         home_agents_up={state.agent_of(r) for r in failed} <= state.agents, standby=bool(state.standbys),
-        lost_agents=tuple(sorted(state.hosts() - state.agents)), restarts_used=state.restarts_used,
+        standbys=len(state.standbys), lost_agents=tuple(sorted(state.hosts() - state.agents)),
+        restarts_used=state.restarts_used,
         repeats=crash_loop.repeats(state.failures + (failure,)))
 
 
@@ -194,7 +195,21 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     if rung == GIVE_UP:
         return _fail(state, failure, reason, exit_code=decision.exit_code)
     stop = StopAttempt(state.attempt, f"{rung}: {failure.describe()}")
+    state = _onto_standbys(state)
     return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset()), [Decide(rung, failure, reason), stop]
+
+
+def _onto_standbys(state: JobState) -> JobState:
+    """A job restart with agents lost: each lost agent's ranks move to a standby agent (the lowest
+    first), which starts them in the next attempt (their memory-tier snapshots come from the peer
+    copies: agent/peer_memory.py). The ladder took rung exit only if there are enough standbys."""
+    lost = sorted(state.hosts() - state.agents)
+    if not lost:
+        return state
+    moved = dict(zip(lost, sorted(state.standbys)))
+    placement = tuple(moved.get(state.agent_of(r), state.agent_of(r)) for r in range(state.world_size))
+    spares = frozenset(moved.values())
+    return _replace(state, placement=placement, standbys=state.standbys - spares, agents=state.agents | spares)
 
 
 def _replace_ranks(state: JobState, failure: Failure, decision: Decision, facts: FaultFacts,

@@ -107,6 +107,11 @@ class FrameReader:
                     raise ProtocolError(f"control connection {self._peer}: {exc}") from None
             self._fill(deadline, timeout_s)
 
+    @property
+    def buffered(self) -> int:
+        """Bytes read from the socket and not handed out yet."""
+        return len(self._buf)
+
     def _take_frame(self) -> bytes | None:
         if len(self._buf) < _HEADER.size:
             return None

@@ -104,6 +104,19 @@ class StartRanks(Message):
     store_prefix: str = ""  # the attempt's secret rendezvous key prefix (controller/rendezvous.py)
 
 
+@message("peer_agents")
+class PeerAgents(Message):
+    """The address book of the peer copies (agent/peer_memory.py): each connected agent's id, host and
+    peer-memory port (0: it keeps none), the agents hosting ranks now (the ring), and the receiver's own
+    id (a standby agent learns it here)."""
+
+    you: int
+    agents: list[int]
+    hosts: list[str]
+    ports: list[int]
+    hosting: list[int]
+
+
 @message("stop_ranks")
 class StopRanks(Message):
     attempt: int
@@ -367,16 +380,18 @@ def _at_least(msg: Message, minimum: int, *names: str) -> None:
 @message("restore_offer")
 class RestoreOffer(Message):
     """The steps ``rank`` can load in round ``round`` of the restore: committed in its own
-    node's shared memory, and with its part committed in storage (newest first)."""
+    node's shared memory (``peer_steps``: those of them fetched from a peer node's copy), and with
+    its part committed in storage (newest first)."""
 
     rank: int
     attempt: int
     round: int
     memory_steps: list[int]
     storage_steps: list[int]
+    peer_steps: list[int] = dataclasses.field(default_factory=list)  # of memory_steps: fetched from a peer's copy
 
     def __post_init__(self) -> None:
-        _at_least(self, 0, "rank", "attempt", "round", "memory_steps", "storage_steps")
+        _at_least(self, 0, "rank", "attempt", "round", "memory_steps", "storage_steps", "peer_steps")
 
 
 @message("restore_at")

@@ -159,6 +159,14 @@ class Connection:
         finally:
             self._recv_lock.release()
 
+    def raw_socket(self) -> socket.socket:
+        """The socket, for a byte stream that follows the handshake instead of frames (the peer
+        copies of the memory tier: unbroken.checkpoint.peer_copy). Only while no input is buffered
+        (ProtocolError otherwise: bytes would be lost); the connection still owns and closes it."""
+        if self._reader.buffered:
+            raise ProtocolError(f"connection {self.peer}: frames are buffered, cannot switch to a raw stream")
+        return self._sock
+
     def close(self) -> None:
         """Close the socket; idempotent. A blocked recv raises ConnectionClosed."""
         if self._closed.is_set():

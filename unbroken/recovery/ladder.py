@@ -52,6 +52,7 @@ class FaultFacts:
     recurring_step: int | None = None  # the resume step of the last in-flight recovery, had it not held yet
     home_agents_up: bool = True  # the agents of the ranks lost now are connected (recover-in-place)
     standby: bool = False  # a standby agent is connected (recover)
+    standbys: int = 0  # standby agents connected: a job restart moves each lost agent's ranks to one (exit)
     lost_agents: tuple[int, ...] = ()  # agents hosting ranks whose connection is gone
     restarts_used: int = 0
     repeats: int = 0  # episodes in a row with this same failure (recovery/crash_loop.py)
@@ -85,7 +86,7 @@ def choose(facts: FaultFacts, policy: JobPolicy) -> Decision:
                 Rung.RECOVER_IN_PLACE: in_flight and facts.home_agents_up,
                 Rung.RECOVER: in_flight and facts.standby,
                 Rung.DUMP: in_flight and facts.storage and facts.recovering != Rung.DUMP,
-                Rung.EXIT: facts.restarts_used < policy.max_restarts and not facts.lost_agents}
+                Rung.EXIT: facts.restarts_used < policy.max_restarts and len(facts.lost_agents) <= facts.standbys}
     rung = choose_rung(policy.allowed, feasible)
     if facts.kind in RETRY_KINDS and rung != Rung.RETRY:  # the damaged process goes; its exit takes the ladder on
         return Decision(rung, f"{facts.what}; no retry ({why})",
@@ -174,6 +175,9 @@ def _why_no_rung(facts: FaultFacts, policy: JobPolicy, in_flight_why: str) -> st
     if facts.lost_agents:
         if not facts.standby:
             spare = "no standby agent to host their ranks (unbroken run --standby)"
+        elif Rung.EXIT in allowed and 0 < facts.standbys < len(facts.lost_agents):
+            spare = (f"{facts.standbys} standby agent(s) for {len(facts.lost_agents)} lost node(s): a job restart "
+                     "needs one for each")
         elif Rung.RECOVER not in allowed:
             spare = f"rung recover (onto a standby agent) is not in --recover-strategy {','.join(allowed)}"
         else:

@@ -17,27 +17,34 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 MEMORY = "memory"
+PEER_MEMORY = "peer_memory"  # this node's memory, fetched from another node's copy (agent/peer_memory.py)
 STORAGE = "storage"
 
 
 @dataclass(frozen=True)
 class RankOffer:
-    """The steps one rank can load: committed in its node's shared memory, and in storage."""
+    """The steps one rank can load: committed in its node's shared memory (``peer_steps``: those
+    of them fetched from a peer node's copy), and in storage."""
 
     memory_steps: frozenset[int] = frozenset()
     storage_steps: frozenset[int] = frozenset()
+    peer_steps: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, memory_steps: Iterable[int] = (), storage_steps: Iterable[int] = ()) -> RankOffer:
-        return cls(frozenset(memory_steps), frozenset(storage_steps))
+    def of(cls, memory_steps: Iterable[int] = (), storage_steps: Iterable[int] = (),
+           peer_steps: Iterable[int] = ()) -> RankOffer:
+        return cls(frozenset(memory_steps), frozenset(storage_steps), frozenset(peer_steps))
 
     @property
     def steps(self) -> frozenset[int]:
         return self.memory_steps | self.storage_steps
 
     def tier_of(self, step: int) -> str:
-        """Where this rank loads ``step`` from: its own shared memory first, storage last."""
-        return MEMORY if step in self.memory_steps else STORAGE
+        """Where this rank loads ``step`` from: shared memory first (its own snapshot, or a peer node's
+        copy fetched there), storage last."""
+        if step in self.memory_steps:
+            return PEER_MEMORY if step in self.peer_steps else MEMORY
+        return STORAGE
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class RestorePoint:
 
     @property
     def tier(self) -> str:
-        """One word for the event log: memory, storage, mixed, or none (a fresh start)."""
+        """One word for the event log: memory, peer_memory, storage, mixed, or none (a fresh start)."""
         kinds = set(self.tiers)
         return "none" if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
 
@@ -82,7 +89,7 @@ def decide_restore(offers: Mapping[int, RankOffer], world_size: int, *, below: i
     step = max(common)
     tiers = tuple(offers[rank].tier_of(step) for rank in range(world_size))
     by_tier = ", ".join(f"{tier} on {_ranks([r for r, t in enumerate(tiers) if t == tier])}"
-                        for tier in (MEMORY, STORAGE) if tier in tiers)
+                        for tier in (MEMORY, PEER_MEMORY, STORAGE) if tier in tiers)
     newest = max(set().union(*per_rank.values()))
     skipped = "" if newest == step else \
         f"; newer step {newest} is not committed on {_ranks([r for r, s in per_rank.items() if newest not in s])}"

@@ -253,12 +253,13 @@ class ControlClient:
             self._relay.close()
 
     def restore_at(self, round_: int, memory_steps: list[int], storage_steps: list[int], timeout_s: float,
-                   poll_s: float = 0.05) -> int | None:
+                   poll_s: float = 0.05, peer_steps: list[int] = ()) -> int | None:
         """Offer the steps this rank can load for restore round ``round_``; wait for the step the
         controller decides (-1: start fresh). None when no decision came within ``timeout_s``
         or the controller is gone."""
         if not self._send(m.RestoreOffer(rank=self.rank, attempt=self.attempt, round=round_,
-                                         memory_steps=memory_steps, storage_steps=storage_steps)):
+                                         memory_steps=memory_steps, storage_steps=storage_steps,
+                                         peer_steps=list(peer_steps))):
             return None
         deadline = time.monotonic() + timeout_s
         with self._restore_cv:

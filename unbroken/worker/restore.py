@@ -26,14 +26,18 @@ place), the ranks agree again, in the next round, on an older step.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from unbroken.checkpoint.memory import SlotState, read_header
 from unbroken.checkpoint.memory_reader import SnapshotReader
+from unbroken.checkpoint.shm_files import peer_marker_path, read_ours
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.errors import CheckpointError, FatalError, JobFailed, NoCheckpoint
+from unbroken.recovery.restore_point import MEMORY, PEER_MEMORY
 from unbroken.worker.control import ControlClient
 from unbroken.worker.tracked import TrackedState
 from unbroken.worker_config import WorkerConfig
@@ -119,19 +123,46 @@ def _agree(src: RestoreSources, round_: int, bound: int | None) -> int:
         return src.all_min(_newest_available(src, bound))
     memory_steps = sorted({s for s, _ in src.memory.committed() if bound is None or s <= bound}, reverse=True) \
         if src.memory is not None else []
+    peer_steps = _peer_steps(src)
     # Listed by metadata only (cheap); a file that rotted in place fails its checksum at
     # load, and the next round goes older.
     storage_steps = sorted({s for store in src.stores
                             for s in store.steps(store.tier.loadable_steps(src.rank, at_or_below=bound))},
                            reverse=True)
     timeout_s = src.recovery_timeout_s
-    step = src.control.restore_at(round_, memory_steps, storage_steps, timeout_s)
+    step = src.control.restore_at(round_, memory_steps, storage_steps, timeout_s,
+                                  peer_steps=[s for s in memory_steps if s in peer_steps])
     if step is None:
         raise JobFailed(f"rank {src.rank}: no restore decision from the controller within {timeout_s:.0f} s "
                         f"(attempt {src.attempt}, round {round_}; offered memory steps {memory_steps}, storage "
                         f"steps {storage_steps}); the controller is gone or another rank never offered. "
                         "The setting is --recovery-timeout-s; the controller's events.jsonl says more")
     return step
+
+
+def _peer_marker(src: RestoreSources) -> dict | None:
+    """The marker the agent left when it fetched this rank's snapshot from a peer node's copy."""
+    marker = read_ours(peer_marker_path(src.memory.dir, src.memory.job_id, src.rank))
+    try:
+        value = json.loads(marker) if marker else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) and type(value.get("seq")) is int else None
+
+
+def _peer_steps(src: RestoreSources) -> set[int]:
+    """The committed memory steps of this rank that are the copy fetched from a peer node."""
+    marker = _peer_marker(src) if src.memory is not None else None
+    if marker is None:
+        return set()
+    headers = [read_header(p) for p in src.memory.paths]
+    return {h.step for h in headers if h is not None and h.state == SlotState.COMMITTED and h.seq == marker["seq"]}
+
+
+def _memory_tier(src: RestoreSources) -> str:
+    """``peer_memory`` when the snapshot just loaded is the copy fetched from a peer node, else ``memory``."""
+    marker = _peer_marker(src)
+    return PEER_MEMORY if marker is not None and marker["seq"] == src.memory.last_seq else MEMORY
 
 
 def _newest_available(src: RestoreSources, bound: int | None) -> int:
@@ -159,7 +190,8 @@ def _load_step(src: RestoreSources, tracked: TrackedState, step: int) -> tuple[d
         try:
             # Straight into the tensors of the freshly built model and optimizer: no new
             # allocation (page faults). If it fails, another step is loaded over them.
-            return src.memory.load(step, into=tracked.tree())[0], "memory", str(src.memory.dir)
+            state = src.memory.load(step, into=tracked.tree())[0]
+            return state, _memory_tier(src), str(src.memory.dir)
         except (NoCheckpoint, CheckpointError) as exc:
             if not isinstance(exc, NoCheckpoint):
                 log.warning("rank %d: shared-memory snapshot of step %d unusable: %s", src.rank, step, exc)

@@ -126,6 +126,7 @@ def controller_failover(cluster: EtcdCluster, root: Path, ttl_s: int, index: int
 
         return {"failover_s": failover_s, "recover_s": recover_s,
                 "caught_up_s": round(recovered["t"] - killed_wall_t, 3), "restored_step": recovered["restored_step"],
+                "tier": recovered.get("tier", ""),
                 "lost_steps": KILL_AFTER_STEP - recovered["restored_step"],
                 "takeover_s": since_kill("controller_takeover"), "attempt_started_s": since_kill("attempt_started"),
                 "restore_decided_s": since_kill("restore_decided")}
@@ -165,6 +166,7 @@ def main() -> int:
                     values = [r[name] for r in runs]
                     row[name] = statistics.median(values)
                     row[f"{name}_min"], row[f"{name}_max"] = min(values), max(values)
+                row["tiers"] = [r["tier"] for r in runs]  # where the restart's ranks restored from
                 rows.append(row)
                 print(f"controller_failover  failover_s {row['failover_s']:.3f}  recover_s {row['recover_s']:.3f}  "
                       f"caught_up_s {row['caught_up_s']:.3f}  restored_step {row['restored_step']}")

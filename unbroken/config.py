@@ -103,6 +103,10 @@ class LaunchConfig:
     # nothing from the controller for half of it stops its own workers (controller/liveness.py).
     node_timeout_s: float = DEFAULT_NODE_TIMEOUT_S
     metrics_port: int | None = None  # Prometheus /metrics, /status.json and the live page (None: off; 0: a free port)
+    # Controller failover (agent/failover.py): etcd endpoints, "etcd://HOST:PORT[,HOST:PORT...]" ("": off,
+    # the controller lives in node 0's agent), and the leader's lease in whole seconds.
+    controller_store: str = ""
+    controller_lease_s: int = 2
     recovery: JobPolicy = field(default_factory=JobPolicy)  # the recovery flags, as the ladder reads them
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hang: HangConfig = field(default_factory=HangConfig)
@@ -131,9 +135,23 @@ class LaunchConfig:
         require_timeout(self.node_timeout_s, "--node-timeout-s")
         require(self.standby or self.recovery.min_nodes <= self.nnodes,
                 f"--min-nodes {self.recovery.min_nodes} is more than the job's --nnodes {self.nnodes}")
+        if self.controller_store:
+            self._check_controller_store()
         require(self.omp_num_threads >= 1, f"OMP threads must be >= 1, got {self.omp_num_threads}")
         require(self.straggler_factor == 0 or 1 < self.straggler_factor < math.inf,
                 f"--straggler-factor must be > 1 (or 0: off), got {self.straggler_factor}")
+
+    def _check_controller_store(self) -> None:
+        from unbroken.consensus.etcd import parse_endpoints
+
+        parse_endpoints(self.controller_store)  # a ConfigError naming the flag and the form
+        require(self.nnodes > 1 or self.standby,
+                f"--controller-store {self.controller_store!r} is for a job of several nodes (--nnodes > 1, or "
+                "--standby): a single-node job keeps its controller in its own agent and needs no etcd")
+        require(bool(self.job_id), "--controller-store needs the job's id, the same on every node (--rdzv-id ID): "
+                                   "the job's keys in etcd are named by it")
+        require(isinstance(self.controller_lease_s, int) and 1 <= self.controller_lease_s <= 60,
+                f"--controller-lease-s must be whole seconds in [1, 60], got {self.controller_lease_s}")
 
     @property
     def world_size(self) -> int:

@@ -114,6 +114,9 @@ class FakeHub:
     def check_recovered(self) -> None:
         pass
 
+    def refused(self, node_rank, standby) -> str:
+        return ""
+
     def connect(self, rank: int, conn, *, relayed: bool = False, phase: str | None = None) -> None:
         """Rank ``rank``'s worker registered on ``conn`` (and, with ``phase``, reported it)."""
         self.board.connected(rank, conn, relayed=relayed)

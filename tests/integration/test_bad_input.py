@@ -25,6 +25,7 @@ from unbroken.protocol.wire import connect
     (["--ckpt-every-steps", "5"], "--ckpt-every-steps/--persist-every-steps need --save DIR"),
     (["--save", "ckpt", "--shm-dir", "/nonexistent/shm"], "--shm-dir '/nonexistent/shm' is not a directory"),
     (["--nnodes", "1:4"], "elastic node ranges are not supported"),
+    (["--controller-store", "etcd:/127.0.0.1"], "expected etcd://HOST:PORT[,HOST:PORT...]"),
 ])
 def test_bad_flags_exit_2_with_a_clear_message(tmp_path, flags, expected):
     result = run_cli(["run", "--run-dir", str(tmp_path / "run"), *flags, str(EXAMPLE)], timeout_s=30)

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from unbroken.agent.fence import ControllerWatch
 from unbroken.agent.placement import Placement
@@ -46,6 +46,15 @@ TAIL_LINES = 20
 #: After SIGTERM, how much longer than --sigterm-dump-timeout-s an agent waits for the
 #: controller's shutdown order before it stops its node on its own (the controller is gone or stuck).
 SIGTERM_MARGIN_S = 5.0
+#: With --controller-store: how long an agent whose controller is gone waits for the next leader.
+FOLLOW_TIMEOUT_S = 60.0
+
+
+class LeaderSource(Protocol):
+    """Where the job's leading controller listens (agent/failover.py reads it from etcd)."""
+
+    def find(self, *, after_term: int, timeout_s: float) -> tuple[str, int, int]:
+        """(host, port, term) of a leader whose term is above ``after_term``; TimeoutError if none comes."""
 
 
 @dataclass
@@ -62,7 +71,7 @@ class WorkerProc:
 
 class Agent:
     def __init__(self, cfg: LaunchConfig, controller_host: str, controller_port: int,
-                 output: TextIO | None = None) -> None:
+                 output: TextIO | None = None, leader: LeaderSource | None = None) -> None:
         self.cfg = cfg
         self.node_rank = cfg.node_rank
         self.controller = f"{controller_host}:{controller_port}"
@@ -72,6 +81,10 @@ class Agent:
         self._lock = threading.Lock()
         self._procs: dict[int, WorkerProc] = {}
         self._conn: Connection | None = None
+        self._leader = leader  # where the leading controller is (--controller-store): followed when lost
+        self._term = 0  # the term of the leader this agent serves
+        self._lost = ""  # why the last controller connection ended
+        self._warm_restart = False  # the next attempt follows a takeover: start it from the warm spare
         self.standby = cfg.standby
         self._placement = Placement(cfg.node_rank, cfg.nproc_per_node, cfg.standby)
         self._spares = Spares(cfg, self._prerun_env, self._send)
@@ -92,20 +105,14 @@ class Agent:
         self._watcher = threading.Thread(target=self._watch_loop, name="unbroken-agent-watch", daemon=True)
 
     def run(self, connect_timeout_s: float = 30.0) -> tuple[int, str]:
-        """Serve the controller until it says shut down; return (exit code, reason)."""
-        host, port = self._controller_addr
-        ident = {"node_rank": self.node_rank}
+        """Serve the controller until it says shut down; return (exit code, reason). With a leader
+        source (--controller-store), a lost controller is followed to the next leader instead."""
         self._peer = self._build_peer_memory()
-        if self._peer is not None:  # its port reaches the controller's address book (PeerAgents)
-            ident["peer_port"] = self._peer.port
-        self._conn = connect(host, port, self.cfg.secret.encode(), "agent", ident, timeout_s=connect_timeout_s)
-        self._conn.send(m.AgentRegister(node_rank=self.node_rank, nproc=self.cfg.nproc_per_node,
-                                        host=socket.gethostname(), pid=os.getpid(), standby=self.standby))
+        self._open(*self._first_controller(connect_timeout_s), timeout_s=connect_timeout_s)
         if self.cfg.worker.node_reports:  # per-node aggregation of step reports and commits (agent/relay.py)
             self._relay = NodeRelay(self.cfg.secret.encode(), self._send)
             self._relay.start()
         self._watcher.start()
-        self._watch.start()
         self._claim_shared_memory()
         if self._persister is not None:
             self._persister.start()
@@ -115,31 +122,12 @@ class Agent:
             self._spares.start()
         try:
             while True:
-                try:
-                    msg = self._conn.recv(timeout_s=self._spares.wait_s())
-                except TimeoutError:  # (an OSError) a spare is due to start, or to be looked at
-                    self._spares.tick()
-                    continue
-                except (ConnectionClosed, ProtocolError, OSError) as exc:
-                    return 1, self._fenced or f"lost the controller at {self.controller}: {exc}"
-                self._watch.heard()
-                if isinstance(msg, m.StartRanks):
-                    self._start(msg)
-                elif isinstance(msg, m.StopRanks):
-                    self._stop_all(msg.attempt)
-                    self._send(m.RanksStopped(node_rank=self.node_rank, attempt=msg.attempt))
-                elif isinstance(msg, m.CommitStep) and self._relay is not None:
-                    self._relay.fan_out(msg)
-                elif isinstance(msg, m.KillRank):
-                    self._kill(msg.rank, msg.pid)
-                elif isinstance(msg, m.RestartRank):
-                    self._restart(msg)
-                elif isinstance(msg, m.PeerAgents):
-                    self._peer_agents(msg)
-                elif isinstance(msg, m.SpareImports):
-                    self._spares.set_imports(msg.modules)
-                elif isinstance(msg, m.Shutdown):
-                    return msg.exit_code, msg.reason
+                done = self._serve()
+                if done is not None:
+                    return done
+                lost = self._fenced or f"lost the controller at {self.controller}: {self._lost}"
+                if self._leader is None or not self._follow(lost):
+                    return 1, lost
         finally:
             self._stop.set()
             self._watch.stop()
@@ -153,6 +141,90 @@ class Agent:
             if self._relay is not None:
                 self._relay.close()
             self._conn.close()
+
+    def _serve(self) -> tuple[int, str] | None:
+        """The command loop on the current connection: (exit code, reason) on a shutdown order, None
+        when the connection is lost (why: ``self._lost``)."""
+        assert self._conn is not None
+        while True:
+            try:
+                msg = self._conn.recv(timeout_s=self._spares.wait_s())
+            except TimeoutError:  # (an OSError) a spare is due to start, or to be looked at
+                self._spares.tick()
+                continue
+            except (ConnectionClosed, ProtocolError, OSError) as exc:
+                self._lost = str(exc)
+                return None
+            self._watch.heard()
+            if isinstance(msg, m.StartRanks):
+                self._start(msg)
+            elif isinstance(msg, m.StopRanks):
+                self._stop_all(msg.attempt)
+                self._send(m.RanksStopped(node_rank=self.node_rank, attempt=msg.attempt))
+            elif isinstance(msg, m.CommitStep) and self._relay is not None:
+                self._relay.fan_out(msg)
+            elif isinstance(msg, m.KillRank):
+                self._kill(msg.rank, msg.pid)
+            elif isinstance(msg, m.RestartRank):
+                self._restart(msg)
+            elif isinstance(msg, m.PeerAgents):
+                self._peer_agents(msg)
+            elif isinstance(msg, m.SpareImports):
+                self._spares.set_imports(msg.modules)
+            elif isinstance(msg, m.Shutdown):
+                return msg.exit_code, msg.reason
+
+    # -- the controller's address, and following a new leader (agent/failover.py) --------------
+    def _first_controller(self, timeout_s: float) -> tuple[str, int]:
+        if self._leader is None:
+            return self._controller_addr
+        try:
+            host, port, self._term = self._leader.find(after_term=0, timeout_s=timeout_s)
+        except TimeoutError as exc:
+            raise ConnectionClosed(f"agent {self.node_rank}: {exc}; is node 0's agent started with the same "
+                                   "--controller-store and --rdzv-id, and does etcd answer there?") from None
+        return host, port
+
+    def _open(self, host: str, port: int, timeout_s: float) -> None:
+        """Connect to the controller at host:port, register, and watch it (heartbeats, fencing)."""
+        ident: dict = {"node_rank": self.node_rank}
+        if self._peer is not None:  # its port reaches the controller's address book (PeerAgents)
+            ident["peer_port"] = self._peer.port
+        conn = connect(host, port, self.cfg.secret.encode(), "agent", ident, timeout_s=timeout_s)
+        self._conn, self._controller_addr, self.controller = conn, (host, port), f"{host}:{port}"
+        self._conn.send(m.AgentRegister(node_rank=self.node_rank, nproc=self.cfg.nproc_per_node,
+                                        host=socket.gethostname(), pid=os.getpid(), standby=self.standby))
+        self._watch.stop()
+        # Heartbeats to the controller; a silent controller (link cut, controller frozen) fences this node.
+        self._watch = ControllerWatch(self.cfg.node_rank, self.cfg.node_timeout_s, self._send, self._fence)
+        self._watch.start()
+
+    def _follow(self, lost: str) -> bool:
+        """The controller is gone (--controller-store): stop this node's workers at once (their attempt
+        ends with the controller: the next leader restarts the job from the memory tier, see
+        controller/takeover.py), then connect to the next leader named in etcd. False if none came."""
+        log.warning("agent %d: %s; stopping this node's workers and following the next controller",
+                    self.node_rank, lost)
+        self._watch.stop()
+        self._stop_all(None, grace_s=0.0)
+        self._fenced, self._warm_restart = "", True
+        deadline = time.monotonic() + FOLLOW_TIMEOUT_S
+        while (left_s := deadline - time.monotonic()) > 0:
+            try:
+                host, port, term = self._leader.find(after_term=self._term, timeout_s=left_s)
+            except TimeoutError as exc:
+                self._lost = f"{lost}; {exc}"
+                return False
+            self._term = term
+            try:
+                self._conn.close()
+                self._open(host, port, timeout_s=min(left_s, 10.0))
+                log.warning("agent %d: following the controller at %s:%d (term %d)", self.node_rank, host, port, term)
+                return True
+            except (ConnectionClosed, ProtocolError, OSError) as exc:  # gone already: wait for the next one
+                log.warning("agent %d: the controller at %s:%d (term %d) did not answer: %s", self.node_rank,
+                            host, port, term, exc)
+        return False
 
     # -- SIGTERM ------------------------------------------------------------------------------
     def request_stop(self, signum: int) -> bool:
@@ -244,11 +316,14 @@ class Agent:
 
     # -- workers -------------------------------------------------------------------------
     def _start(self, msg: m.StartRanks) -> None:
+        # After a takeover (--controller-store), the restart's workers come from this node's warm spare
+        # where it has one (torch already imported): they are the recovery.
+        warm, self._warm_restart = self._warm_restart, False
         ranks = self._placement.start(msg)
         if msg.attempt > 0 and self._peer is not None:  # a job restart: ranks moved here from a lost node
             self._fetch_peer_copies(ranks)
         for rank in ranks:
-            self._spawn(rank, msg.attempt, gen=0)
+            self._spawn(rank, msg.attempt, gen=0, warm=warm)
         self._spares.start()
 
     def _restart(self, msg: m.RestartRank) -> None:
@@ -261,13 +336,13 @@ class Agent:
         self._placement.restart(msg)
         self._spawn(msg.rank, msg.attempt, gen=msg.gen)
 
-    def _spawn(self, rank: int, attempt: int, gen: int) -> None:
+    def _spawn(self, rank: int, attempt: int, gen: int, warm: bool = False) -> None:
         local_rank = self._placement.local_rank(rank)
         env = dict(os.environ, **self._worker_env(rank, local_rank, attempt, gen))
         argv = [self.cfg.script, *self.cfg.script_args]
         proc = self._from_prerun(WorkerProc(rank, local_rank, attempt, None), env, argv) if gen > 0 else None
         if proc is None:
-            popen = self._spares.take_warm(env, argv) if gen > 0 else None
+            popen = self._spares.take_warm(env, argv) if gen > 0 or warm else None
             if popen is None:
                 popen = subprocess.Popen([sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -354,7 +429,7 @@ class Agent:
         if proc is not None and proc.popen.pid == pid and proc.popen.poll() is None:
             signal_group(proc.popen, signal.SIGKILL)
 
-    def _stop_all(self, attempt: int | None) -> None:
+    def _stop_all(self, attempt: int | None, grace_s: float | None = None) -> None:
         """Stop every live worker (SIGTERM, then SIGKILL after the grace period) and reap it."""
         with self._lock:
             procs = [p for p in self._procs.values() if attempt is None or p.attempt <= attempt]
@@ -364,7 +439,7 @@ class Agent:
         for p in procs:
             if p.popen.poll() is None:
                 signal_group(p.popen, signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.stop_grace_s
+        deadline = time.monotonic() + (self.cfg.stop_grace_s if grace_s is None else grace_s)
         for p in procs:
             try:
                 p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))

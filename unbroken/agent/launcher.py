@@ -25,6 +25,7 @@ from unbroken.config import LaunchConfig
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.machine import Failure
 from unbroken.controller.server import Controller
+from unbroken.controller.takeover import Takeover
 from unbroken.errors import ConfigError
 from unbroken.ops.live_view import LiveView
 
@@ -95,14 +96,21 @@ def _log_checkpoint_dirs(cfg: LaunchConfig, events: EventLog) -> None:
                     notes=check_launch_dirs(ckpt.save_dir, ckpt.load_dir))
 
 
-def _start_controller(cfg: LaunchConfig, events: EventLog) -> tuple[Controller, LiveView]:
-    """Node 0's controller and the live view it feeds (status.json, /metrics, the page): built and
-    joined here, so that the controller and the view know nothing of each other."""
-    controller = Controller(cfg, host=cfg.master_addr, port=cfg.master_port, events=events)
+def _start_controller(cfg: LaunchConfig, events: EventLog, *, host: str = "", port: int | None = None,
+                      takeover: Takeover | None = None, durable: Callable | None = None,
+                      term_valid: Callable[[], bool] | None = None) -> tuple[Controller, LiveView]:
+    """A controller (node 0's, or a new leader's: agent/failover.py) and the live view it feeds
+    (status.json, /metrics, the page): built and joined here, so that the controller and the view
+    know nothing of each other."""
+    host = host or cfg.master_addr
+    controller = Controller(cfg, host=host, port=cfg.master_port if port is None else port, events=events,
+                            takeover=takeover, term_valid=term_valid)
     live = LiveView(run_dir=cfg.run_dir, job_id=cfg.job_id, world_size=cfg.world_size, events=events,
-                    snapshot=controller.snapshot, host=cfg.master_addr, metrics_port=cfg.metrics_port)
+                    snapshot=controller.snapshot, host=host, metrics_port=cfg.metrics_port)
     events.listeners.append(live.on_record)  # status, metrics and the page follow the log
     controller.add_step_listener(live.on_step)  # and each completed step
+    if durable is not None:
+        controller.add_durable_listener(durable)
     try:
         live.start()
         controller.start()
@@ -119,6 +127,8 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     """Run this node's part of a job to its end. ``cfg`` must come from :func:`resolve`;
     ``graceful`` gets the agent while it serves (SIGTERM: see the module docstring)."""
     _prepare_run_dir(cfg)
+    if cfg.controller_store:
+        return _run_with_seat(cfg, output=output, on_controller=on_controller, graceful=graceful)
     controller: Controller | None = None
     live: LiveView | None = None
     events: EventLog | None = None
@@ -133,16 +143,33 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
         else:
             host, port = cfg.master_addr, cfg.master_port
         agent = Agent(cfg, host, port, output=output)
-        if graceful is not None:
-            graceful.attach(agent)
+        return _serve(cfg, agent, lambda: controller, graceful)
+    finally:
+        if controller is not None:
+            controller.close()
+        if live is not None:
+            live.close()  # the final status.json, after the controller's last records
+        if events is not None:
+            events.close()
+
+
+def _serve(cfg: LaunchConfig, agent: Agent, controller_now: Callable[[], Controller | None],
+           graceful: GracefulStop | None) -> JobResult:
+    """Run ``agent`` to the job's end; the job's result as this node's controller (if it has one
+    at the end) or its agent saw it."""
+    if graceful is not None:
+        graceful.attach(agent)
+    try:
         interrupted = False
         try:
             code, reason = agent.run()
         except KeyboardInterrupt as exc:
             code, reason = _interruption(exc)
             interrupted = True
+            controller = controller_now()
             if controller is not None:
                 threading.Thread(target=controller.abort, args=(reason, code), daemon=True).start()
+        controller = controller_now()
         failure = controller.first_failure if controller is not None else None
         # An interruption's code stands: the agent's clean-up (its workers stopped, its connection
         # closed) may reach the controller first and read there as a lost node (a failed job).
@@ -154,9 +181,38 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     finally:
         if graceful is not None:
             graceful.attach(None)
-        if controller is not None:
-            controller.close()
-        if live is not None:
-            live.close()  # the final status.json, after the controller's last records
-        if events is not None:
-            events.close()
+
+
+def _run_with_seat(cfg: LaunchConfig, *, output: TextIO | None, on_controller: Callable[[Controller], None] | None,
+                   graceful: GracefulStop | None) -> JobResult:
+    """--controller-store: this agent runs a controller seat (agent/failover.py) and follows the
+    leading controller, wherever it is."""
+    from unbroken.agent.failover import SeatHost
+
+    made: list[tuple[Controller, LiveView]] = []
+    events: list[EventLog] = []
+
+    def start_controller(host: str, port: int, takeover: Takeover | None, durable: Callable,
+                         term_valid: Callable[[], bool]) -> Controller:
+        if not events:
+            events.append(EventLog(cfg.run_dir))
+            _log_checkpoint_dirs(cfg, events[0])
+        controller, live = _start_controller(cfg, events[0], host=host, port=port, takeover=takeover,
+                                             durable=durable, term_valid=term_valid)
+        made.append((controller, live))
+        if on_controller is not None:
+            on_controller(controller)
+        return controller
+
+    seat = SeatHost(cfg, start_controller)
+    try:
+        seat.start()
+        agent = Agent(cfg, cfg.master_addr, cfg.master_port, output=output, leader=seat.leader)
+        return _serve(cfg, agent, lambda: seat.controller, graceful)
+    finally:
+        seat.close()
+        for controller, live in made:
+            controller.close(drain_s=10.0 if controller is seat.controller else 0.0)
+            live.close()
+        for log in events:
+            log.close()

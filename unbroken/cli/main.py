@@ -156,6 +156,12 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("node-timeout-s", type=_float, default=30.0, metavar="S",
          help="a node silent this long (frozen, link cut) is lost to the job; a node that hears nothing "
               "from the controller for half of it stops its own workers and exits (fencing; default 30)")
+    flag("controller-store", default="", metavar="etcd://HOST:PORT[,HOST:PORT...]",
+         help="keep the controller's state in etcd and let any agent of a multi-node job take the controller "
+              "over when its node is lost (default: off; the controller lives in node 0's agent). Needs --rdzv-id")
+    flag("controller-lease-s", type=_int, default=2, metavar="S",
+         help="with --controller-store: the leading controller's lease; a new one leads within about this "
+              "long after the leader is lost (whole seconds, default 2)")
     flag("hang-timeout-s", type=_float, default=None, help="fixed hang timeout (default: calibrated)")
     flag("first-step-timeout-s", type=_float, default=60.0, help="hang timeout before a rank's first step")
     flag("exit-timeout-s", type=_float, default=300.0, metavar="S",
@@ -232,6 +238,8 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         metrics_port=args.metrics_port,
         sigterm_dump_timeout_s=args.sigterm_dump_timeout_s,
         node_timeout_s=args.node_timeout_s,
+        controller_store=args.controller_store,
+        controller_lease_s=args.controller_lease_s,
         recovery=JobPolicy(max_restarts=args.max_restarts, allowed=parse_strategies(args.recover_strategy),
                            replicas_allowed=not args.no_replica_restore, sub_health_policy=args.sub_health_policy,
                            crash_loop_limit=args.crash_loop_limit, max_recurring=args.max_recurring_recoveries,

@@ -61,6 +61,7 @@ class DurableState:
     num_replicas: int = 0
     mesh: tuple[tuple[str, int], ...] = ()
     mesh_replicate: str = ""
+    finished: bool = False  # the job ended: a seat that wins afterwards starts no controller
 
     def encode(self) -> bytes:
         data = asdict(self)
@@ -81,7 +82,8 @@ class DurableState:
                    rank_state_at={int(r): str(n) for r, n in data.get("rank_state_at", {}).items()},
                    num_replicas=int(data.get("num_replicas", 0)),
                    mesh=tuple((str(name), int(size)) for name, size in data.get("mesh", [])),
-                   mesh_replicate=str(data.get("mesh_replicate", "")))
+                   mesh_replicate=str(data.get("mesh_replicate", "")),
+                   finished=bool(data.get("finished", False)))
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,11 @@ class Connections:
                     f"agent of node {node} with --nproc-per-node {first.nproc} does not fit this job "
                     f"(--nnodes {cfg.nnodes}, --nproc-per-node {cfg.nproc_per_node})"))))
                 return
+            refused = hub.refused(node, first.standby)
+            if refused:  # a node lost with the previous controller (controller/takeover.py)
+                hub.events.emit("agent_refused", node_rank=node, host=first.host, pid=first.pid, reason=refused)
+                hub.reply(Reply(conn, m.Shutdown(exit_code=1, reason=refused)))
+                return
             agent = hub.board.agent_joined(node, conn, standby=first.standby)
             hub.liveness.heard(agent, time.monotonic())
             if first.standby:  # spares get ids after the nodes

@@ -45,6 +45,7 @@ from unbroken.controller.hub import Reply, TellAgents
 from unbroken.controller.liveness import Liveness
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
+from unbroken.controller import takeover as tk
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.views import Outcome, RankView
 from unbroken.controller.watchdog import WATCH_INTERVAL_S, Watchdog
@@ -55,6 +56,14 @@ __all__ = ["Controller", "Outcome", "RankView", "WATCH_INTERVAL_S", "StepListene
 
 #: Told of each completed step: (rank, steps completed, the step's metrics as the rank reported them).
 StepListener = Callable[[int, int, dict], None]
+#: Told of each new state whose durable part (attempt, generation, committed step, budget, placement,
+#: the replica layout, an end) changed; called under the lock: it must only hand the state on.
+DurableListener = Callable[[sm.JobState], None]
+
+
+def _durable_key(state: sm.JobState) -> tuple:
+    return (state.attempt, state.gen, state.committed_step, state.restarts_used, state.placement,
+            state.num_replicas, state.mesh, state.mesh_replicate, state.phase in sm.FINAL_PHASES)
 
 
 class Controller:
@@ -62,13 +71,26 @@ class Controller:
     :meth:`wait`, :meth:`abort`, :meth:`close`, :meth:`snapshot`, :attr:`first_failure`,
     :meth:`add_step_listener`."""
 
-    def __init__(self, cfg: LaunchConfig, *, host: str, port: int, events: EventLog) -> None:
+    def __init__(self, cfg: LaunchConfig, *, host: str, port: int, events: EventLog,
+                 takeover: tk.Takeover | None = None, term_valid: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
         self.host = host
         self.events = events
         self.lock = threading.RLock()
         self._state = sm.JobState(cfg.recovery, world_size=cfg.world_size, nnodes=cfg.nnodes,
                                   can_dump=bool(cfg.checkpoint.save_dir))
+        # A controller taking over from a lost leader (controller/takeover.py): the job restarts from
+        # the state the last leader left; its node's agents are not let back in.
+        self._takeover = takeover
+        self._join_deadline: float | None = None
+        if takeover is not None:
+            self._state = tk.resumed(self._state, takeover.durable)
+        self._fenced = ""  # why this controller stopped acting ("": it acts)
+        # --controller-store: whether this controller's leadership term still holds, asked before
+        # each event (a clock check, no etcd call): past it, another controller may lead already.
+        self._term_valid = term_valid
+        self._durable_listeners: list[DurableListener] = []
+        self._durable_seen: tuple = ()
         self.board = Board(cfg.world_size, cfg.nnodes)
         self._grace_deadline: float | None = None  # monotonic end of the SIGTERM dump (--sigterm-dump-timeout-s)
         self._step_listeners: list[StepListener] = []
@@ -97,6 +119,10 @@ class Controller:
         must be quick and take no lock that waits for this one)."""
         self._step_listeners.append(listener)
 
+    def add_durable_listener(self, listener: DurableListener) -> None:
+        """Tell ``listener`` of each state whose durable part changed (before :meth:`start`)."""
+        self._durable_listeners.append(listener)
+
     @property
     def port(self) -> int:
         return self._server.port
@@ -111,6 +137,55 @@ class Controller:
         self.events.emit("controller_started", address=self.address, world_size=self.cfg.world_size,
                          nnodes=self.cfg.nnodes, max_restarts=self.cfg.recovery.max_restarts,
                          recover_strategy=list(self.cfg.recovery.allowed))
+        if self._takeover is not None:
+            with self.lock:
+                self._start_takeover(self._takeover)
+
+    def _start_takeover(self, takeover: tk.Takeover) -> None:
+        """Log the takeover and time it as a recovery: ``recovered`` once every rank is back at the
+        step after the last one committed."""
+        durable, now = takeover.durable, time.monotonic()
+        self.timing.fault_t, self.timing.fault_step = now, durable.committed_step + 1
+        self._join_deadline = now + self.cfg.node_timeout_s
+        self.events.emit("controller_takeover", previous=takeover.previous, lost_agents=sorted(takeover.lost),
+                         attempt=self._state.attempt, committed_step=durable.committed_step,
+                         generation=durable.generation, restarts_left=durable.restart_budget,
+                         join_window_s=self.cfg.node_timeout_s)
+        self._notice_durable()
+
+    def refused(self, node_rank: int, standby: bool) -> str:
+        """Why an agent may not join ("": it may): a node lost with the previous controller."""
+        if self._takeover is None or standby or node_rank not in self._takeover.lost:
+            return ""
+        return (f"node {node_rank} was lost with the previous controller ({self._takeover.previous}); its ranks "
+                "moved to a standby agent, and it does not rejoin this job")
+
+    def fence(self, reason: str) -> None:
+        """This controller's leadership ended (--controller-store): stop acting at once. No event
+        is applied and nothing is sent any more; the control connections close, so the agents and
+        workers find the new leader. Any thread (the lease's keepalive thread calls it)."""
+        with self.lock:
+            if self._fenced:
+                return
+            self._fenced = reason
+            self.events.emit("controller_fenced", reason=reason)
+        self.board.close()
+        self.store_service.close()
+        self._server.close()
+
+    def _term_over(self) -> bool:
+        """True (and the controller fenced, its connections closed by a thread of its own) when its
+        leadership term has ended; under the lock."""
+        if self._term_valid is None or self._term_valid():
+            return False
+        threading.Thread(target=self.fence, args=("leadership term over: its lease was not refreshed within --controller-lease-s; another "
+                                      "controller may lead now",),
+                         name="unbroken-controller-fence", daemon=True).start()
+        return True
+
+    @property
+    def fenced(self) -> str:
+        return self._fenced
 
     def wait(self, timeout_s: float | None = None) -> Outcome | None:
         self.board.wait(timeout_s)
@@ -155,9 +230,23 @@ class Controller:
 
     # -- shared by the pieces (under the lock) ----------------------------------------------
     def apply(self, event: sm.Event) -> None:
-        """One event through the pure state machine; its actions carried out at once."""
+        """One event through the pure state machine; its actions carried out at once. A fenced
+        controller applies nothing: another one leads the job."""
+        if self._fenced or self._term_over():
+            return
         self._state, actions = sm.transition(self._state, event)
+        if self._takeover is not None and self._state.phase is sm.JobPhase.STARTING:
+            self._state, more = tk.place(self._state, self._takeover.lost)
+            actions = [*actions, *more]
         self._executor.execute(actions)
+        self._notice_durable()
+
+    def _notice_durable(self) -> None:
+        key = _durable_key(self._state)
+        if key != self._durable_seen:
+            self._durable_seen = key
+            for listener in self._durable_listeners:
+                listener(self._state)
 
     def reply(self, action: Reply | TellAgents) -> None:
         """A connection's direct answer, sent by the executor."""
@@ -215,6 +304,8 @@ class Controller:
                     self._check_hangs(now)
                 elif self._state.phase is sm.JobPhase.RECOVERING:
                     self._check_recovery_silence(now)
+                if self._join_deadline is not None and now > self._join_deadline:
+                    self._join_over()
                 if self._grace_deadline is not None and now > self._grace_deadline:
                     self._grace_deadline = None
                     self.apply(sm.GraceExpired(self.cfg.sigterm_dump_timeout_s))
@@ -222,6 +313,15 @@ class Controller:
                 if gen is not None:
                     self.events.emit("recovery_timeout", gen=gen, timeout_s=self.cfg.worker.recovery_timeout_s)
                     self.apply(sm.RecoveryTimeout(self._state.attempt, gen))
+
+    def _join_over(self) -> None:
+        """The takeover's join window ended: hosts still missing are lost (controller/takeover.py)."""
+        self._join_deadline = None
+        if self._fenced or self._takeover is None or self._term_over():
+            return
+        self._state, actions = tk.window_over(self._state, self._takeover.lost, self.cfg.node_timeout_s)
+        self._executor.execute(actions)
+        self._notice_durable()
 
     def _check_nodes(self, now: float) -> None:
         """Heartbeats to every agent, and silent agents declared lost (controller/liveness.py): their

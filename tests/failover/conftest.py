@@ -1,0 +1,21 @@
+"""Fixtures: a real etcd of 1 member (``etcd1``), killed and its data removed after the test."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.etcd_cluster import EtcdCluster
+
+
+@pytest.fixture
+def etcd1(tmp_path):
+    root = tmp_path / "etcd"
+    root.mkdir()
+    cluster = EtcdCluster(root, 1)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,226 @@
+"""Controller failover in the agents (``--controller-store``, issue 29).
+
+With the flag, every agent of a multi-node job (the standby agents too) runs a
+:class:`SeatHost`: a :class:`~unbroken.consensus.seat.ControllerSeat` in etcd plus the controller
+it starts when it leads. Node 0 campaigns at once, so a job starts as it does without the flag,
+its controller in node 0's agent; the others campaign only once a leader has appeared, and then
+stand by. Every agent finds the leading controller's address in etcd (:class:`EtcdLeader`) and
+follows the next one when its controller is lost (:meth:`unbroken.agent.agent.Agent.run`).
+
+The leader mirrors the controller's durable state into etcd (:class:`DurableMirror`: attempt,
+generation, committed step, restart budget, placement, replica layout, the job's end) with writes
+fenced by its term. A seat that wins after a lost leader starts its controller from that state:
+the job restarts from the memory tier, with the previous leader's node lost
+(:mod:`unbroken.controller.takeover`). A leader whose term ends (lease lost, a write refused) fences
+its controller at once (:meth:`unbroken.controller.server.Controller.fence`).
+
+Threads: the seat's (``unbroken-controller-seat``; it calls ``on_lead``), the lease keepalive's (it
+calls ``on_fenced``), the mirror's (``unbroken-durable-mirror``) and, on nodes other than 0, one
+that waits for the first leader before campaigning. Guarded by :attr:`SeatHost._lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import replace
+from typing import Callable
+
+from unbroken.config import LaunchConfig
+from unbroken.consensus.durable import DurableState, DurableStore, job_prefix
+from unbroken.consensus.election import Fenced, Term, wait_for_leader
+from unbroken.consensus.etcd import EtcdClient, EtcdError
+from unbroken.consensus.seat import ControllerSeat
+from unbroken.controller import machine as sm
+from unbroken.controller.durable_mirror import agent_name, durable_from_job
+from unbroken.controller.server import Controller
+from unbroken.controller.takeover import Takeover
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DurableMirror", "EtcdLeader", "SeatHost", "seat_address"]
+
+#: How long a node other than 0 waits for the job's first leader before it campaigns anyway.
+FIRST_LEADER_WAIT_S = 120.0
+ETCD_TIMEOUT_S = 2.0
+
+#: (host, port, takeover or None for a fresh job, durable listener, whether the term still holds)
+#: -> a started controller.
+StartController = Callable[[str, int, "Takeover | None", Callable[[sm.JobState], None], Callable[[], bool]],
+                           Controller]
+
+
+def seat_address(cfg: LaunchConfig) -> tuple[str, int]:
+    """Where this agent's controller would listen: node 0's is the job's --master-addr/--master-port;
+    another agent's is the address it reaches node 0 from, on a free port."""
+    if cfg.node_rank == 0 and not cfg.standby:
+        return cfg.master_addr, cfg.master_port
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((cfg.master_addr, cfg.master_port or 9))  # no packet is sent: picks the interface
+            host = probe.getsockname()[0]
+        except OSError:
+            host = cfg.master_addr
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as free:
+        free.bind((host, 0))
+        return host, free.getsockname()[1]
+
+
+def _holds(term: Term) -> bool:
+    """The term still holds by the leader's own clock (Term.check without raising)."""
+    return not term.lost.is_set() and time.monotonic() < term.valid_until
+
+
+class EtcdLeader:
+    """The agent's :class:`~unbroken.agent.agent.LeaderSource`: the leader's address from etcd."""
+
+    def __init__(self, client: EtcdClient, prefix: bytes) -> None:
+        self._client, self._prefix = client, prefix
+
+    def find(self, *, after_term: int, timeout_s: float) -> tuple[str, int, int]:
+        leader = wait_for_leader(self._client, self._prefix, timeout_s=timeout_s, newer_than=after_term)
+        host, _, port = leader.address.rpartition(":")
+        return host, int(port), leader.term
+
+
+class DurableMirror:
+    """The leading controller's durable state into etcd, off the controller's lock: :meth:`offer`
+    keeps the newest state, the thread writes it (fenced by ``term``); older ones are skipped."""
+
+    def __init__(self, store: DurableStore, term: Term, on_fenced: Callable[[Term], None]) -> None:
+        self._store, self._term, self._on_fenced = store, term, on_fenced
+        self._cond = threading.Condition()
+        self._pending: sm.JobState | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="unbroken-durable-mirror", daemon=True)
+        self._thread.start()
+
+    def offer(self, state: sm.JobState) -> None:
+        with self._cond:
+            self._pending = state
+            self._cond.notify()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is pending, then stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                state, self._pending = self._pending, None
+                if state is None:
+                    return
+            durable = replace(durable_from_job(state), finished=state.phase in sm.FINAL_PHASES)
+            try:
+                self._store.save(self._term, durable)
+            except Fenced:
+                self._on_fenced(self._term)
+                return
+            except EtcdError as exc:  # no quorum for a moment: the next state is written when it comes
+                log.warning("controller: could not mirror the job state into etcd: %s", exc)
+                with self._cond:
+                    self._pending = self._pending or state
+
+
+class SeatHost:
+    """One agent's seat and the controller it runs while it leads (see the module docstring)."""
+
+    def __init__(self, cfg: LaunchConfig, start_controller: StartController) -> None:
+        self.cfg = cfg
+        self.client = EtcdClient(cfg.controller_store, timeout_s=ETCD_TIMEOUT_S)
+        self.prefix = job_prefix(cfg.secret, cfg.job_id)
+        self.leader = EtcdLeader(self.client, self.prefix)
+        self.host, self.port = seat_address(cfg)
+        self.node = agent_name(cfg.node_rank) if not cfg.standby else f"standby-{socket.gethostname()}-{os.getpid()}"
+        self._start_controller = start_controller
+        self._lock = threading.Lock()
+        self._closed = False
+        self._led = False  # this seat led before (node 0's first term starts the job fresh)
+        self.controller: Controller | None = None
+        self._mirror: DurableMirror | None = None
+        self._seat = ControllerSeat(self.client, self.prefix, node=self.node, address=f"{self.host}:{self.port}",
+                                    ttl_s=cfg.controller_lease_s, on_lead=self._on_lead, on_fenced=self._on_fenced)
+
+    @property
+    def first(self) -> bool:
+        """This agent campaigns at once: node 0's."""
+        return self.cfg.node_rank == 0 and not self.cfg.standby
+
+    def start(self) -> None:
+        if self.first:
+            self._seat.start()
+        else:
+            threading.Thread(target=self._stand_by, name="unbroken-seat-standby", daemon=True).start()
+
+    def _stand_by(self) -> None:
+        try:
+            wait_for_leader(self.client, self.prefix, timeout_s=FIRST_LEADER_WAIT_S)
+        except TimeoutError:
+            log.warning("agent %s: no controller leads the job in etcd after %.0f s; campaigning", self.node,
+                        FIRST_LEADER_WAIT_S)
+        with self._lock:
+            if not self._closed:
+                self._seat.start()
+
+    def _on_lead(self, term: Term, state: DurableState | None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if state is not None and state.finished:
+                log.info("agent %s leads (term %d) a job that has ended: no controller", self.node, term.revision)
+                return
+            takeover = None if self.first and not self._led else self._takeover(term, state)
+            self._led = True
+            mirror = DurableMirror(self._seat.store, term, self._on_fenced)
+            try:
+                controller = self._start_controller(self.host, self.port, takeover, mirror.offer,
+                                                    lambda: _holds(term))
+            except Exception as exc:  # (its port taken, say) give the term up: another seat may lead
+                log.error("agent %s won the controller's lead (term %d) but could not start a controller on "
+                          "%s:%d: %s; giving the lead up", self.node, term.revision, self.host, self.port, exc)
+                mirror.close(0)
+                term.lost.set()  # the keepalive ends the term: the seat campaigns again after the lease
+                return
+            self.controller, self._mirror = controller, mirror
+            log.warning("agent %s leads the job's controller at %s:%d (term %d%s)", self.node, self.host, self.port,
+                        term.revision, ", taking over" if takeover else "")
+
+    def _takeover(self, term: Term, state: DurableState | None) -> Takeover:
+        """What the previous leader left, and its node (lost with it)."""
+        try:
+            terms = self._seat.store.terms()
+        except EtcdError:
+            terms = {}
+        earlier = [t for t in terms if t < term.revision]
+        previous = terms[max(earlier)] if earlier else ""
+        lost = frozenset({int(previous.removeprefix("agent"))}) if previous.removeprefix("agent").isdigit() \
+            else frozenset()
+        durable = state if state is not None else DurableState(restart_budget=self.cfg.recovery.max_restarts)
+        return Takeover(durable, lost, previous)
+
+    def _on_fenced(self, term: Term) -> None:
+        with self._lock:
+            controller, mirror = self.controller, self._mirror
+            self.controller = self._mirror = None
+        if controller is not None:
+            log.warning("agent %s: controller term %d ended; it stops acting now", self.node, term.revision)
+            controller.fence(f"leadership term {term.revision} ended (lease lost or another controller leads)")
+        if mirror is not None and threading.current_thread() is not mirror._thread:
+            threading.Thread(target=mirror.close, name="unbroken-mirror-close", daemon=True).start()
+
+    def close(self) -> None:
+        """The job ended here: write the last state, resign the term, stop standing by."""
+        with self._lock:
+            self._closed = True
+            mirror = self._mirror
+        if mirror is not None:
+            mirror.close()
+        self._seat.close()

@@ -137,7 +137,7 @@ def test_a_rank_still_running_after_its_loop_is_killed_at_the_exit_timeout_and_t
     (hang,) = events(run_dir, "hang_detected")
     assert (hang["rank"], hang["process"], hang["during"]) == (1, "running", "after-loop"), hang
     assert "--exit-timeout-s" in hang["why"]
-    (rank0_exit,) = [e for e in events(run_dir, "worker_exited") if e["rank"] == 0]
+    (rank0_exit,) = [e for e in events(run_dir, "rank_exited") if e["rank"] == 0]
     assert 3 <= hang["t"] - rank0_exit["t"] < 3 + 5, (rank0_exit, hang)
     (warning,) = events(run_dir, "exited_after_loop")
     assert (warning["rank"], warning["signal"], warning["hung"]) == (1, signal.SIGKILL, True)

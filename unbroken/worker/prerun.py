@@ -156,6 +156,20 @@ class PrerunJob(Job):
     def step_index(self) -> int:
         return self._assigned("job.step_index").step_index
 
+    @property
+    def data_world_size(self) -> int:
+        return self._assigned("job.data_world_size").data_world_size
+
+    @property
+    def lr_scale(self) -> float:
+        return self._assigned("job.lr_scale").lr_scale
+
+    def data_ranks(self) -> tuple[int, ...]:
+        return self._assigned("job.data_ranks").data_ranks()
+
+    def sum_over_data_ranks(self, parts: dict[int, torch.Tensor]) -> torch.Tensor:
+        return self._assigned("job.sum_over_data_ranks").sum_over_data_ranks(parts)
+
     def mesh(self, *dims: tuple[str, int], replicate: str = "dp") -> Any:
         return self._assigned("job.mesh").mesh(*dims, replicate=replicate)
 

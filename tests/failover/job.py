@@ -9,9 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,30 +18,17 @@ import psutil
 
 from tests.conftest import EXAMPLE, REPO, free_port
 from tests.integration.helpers import TRAIN_ARGS
+from tests.netns.job import Agent as NetnsAgent
 
 SECRET = "failover-job-secret-0123456789abcdefghij"  # strong enough (>= 32 characters, >= 10 distinct)
 
 
-class Agent:
-    """One `unbroken run` process; its output collected by a reader thread."""
+class Agent(NetnsAgent):
+    """One `unbroken run` process on loopback; its output collected by a reader thread."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        super().__init__(None, argv, env)
         self.name = name
-        self.lines: list[str] = []
-        self.popen = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.append(line)
-
-    def wait(self, timeout_s: float) -> int | None:
-        try:
-            return self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
 
     def processes(self) -> list[psutil.Process]:
         """The agent and every process under it (its workers, their children)."""
@@ -62,9 +47,6 @@ class Agent:
             except psutil.NoSuchProcess:
                 pass
         return [p.pid for p in procs]
-
-    def output(self, tail: int = 4000) -> str:
-        return "".join(self.lines)[-tail:]
 
 
 class FailoverJob:

@@ -22,10 +22,10 @@ PORT = 29400  # every host is a fresh namespace: any port is free there
 class Agent:
     """One `unbroken run` process on a host; its output collected by a reader thread."""
 
-    def __init__(self, host: Host, argv: list[str], env: dict[str, str]) -> None:
-        self.host = host
+    def __init__(self, host: Host | None, argv: list[str], env: dict[str, str]) -> None:
+        self.host = host  # None: on this machine's own network (tests/failover/job.py)
         self.lines: list[str] = []
-        self.popen = subprocess.Popen(host.argv(argv), env=env, cwd=REPO, stdout=subprocess.PIPE,
+        self.popen = subprocess.Popen(host.argv(argv) if host else argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -199,7 +199,7 @@ class Bench:
         start = time.perf_counter()
         restored, _ = self.reader.load()
         restore_fresh = time.perf_counter() - start
-        assert torch.equal(restored["model"]["layers.0.weight"], self.tensors[0])
+        assert torch.equal(restored["model"]["layers.0.weight"], self.tensors[0].cpu())  # new tensors: on the host
         del restored
         self.cold(self.tier.root)
         start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""GPU checks (`pytest -m gpu`): CUDA RNG, the memory tier from device memory, NCCL abort.
+"""GPU checks (`pytest -m gpu`): CUDA RNG, the memory tier from device memory, NCCL abort with work pending.
 
 Collected everywhere, skipped with a reason where no CUDA device is present (our CPU machines
 and CI); `scripts/gpu_check.sh` runs them on a GPU machine. One GPU is enough: NCCL refuses two
@@ -65,7 +65,14 @@ def test_memory_tier_round_trips_device_tensors():
         remove_job("/dev/shm", job_id)
 
 
-def test_nccl_group_aborted_with_a_pending_collective_returns_within_a_second():
+def test_nccl_abort_with_a_pending_collective_returns_once_the_stream_drains():
+    """What ProcessGroupNCCL.abort() does with a collective queued behind a long kernel.
+
+    Measured on an H200 (torch 2.11, NCCL of cu130): abort() blocks until the kernel ahead of
+    the collective is done (~20 s here), it does not cut it short. So an abort from the wait
+    path frees a rank stuck on a *peer* (the collective never completes), not one whose own
+    stream is busy: docs/gpus.md. The bound here is the kernel's time plus a margin, far below
+    the group's 60 s timeout."""
     store = dist.HashStore()
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=60)
@@ -73,11 +80,11 @@ def test_nccl_group_aborted_with_a_pending_collective_returns_within_a_second():
     t = torch.ones(1 << 20, device="cuda")
     dist.all_reduce(torch.ones(1, device="cuda"), group=group)  # warm the communicator
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(5e9))  # ~seconds of GPU time ahead of the collective on the stream
+    torch.cuda._sleep(int(4e10))  # ~20 s of GPU time (at ~2 GHz) ahead of the collective on the stream
     work = group.allreduce([t])
     assert not work.is_completed()
     started = time.monotonic()
     group.abort()
-    while not work.is_completed() and time.monotonic() - started < 1.0:
-        time.sleep(0.01)
-    assert time.monotonic() - started < 1.0, "control did not come back within 1 s of the abort"
+    aborted_s = time.monotonic() - started
+    print(f"abort returned in {aborted_s:.3f} s; the work completed: {work.is_completed()}")
+    assert aborted_s < 40.0, f"abort took {aborted_s:.1f} s: longer than the kernel ahead of it"

@@ -97,12 +97,14 @@ class SnapshotReader:
         contiguous tensor of the same dtype and shape is read straight into that leaf, with no
         allocation, and the returned tree holds that very tensor (a view of it for dtypes
         stored as raw bytes); the others (no such leaf, another shape or dtype) come back as
-        new tensors, and `into`'s other leaves are ignored. On CheckpointCorrupt (and whenever
+        new tensors, and `into`'s other leaves are ignored. A leaf on a device (a GPU) of the
+        same dtype and shape is filled from the verified host copy (one copy to the device) and
+        returned in its place. On CheckpointCorrupt (and whenever
         a newer snapshot was skipped) tensors of `into` may be partly overwritten: load
         another step into them, or trust only the returned tree. Otherwise as read_flat.
         """
         tensors, spec, meta = self._read(step, lambda spec: _into_targets(spec, into))
-        return unflatten_state(tensors, spec), meta
+        return _onto_devices(unflatten_state(tensors, spec), into), meta
 
     def _read(self, step: int | None, targets: Callable[[dict], dict[str, torch.Tensor]]
               ) -> tuple[dict[str, torch.Tensor], dict, dict]:
@@ -309,6 +311,27 @@ def _into_targets(spec: dict, into: Any) -> dict[str, Any]:
     if into is not None:
         walk(spec.get("root"), into)
     return out
+
+
+def _onto_devices(tree: Any, into: Any) -> Any:
+    """`tree` with each leaf whose place in `into` holds a non-CPU tensor of the same dtype and
+    shape copied into that tensor and replaced by it: a restore lands in the live device state,
+    as a CPU leaf does through `_into_targets`. Runs after every byte was verified."""
+    if isinstance(tree, torch.Tensor):
+        if isinstance(into, torch.Tensor) and into.device.type != "cpu" and tree.device.type == "cpu" \
+                and into.dtype == tree.dtype and into.shape == tree.shape:
+            with torch.no_grad():
+                into.copy_(tree)
+            return into
+        return tree
+    if isinstance(tree, dict) and isinstance(into, Mapping):  # a fresh tree: changed in place
+        for key in tree.keys() & into.keys():
+            tree[key] = _onto_devices(tree[key], into[key])
+    elif isinstance(tree, list) and isinstance(into, (list, tuple)):
+        tree[:len(into)] = [_onto_devices(v, sub) for v, sub in zip(tree, into)]
+    elif type(tree) is tuple and isinstance(into, (list, tuple)):
+        return tuple(_onto_devices(v, sub) for v, sub in zip(tree, into)) + tree[len(into):]
+    return tree
 
 
 def _parse_meta(path: Path, raw: bytes, h: SlotHeader) -> dict:

@@ -73,6 +73,7 @@ def _check_recovered(job: NetnsJob, reference, *, timeout_s: float = 240) -> Non
     assert events(job.run_dir, "recovered_in_flight")[-1]["replaced"] == [2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_node_killed_its_ranks_move_to_the_standby_bit_exact(netns_hosts, tmp_path, reference):
     job, _, _, _ = _run_with_fault(netns_hosts, tmp_path, "kill")

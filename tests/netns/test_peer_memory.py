@@ -65,6 +65,7 @@ def _check_restarted_from_peer_memory(job: NetnsJob, reference) -> None:
     assert not list((job.tmp / "ckpt").glob("step_*/MANIFEST.json"))  # nothing in storage to fall back on
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_node_killed_job_restarts_on_the_standby_from_peer_memory_bit_exact(netns_hosts, tmp_path, reference):
     job = _kill_node_1(netns_hosts, tmp_path, ["--recover-strategy", "exit", "--persist-every-steps", "0"])

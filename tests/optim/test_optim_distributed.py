@@ -121,13 +121,13 @@ def test_validation_errors_name_the_values(train_results):
         assert res["train_after_errors"] is True
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_survivors_abort_promptly_when_a_peer_is_killed_before_sync(tmp_path):
     victim = WORLD - 1
     flag_at = {}
 
     def kill_then_abort(procs):
-        wait_for_files([tmp_path / "victim.ready"] + [tmp_path / f"sync.{r}" for r in range(victim)], 60)
+        wait_for_files([tmp_path / "victim.ready"] + [tmp_path / f"sync.{r}" for r in range(victim)], 150)  # 4 imports of torch under load
         time.sleep(0.3)  # the survivors are now inside step(), blocked in the all-reduce
         # The abort order goes out as the peer dies (flag first: a survivor that sees gloo's
         # "connection reset" ~10 ms later must already find the order, whatever the scheduler does).
@@ -135,11 +135,11 @@ def test_survivors_abort_promptly_when_a_peer_is_killed_before_sync(tmp_path):
         flag_at["t"] = time.time()
         os.kill(procs[victim].pid, signal.SIGKILL)
 
-    results = run_ranks("abort", WORLD, tmp_path, timeout_s=60, while_running=kill_then_abort,
+    results = run_ranks("abort", WORLD, tmp_path, timeout_s=180, while_running=kill_then_abort,
                         expect_killed=(victim,))
     for rank, res in enumerate(results[:victim]):
         assert res["outcome"] == "aborted", (rank, res)
-        assert res["raised_at"] - flag_at["t"] < 2.0, "well under the 30 s gloo timeout"
+        assert res["raised_at"] - flag_at["t"] < 2.0, "well under the gloo timeout"
         assert "gradient all-reduce of step 2" in res["message"]
         assert res["step_count"] == 2 and res["weights_unchanged"] is True  # nothing half-updated
     assert sum(res["abandoned"] for res in results[:victim]) >= 1  # pending work kept referenced

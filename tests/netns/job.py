@@ -75,8 +75,10 @@ class NetnsJob:
             self.standby = Agent(h, argv, self._env(h))
 
     def restart_agent(self, node: int) -> Agent:
-        """Start node ``node``'s agent again, on its host, as it was started (a node that comes back)."""
+        """Start node ``node``'s agent again, on its host, as it was started (a node that comes back, its
+        memory empty: Host.kill removed it)."""
         h = self.hosts[node]
+        h.shm_dir.mkdir(mode=0o700, exist_ok=True)
         self.agents[node] = Agent(h, self._argv[node], self._env(h))
         return self.agents[node]
 

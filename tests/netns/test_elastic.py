@@ -160,7 +160,7 @@ def test_a_killed_node_that_comes_back_grows_the_job_back_bit_exact(netns_hosts,
     # Slower steps (they do not change the weights): the shrunk world must still be training when the
     # restarted agent (it imports torch) joins, a few steps before the end.
     job, fault_t = run_with_fault(netns_hosts, tmp_path, "kill", flags(tmp_path),
-                                  train_args=(*EXACT_REDUCE, "--step-sleep-s", "1.5"))
+                                  train_args=(*EXACT_REDUCE, "--step-sleep-s", "2.5"))
     job.wait_for(lambda: events(job.run_dir, "decision"), 60, "the elastic decision")
     back = job.restart_agent(1)
     codes = job.finish(600)

@@ -13,6 +13,8 @@ memory tier gone with it). Rows:
                     the survivors run the lost rank's micro-batch too
   elastic_fast      the same with `--elastic-mode fast --elastic-lr-scaling linear` and a plain
                     all-reduce: a smaller global batch from the restart on
+  elastic_scale_out elastic_exact, and node 1's agent started again on its host once the job shrank:
+                    the job grows back to 3 ranks at a committed step (controller/elastic.py)
   torchrun_restart  the same loss under torchrun: `python -m torch.distributed.run --nnodes 2:3
                     --max-restarts 3 --rdzv-backend c10d` on each host (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
                     FACTS.md), default rendezvous timeouts; the example checkpoints to storage every
@@ -23,6 +25,9 @@ Figures, from the controller's host (node 0), each output line stamped with time
   lost_steps     steps rank 0 completed again (printed twice)
   max_rel_diff   max over tensors of max|a - b| / max|b| of the final weights against a fault-free
                  `unbroken run` of the same script and flags on 3 ranks (0.0: bit-equal)
+  scale_out_s    elastic_scale_out: node 1's agent started again -> every rank of the grown world back at
+                 the step the scale-out was decided at (its `scaled_out` event); grow_s: that decision ->
+                 the same point (the event's recover_s)
 A benchmark never asserts a figure; it prints a table and, with --json, writes the rows.
 """
 
@@ -41,13 +46,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.conftest import EXAMPLE, REPO  # noqa: E402
-from tests.integration.helpers import max_rel_diff  # noqa: E402
+from tests.integration.helpers import events, max_rel_diff  # noqa: E402
 from tests.netns.hosts import Hosts  # noqa: E402
 from tests.netns.job import PORT, SECRET, Agent, NetnsJob  # noqa: E402
 
 NNODES = 3
 STEP_RE = re.compile(r"^(?:\[rank 0\] )?step (\d+): loss ")
-ROWS = ("elastic_exact", "elastic_fast", "torchrun_restart")
+ROWS = ("elastic_exact", "elastic_fast", "elastic_scale_out", "torchrun_restart")
 
 
 def script_args(a: argparse.Namespace, out: Path, *more: str) -> list[str]:
@@ -58,6 +63,8 @@ def script_args(a: argparse.Namespace, out: Path, *more: str) -> list[str]:
 def reference(a: argparse.Namespace, root: Path, *more: str) -> Path:
     """The fault-free run's final weights: `unbroken run` of 3 ranks on this host."""
     out = root / f"reference{''.join(more)}.safetensors"
+    if out.exists():  # elastic_exact's, for elastic_scale_out
+        return out
     cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", str(NNODES), "--run-dir",
            str(root / f"ref-run{''.join(more)}"), str(EXAMPLE), *script_args(a, out, *more)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout_s)
@@ -81,8 +88,9 @@ class Stamps:
             self.seen += 1
 
 
-def measure(a: argparse.Namespace, stamps: Stamps, hosts: Hosts, done) -> dict:
-    """Wait for step --kill-after-step, kill node 1, wait for the end; recover_s and lost_steps."""
+def measure(a: argparse.Namespace, stamps: Stamps, hosts: Hosts, done, after_kill=None) -> dict:
+    """Wait for step --kill-after-step, kill node 1, wait for the end; recover_s and lost_steps.
+    ``after_kill``: polled after the kill until it returns True (elastic_scale_out starts node 1 again)."""
     deadline = time.monotonic() + a.timeout_s
     while not any(s >= a.kill_after_step for _, s in stamps.steps):
         stamps.poll()
@@ -94,6 +102,8 @@ def measure(a: argparse.Namespace, stamps: Stamps, hosts: Hosts, done) -> dict:
     hosts[1].kill()
     while not done() and time.monotonic() < deadline:
         stamps.poll()
+        if after_kill is not None and after_kill():
+            after_kill = None
         time.sleep(0.01)
     stamps.poll()
     after = [t for t, _ in stamps.steps[before:] if t > kill_t]
@@ -108,7 +118,7 @@ def measure(a: argparse.Namespace, stamps: Stamps, hosts: Hosts, done) -> dict:
 def elastic_row(a: argparse.Namespace, root: Path, name: str, ref: Path) -> dict:
     d = root / name
     d.mkdir()
-    exact = name == "elastic_exact"
+    exact = name != "elastic_fast"
     mode = ["--elastic-mode", "exact"] if exact else ["--elastic-mode", "fast", "--elastic-lr-scaling", "linear"]
     flags = ["--recover-strategy", "elastic,exit", "--node-reports", "--node-timeout-s", "5",
              "--first-step-timeout-s", "300", "--save", str(d / "save"), "--ckpt-every-steps", "1", *mode]
@@ -116,10 +126,25 @@ def elastic_row(a: argparse.Namespace, root: Path, name: str, ref: Path) -> dict
     try:
         extra = ["--step-sleep-s", str(a.step_sleep_s), "--log-every", "1", *(["--exact-reduce"] if exact else [])]
         job = NetnsJob(hosts, d, nnodes=NNODES, nproc=1, steps=a.steps, flags=flags, train_args=extra)
-        row = measure(a, Stamps(job.agents[0]), hosts, lambda: job.agents[0].popen.poll() is not None)
+        back: list[float] = []  # elastic_scale_out: when node 1's agent was started again
+
+        def come_back() -> bool:  # once the job shrank (its decision is logged)
+            if not events(job.run_dir, "decision"):
+                return False
+            back.append(time.time())
+            job.restart_agent(1)
+            return True
+
+        row = measure(a, Stamps(job.agents[0]), hosts, lambda: job.agents[0].popen.poll() is not None,
+                      come_back if name == "elastic_scale_out" else None)
         code = job.agents[0].wait(60)
         row["exit_code"] = code
         row["max_rel_diff"] = max_rel_diff(job.out, ref) if code == 0 and job.out.exists() else None
+        if name == "elastic_scale_out":
+            scaled = events(job.run_dir, "scaled_out")
+            row["scale_out_s"] = round(scaled[0]["t"] - back[0], 3) if scaled and back else None
+            row["grow_s"] = scaled[0]["recover_s"] if scaled else None
+            row["worlds"] = [e["to_world"] for e in events(job.run_dir, "scale_out")]
         return row
     finally:
         hosts.close()
@@ -182,18 +207,20 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "torchrun_restart":
                     results[name] = torchrun_row(a, root)
                 else:
-                    exact = name == "elastic_exact"
+                    exact = name != "elastic_fast"
                     ref = reference(a, root, *(["--exact-reduce"] if exact else []))
                     results[name] = elastic_row(a, root, name, ref)
             except Exception as exc:  # noqa: BLE001  (a failed row is a row with its error, the others go on)
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
             results[name]["row_s"] = round(time.monotonic() - t0, 1)
             print(f"{name}: {results[name]}", flush=True)
-    print(f"\n{'row':18} {'recover_s':>10} {'lost_steps':>10} {'max_rel_diff':>13} {'exit':>5}")
+    print(f"\n{'row':18} {'recover_s':>10} {'lost_steps':>10} {'max_rel_diff':>13} {'exit':>5} "
+          f"{'scale_out_s':>11} {'grow_s':>7}")
     for name, r in results.items():
         diff = r.get("max_rel_diff")
         print(f"{name:18} {r.get('recover_s')!s:>10} {r.get('lost_steps')!s:>10} "
-              f"{'-' if diff is None else f'{diff:.3g}':>13} {r.get('exit_code')!s:>5}")
+              f"{'-' if diff is None else f'{diff:.3g}':>13} {r.get('exit_code')!s:>5} "
+              f"{r.get('scale_out_s', '-')!s:>11} {r.get('grow_s', '-')!s:>7}")
     if a.json:
         Path(a.json).write_text(json.dumps({"steps": a.steps, "kill_after_step": a.kill_after_step,
                                             "nnodes": NNODES, "rows": results}, indent=2) + "\n")

@@ -77,10 +77,12 @@ def test_the_recovery_flags_are_one_section_that_is_the_ladders_policy():
     machine and the ladder read: no second set of names on the way (issue 31, item 4)."""
     args = build_parser().parse_args(["run", "--max-restarts", "7", "--recover-strategy", "recover-in-place,exit",
                                       "--no-replica-restore", "--sub-health-policy", "grace-exit",
-                                      "--crash-loop-limit", "0", "--max-recurring-recoveries", "4", "train.py"])
+                                      "--crash-loop-limit", "0", "--max-recurring-recoveries", "4", "--no-scale-out",
+                                      "train.py"])
     cfg = launch_config(args)
     assert cfg.recovery == JobPolicy(max_restarts=7, allowed=("recover-in-place", "exit"), replicas_allowed=False,
-                                     sub_health_policy="grace-exit", crash_loop_limit=0, max_recurring=4)
+                                     sub_health_policy="grace-exit", crash_loop_limit=0, max_recurring=4,
+                                     scale_out=False)
     assert launch_config(build_parser().parse_args(["run", "train.py"])).recovery == JobPolicy()  # one set of defaults
     assert worker_env(cfg, rank=0, local_rank=0, attempt=0, controller="h:1", store_host="h",
                       store_port=2)["TORCHELASTIC_MAX_RESTARTS"] == "7"

@@ -155,6 +155,35 @@ def test_the_ring_successor_keeps_the_copy_and_a_replacement_fetches_it(job):
     assert not [n for n in os.listdir(SHM) if job in n]  # nothing left behind
 
 
+def test_a_rank_taken_in_by_a_scale_out_fetches_a_survivors_two_snapshots_in_place_of_its_own(job):
+    """controller/elastic.py: a scale-out's rank gets a surviving rank's own snapshots, from that node."""
+    a, c = _service(job, 0, [0]), _service(job, 2, [])
+    try:
+        book = {0: ("127.0.0.1", a.port), 2: ("127.0.0.1", c.port)}
+        for p in (a, c):
+            p.set_peers(book, hosting={0})
+        w = SnapshotWriter(SHM, job, 0)
+        for step in (5, 6):
+            w.write(step, _state(step))
+            w.flush()
+        w.close()
+        _write(job, 2, 1)  # what an older life of the node left under rank 2: never restored
+        got = c.fetch_replica(2, 0, 0)
+        assert got["agent"] == 0 and got["step"] == 6
+        reader = SnapshotReader(SHM, job, 2)
+        assert sorted(s for s, _ in reader.committed()) == [5, 6]
+        _same(reader.load()[0], _state(6))
+        _same(reader.load(5)[0], _state(5))
+        assert peer_marker_path(SHM, job, 2).exists()
+        assert c.fetch_replica(3, 0, 1) is None  # agent 0 holds no snapshot of rank 1
+        assert c.fetch_replica(3, 1, 0) is None  # agent 1 is not in the book
+    finally:
+        for p in (a, c):
+            p.stop()
+    remove_job(SHM, job)
+    assert not [n for n in os.listdir(SHM) if job in n]
+
+
 def test_a_wrong_secret_is_refused(job):
     p = _service(job, 0, [])
     try:

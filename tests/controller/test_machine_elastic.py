@@ -1,5 +1,6 @@
 """Rung `elastic` in the state machine (controller/elastic.py): a lost node with no standby shrinks the job
-to the nodes left, renumbering ranks and handing out the lost ranks' data shards. Pure: no processes."""
+to the nodes left, renumbering ranks and handing out the lost ranks' data shards. Pure: no processes.
+Growing back when the node returns: tests/controller/test_machine_scale_out.py."""
 
 from __future__ import annotations
 
@@ -63,12 +64,3 @@ def test_a_job_restart_after_the_shrink_reloads_each_rank_own_snapshots():
     state, actions = run(state, sm.RankExited(3, 1, 1, None))  # a crash; rung exit (no recover-in-place)
     assert actions[0].rung == "exit" and state.restore_ranks == ()
     assert state.data_ranks == ((0, 2), (1, 3), (4,), (5,))  # the shape stays shrunk
-
-
-def test_a_node_that_comes_back_is_not_taken_in_yet_and_changes_nothing():
-    """No scale-out yet: an agent joining a shrunk job gets no ranks; the job runs on at its smaller size."""
-    state, _ = run(start(), sm.AgentLost(1), sm.AgentStopped(0, 0), sm.AgentStopped(2, 0))
-    before = state
-    state, actions = run(state, sm.AgentJoined(1))
-    assert actions == [] and state.hosts() == frozenset({0, 2}) and state.world_size == 4
-    assert state.data_ranks == before.data_ranks and state.placement == before.placement

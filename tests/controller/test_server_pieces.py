@@ -299,7 +299,8 @@ def test_recovery_timing_reports_the_in_flight_milestones():
     assert fields == dict(detect_s=0.5, replace_s=0.1, regroup_s=0.1, restore_s=0.2, total_s=1.0, steps_redone=1)
     assert timing.check_recovered(views, 0, 12.0) is None  # rank 1 is not back at step 7 yet
     views[1].step = 7
-    assert timing.check_recovered(views, 0, 12.0)["tier"] == "replicas"
+    name, fields = timing.check_recovered(views, 0, 12.0)
+    assert name == "recovered" and fields["tier"] == "replicas"
     assert timing.check_recovered(views, 0, 12.0) is None  # reported once
 
 

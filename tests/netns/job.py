@@ -56,11 +56,13 @@ class NetnsJob:
         script = [str(EXAMPLE), "--steps", str(steps), "--out", str(self.out), *TRAIN_ARGS, *train_args]
         master = hosts[0].addr
         self.agents: list[Agent] = []
+        self._argv: list[list[str]] = []
         for node in range(nnodes):
             h = hosts[node]
             argv = [sys.executable, "-m", "unbroken.cli.main", "run", "--nnodes", str(nnodes), "--node-rank",
                     str(node), "--nproc-per-node", str(nproc), "--master-addr", master, "--master-port", str(PORT),
                     "--run-dir", str(tmp / f"node{node}"), "--shm-dir", str(h.shm_dir), *flags, *script]
+            self._argv.append(argv)
             self.agents.append(Agent(h, argv, self._env(h)))
             if node == 0:
                 time.sleep(0.5)  # the controller listens first (the others retry anyway)
@@ -71,6 +73,14 @@ class NetnsJob:
                     "--master-addr", master, "--master-port", str(PORT), "--run-dir", str(tmp / "standby"),
                     "--shm-dir", str(h.shm_dir), *standby_flags, *flags_for_standby(flags), *script]
             self.standby = Agent(h, argv, self._env(h))
+
+    def restart_agent(self, node: int) -> Agent:
+        """Start node ``node``'s agent again, on its host, as it was started (a node that comes back, its
+        memory empty: Host.kill removed it)."""
+        h = self.hosts[node]
+        h.shm_dir.mkdir(mode=0o700, exist_ok=True)
+        self.agents[node] = Agent(h, self._argv[node], self._env(h))
+        return self.agents[node]
 
     @staticmethod
     def _env(h: Host) -> dict[str, str]:

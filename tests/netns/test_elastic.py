@@ -12,6 +12,9 @@ last bits: the fault-free run sums g0 + g1 + g2 in gloo's all-reduce of three ra
 g0 + g1 by autograd's accumulation on rank 0, then + g2 in a two-rank all-reduce, and floating-point
 addition is not associative; there the test asserts a largest relative difference
 (tests/integration/helpers.py max_rel_diff) of at most 1e-6 and prints it.
+
+Scale-out: node 1's agent started again on its host after the kill; the job grows back to world 3 at a
+committed step (rank 1 fetches a survivor's snapshot from its node's memory) and still ends bit-equal.
 """
 
 from __future__ import annotations
@@ -148,3 +151,45 @@ def test_a_sharded_optimizer_is_refused_with_the_reason_not_shrunk_silently(netn
     assert decision["rung"] == "give-up"
     assert "rung elastic cannot go on without them: its ShardedOptimizer shards the optimizer state over 3 ranks " \
            "(3 copies each); re-sharding it onto fewer ranks is not built" in decision["reason"], decision
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_killed_node_that_comes_back_grows_the_job_back_bit_exact(netns_hosts, tmp_path, reference):
+    """3 -> 2 -> 3 ranks: shrink on the kill, scale-out once node 1's agent is back, exit 0, bit-equal."""
+    # Slower steps (they do not change the weights): the shrunk world must still be training when the
+    # restarted agent (it imports torch) joins, a few steps before the end.
+    job, fault_t = run_with_fault(netns_hosts, tmp_path, "kill", flags(tmp_path),
+                                  train_args=(*EXACT_REDUCE, "--step-sleep-s", "2.5"))
+    job.wait_for(lambda: events(job.run_dir, "decision"), 60, "the elastic decision")
+    back = job.restart_agent(1)
+    codes = job.finish(600)
+    assert codes == [0, 0, 0], job.outputs()
+    assert back.wait(1) == 0
+    decisions = events(job.run_dir, "decision")
+    assert [(d["rung"], d["kind"]) for d in decisions] == [("elastic", "node-lost")], decisions
+    assert not events(job.run_dir, "scale_out_refused"), events(job.run_dir, "scale_out_refused")
+    (grow,) = events(job.run_dir, "scale_out")
+    assert (grow["from_world"], grow["to_world"], grow["agents"]) == (2, 3, [1]), grow
+    (scaled,) = events(job.run_dir, "scaled_out")
+    assert scaled["attempt"] == 2 and scaled["to_world"] == 3 and scaled["recover_s"] > 0, scaled
+    attempts = events(job.run_dir, "attempt_started")
+    assert [a["attempt"] for a in attempts] == [0, 1, 2], attempts
+    started = [(e["rank"], e["attempt"]) for e in events(job.run_dir, "rank_started")]
+    worlds = [len({r for r, a in started if a == attempt}) for attempt in (0, 1, 2)]
+    assert worlds == [3, 2, 3], started  # world sizes 3 -> 2 -> 3
+    order = [e["event"] for e in events(job.run_dir) if e["event"] in ("decision", "scale_out", "scaled_out")]
+    assert order == ["decision", "scale_out", "scaled_out"], order
+    (fetched,) = [e for e in events(job.run_dir, "peer_copy_fetched") if "from_rank" in e]
+    assert fetched["rank"] == 1 and fetched["step"] >= 5, fetched
+    restored = {e["rank"]: e for e in events(job.run_dir, "restored") if e["attempt"] == 2}
+    assert sorted(restored) == [0, 1, 2], restored
+    assert (restored[1]["tier"], restored[2]["from_rank"]) == ("peer_memory", 1), restored
+    assert len({e["step"] for e in restored.values()}) == 1, restored
+    diff = max_rel_diff(job.out, reference)
+    print(f"elastic scale-out: shrunk at step {events(job.run_dir, 'restored')[0]['step']}, grown back at "
+          f"step {restored[0]['step']} (decided at committed step {grow['step']}) in {scaled['recover_s']} s "
+          f"(node lost to back at world 2: {events(job.run_dir, 'recovered')[0]['recover_s']} s); final weights "
+          "max relative difference "
+          f"{diff:.3g} against the fault-free run")
+    assert diff == 0.0

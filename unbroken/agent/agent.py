@@ -303,6 +303,22 @@ class Agent:
         for rank, got in self._peer.fetch_missing(ranks, timeout_s=self.cfg.worker.recovery_timeout_s).items():
             self._send(m.AgentEvent(name="peer_copy_fetched", fields={"rank": rank, **got}))
 
+    def _fetch_replicas(self, sources: dict[int, tuple[int, int]]) -> None:
+        """A scale-out took this node in: each of its ranks gets a surviving rank's snapshots, fetched from
+        that rank's node (controller/elastic.py). One that cannot is started all the same, with nothing in
+        memory: the controller then sees no common restore step and undoes the scale-out."""
+        for rank, (agent, source) in sorted(sources.items()):
+            got = None if self._peer is None else \
+                self._peer.fetch_replica(rank, agent, source, timeout_s=self.cfg.worker.recovery_timeout_s)
+            if got is None:
+                why = "this node keeps no peer memory (--no-peer-memory)" if self._peer is None else \
+                    f"agent {agent} sent no committed snapshot of rank {source}"
+                log.warning("agent %d: rank %d: no replica snapshot fetched: %s", self.node_rank, rank, why)
+                self._send(m.AgentEvent(name="replica_fetch_failed", fields={"rank": rank, "agent": agent,
+                                                                             "from_rank": source, "reason": why}))
+            else:
+                self._send(m.AgentEvent(name="peer_copy_fetched", fields={"rank": rank, "from_rank": source, **got}))
+
     def _report_persisted(self, step: int, ranks: list[int], seconds: float, error: str) -> None:
         self._send(m.Persisted(step=step, ranks=ranks, seconds=seconds, error=error))
 
@@ -320,6 +336,7 @@ class Agent:
         # where it has one (torch already imported): they are the recovery.
         warm, self._warm_restart = self._warm_restart, False
         ranks = self._placement.start(msg)
+        self._fetch_replicas(self._placement.fetch_sources(msg, ranks))
         if msg.attempt > 0 and self._peer is not None:  # a job restart: ranks moved here from a lost node
             self._fetch_peer_copies(ranks)
         for rank in ranks:

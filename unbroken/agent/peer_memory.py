@@ -14,7 +14,9 @@ A :class:`PeerMemory` lives in each agent that has a memory tier. It owns:
 * :meth:`fetch_missing`, run by the agent's command thread before it starts the workers of a job
   restart: a rank with no committed snapshot here (it moved from a lost node) gets the newest
   copy any peer holds, into its own slots, with a marker that makes its restore say
-  ``peer_memory``.
+  ``peer_memory``;
+* :meth:`fetch_replica`, the same at a scale-out (controller/elastic.py): a rank taken in gets a
+  surviving rank's own snapshots, straight from that rank's node.
 
 Counters (``stats``) say what the copies cost: copies and bytes sent, seconds spent sending.
 """
@@ -207,6 +209,11 @@ class PeerMemory:
                 newest = pc.newest_committed(paths)
                 if newest is None or pc.send_slot(sock, paths[newest[0]], rank, pin=True) is None:
                     sock.sendall(pc.pack_header(pc.Kind.NONE, rank))
+            elif kind == pc.Kind.FETCH_OWN:  # a scale-out: this node's own snapshots of the rank, both slots
+                own = [slot_path(self._dir, self._job, rank, s) for s in (0, 1)]
+                for path in pc.committed_oldest_first(own):
+                    pc.send_slot(sock, path, rank, pin=True)
+                sock.sendall(pc.pack_header(pc.Kind.NONE, rank))
             elif kind == pc.Kind.PROBE:
                 newest = pc.newest_committed(paths)
                 sock.sendall(pc.pack_header(pc.Kind.NONE, rank) if newest is None else
@@ -244,6 +251,41 @@ class PeerMemory:
                     got[rank] = done
                     break
         return got
+
+    def fetch_replica(self, rank: int, agent: int, source: int, timeout_s: float = 60.0) -> dict | None:
+        """A scale-out took this node in: ``rank`` gets the committed snapshots (both slots, the newest
+        last) that agent ``agent``'s own rank ``source`` wrote, into ``rank``'s own slots here, whatever
+        was there removed first; {agent, step, seq, bytes, seconds} of the newest, None if none came."""
+        with self._lock:
+            addr = self._peers.get(agent)
+        if addr is None or not addr[1]:
+            log.warning("agent %d: agent %d keeps no peer memory: no snapshot of rank %d to fetch", self.agent,
+                        agent, source)
+            return None
+        own = [slot_path(self._dir, self._job, rank, s) for s in (0, 1)]
+        for path in (*own, peer_marker_path(self._dir, self._job, rank)):  # an older life's: never restored
+            path.unlink(missing_ok=True)
+        started, newest, nbytes = time.perf_counter(), None, 0
+        try:
+            with self._peer_conn(addr, timeout_s) as conn:
+                sock = conn.raw_socket()
+                sock.settimeout(timeout_s)
+                sock.sendall(pc.pack_header(pc.Kind.FETCH_OWN, source))
+                while True:
+                    kind, _, step, seq, size = pc.read_peer_header(sock)
+                    if kind != pc.Kind.SNAPSHOT:
+                        break
+                    newest = pc.receive_slot(sock, own, source, step, seq, size, self._dir)
+                    nbytes += size
+        except (OSError, ProtocolError, CheckpointError) as exc:  # what was committed before it stays
+            log.warning("agent %d: fetching rank %d's snapshots from agent %d failed: %s", self.agent, source,
+                        agent, exc)
+        if newest is None:
+            return None
+        write_json_marker(peer_marker_path(self._dir, self._job, rank),
+                          {"seq": newest.seq, "step": newest.step, "agent": agent})
+        return {"agent": agent, "step": newest.step, "seq": newest.seq, "bytes": nbytes,
+                "seconds": round(time.perf_counter() - started, 4)}
 
     def _fetch(self, rank: int, agent: int, addr: tuple[str, int], own: list[Path], timeout_s: float
                ) -> dict | None:

@@ -36,11 +36,19 @@ class Placement:
         ranks = list(msg.ranks) or self.own_ranks()
         self._local = dict(zip(ranks, msg.local_ranks)) if msg.local_ranks else {}
         self._shape = {}
-        if msg.data_ranks:  # the job shrank (rung elastic): each rank's data ranks, and whose snapshot it restores
+        # The job shrank (rung elastic) or grew back: each rank's data ranks, and whose snapshot it restores.
+        if msg.data_ranks or msg.restore_ranks:
+            data = msg.data_ranks or [""] * len(ranks)
             restore = msg.restore_ranks or [-1] * len(ranks)
-            for rank, data, old in zip(ranks, msg.data_ranks, restore):
-                self._shape[rank] = _shape_env(data, msg.data_world_size, msg.lr_scale, old)
+            for rank, shard, old in zip(ranks, data, restore):
+                self._shape[rank] = _shape_env(shard, msg.data_world_size, msg.lr_scale, old)
         return ranks
+
+    @staticmethod
+    def fetch_sources(msg: m.StartRanks, ranks: list[int]) -> dict[int, tuple[int, int]]:
+        """After a scale-out: rank -> (agent, rank) whose snapshot this agent fetches for it first."""
+        return {rank: (agent, source) for rank, agent, source in zip(ranks, msg.fetch_agents, msg.fetch_ranks)
+                if agent >= 0 and source >= 0}
 
     def restart(self, msg: m.RestartRank) -> None:
         """One rank restarted in flight: a store (with its key prefix) or world size in the order
@@ -66,7 +74,8 @@ class Placement:
 
 
 def _shape_env(data_ranks: str, data_world_size: int, lr_scale: float, restore_rank: int) -> dict[str, str]:
-    env = {ENV_DATA_RANKS: data_ranks, ENV_DATA_WORLD_SIZE: str(data_world_size), ENV_LR_SCALE: repr(lr_scale)}
+    env = {ENV_DATA_RANKS: data_ranks, ENV_DATA_WORLD_SIZE: str(data_world_size), ENV_LR_SCALE: repr(lr_scale)} \
+        if data_ranks else {}  # (a scale-out: the launch's shape, one data rank each)
     if restore_rank >= 0:
         env[ENV_RESTORE_RANK] = str(restore_rank)
     return env

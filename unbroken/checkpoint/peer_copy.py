@@ -35,7 +35,7 @@ from unbroken.checkpoint.memory import HASH, HEADER, META_FORMAT, VERSION, SlotH
 from unbroken.checkpoint.shm_files import open_ours, open_slot
 from unbroken.errors import CheckpointCorrupt, CheckpointError, ConnectionClosed, ProtocolError
 
-PEER_MAGIC, PEER_VERSION = b"UBPEERMC", 1
+PEER_MAGIC, PEER_VERSION = b"UBPEERMC", 2  # 2: FETCH_OWN
 # magic, version, kind, rank, step, seq, nbytes, crc32 of everything before it
 PEER_HEADER = struct.Struct("<8sIIqqqQI")
 #: The largest copy a node accepts (a slot is one rank's state: far below this).
@@ -52,6 +52,7 @@ class Kind(enum.IntEnum):
     ACK = 4  # a snapshot was received: seq of what is now committed (-1: refused), step
     REFUSED = 5  # a snapshot was not kept (corrupt, torn by a rewrite, no room)
     PROBE = 6  # "which copy of rank R do you hold": answered by ACK (step, seq) or NONE
+    FETCH_OWN = 7  # "send me rank R's own committed snapshots" (a scale-out): SNAPSHOTs, oldest first, then NONE
 
 
 def pack_header(kind: Kind, rank: int = 0, step: int = -1, seq: int = 0, nbytes: int = 0) -> bytes:
@@ -117,6 +118,12 @@ def newest_committed(paths: list[Path]) -> tuple[int, SlotHeader] | None:
         return None
     _, slot, h = max(found, key=lambda item: item[:2])
     return slot, h
+
+
+def committed_oldest_first(paths: list[Path]) -> list[Path]:
+    """The committed slots of ``paths``, the oldest (by seq) first."""
+    found = [(h.seq, p) for p in paths if (h := read_header(p)) is not None and h.state == SlotState.COMMITTED]
+    return [p for _, p in sorted(found)]
 
 
 def send_slot(sock: socket.socket, path: Path, rank: int, *, pin: bool = False) -> SlotHeader | None:

@@ -131,6 +131,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("elastic-lr-scaling", default="none", metavar="RULE",
          help="--elastic-mode fast: the factor job.lr_scale hands the script, none (1), linear (new/original "
               "data-parallel ranks) or sqrt (its square root)")
+    flag("no-scale-out", action="store_true",
+         help="rung `elastic`: a shrunk job never grows back (default: once every node of the launch is there "
+              "again, the lost one back or a standby agent, it grows back to its launch size at a committed step)")
     flag("prerun-spares", action="store_true",
          help="spares run the script up to its first rank-dependent read before a rank is lost (see docs/recovery.md)")
     _add_worker_settings(flag)
@@ -244,7 +247,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
                            replicas_allowed=not args.no_replica_restore, sub_health_policy=args.sub_health_policy,
                            crash_loop_limit=args.crash_loop_limit, max_recurring=args.max_recurring_recoveries,
                            elastic_mode=args.elastic_mode, min_nodes=args.min_nodes,
-                           elastic_lr_scaling=args.elastic_lr_scaling),
+                           elastic_lr_scaling=args.elastic_lr_scaling, scale_out=not args.no_scale_out),
         checkpoint=_checkpoint_config(args),
         hang=HangConfig(timeout_s=args.hang_timeout_s, first_step_timeout_s=args.first_step_timeout_s,
                         exit_timeout_s=args.exit_timeout_s),

@@ -207,6 +207,26 @@ class RestoreDecided:
 
 
 @dataclass(frozen=True)
+class ScaleOut:
+    """Rung elastic grows the job back (controller/elastic.py): for the event log and the clock."""
+
+    from_world: int
+    to_world: int
+    agents: tuple[int, ...]  # the agents taken in
+    step: int  # the committed step it was decided at
+    reason: str
+
+
+@dataclass(frozen=True)
+class ScaleOutRefused:
+    """A scale-out that cannot be made (or was undone): the job trains on at its smaller size."""
+
+    world_size: int
+    agents: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class CommitPersisted:
     """Every rank's files of ``step`` are in storage: write its manifest (the commit)."""
 
@@ -216,7 +236,7 @@ class CommitPersisted:
 
 Action = (StartAttempt | StopAttempt | KillRank | ExitedAfterLoop | Decide | Finish | CommitStep | AbortGeneration
           | RestartRanks | OrderRegroup | Recovered | DumpOrder | CommitDump | AnswerRestore | RestoreDecided
-          | CommitPersisted | Terminating | RecoveryHeld)
+          | CommitPersisted | Terminating | RecoveryHeld | ScaleOut | ScaleOutRefused)
 
 
 @dataclass(frozen=True)
@@ -254,6 +274,19 @@ class Unconfirmed:
     gen: int
     resume_step: int
     tries: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The shrunk shape a scale-out left (controller/elastic.py), kept until the first attempt at the
+    launch's size restored: if the ranks taken in got no state, the job goes back to it."""
+
+    world_size: int
+    placement: tuple[int, ...]
+    data_ranks: tuple[tuple[int, ...], ...]
+    data_world_size: int
+    lr_scale: float
+    joining: frozenset[int]  # the agents the scale-out took in
 
 
 @dataclass(frozen=True)
@@ -299,6 +332,14 @@ class JobState:
     #                                      a shrink (): its own
     lr_scale: float = 1.0  # --elastic-lr-scaling's factor for the script (fast mode)
     not_exact: tuple[tuple[int, str], ...] = ()  # (rank, why its script cannot keep the global batch smaller)
+    # Scale-out (controller/elastic.py): back to the launch's shape once the lost nodes (or standbys) are there.
+    launch_placement: tuple[int, ...] = ()  # the agent of each rank of the launch's world, kept at the first
+    #                                         shrink (): never shrunk
+    fetch_from: tuple[tuple[int, int], ...] = ()  # per rank, first attempt after a scale-out: (agent, rank) whose
+    #                                               snapshot its agent fetches first ((-1, -1): none)
+    growing: Shape | None = None  # the shape before the scale-out in progress (until it restored)
+    no_grow: frozenset[int] = frozenset()  # agents a scale-out failed to take in (again once they rejoin)
+    snapshot_every: int = 0  # memory-tier snapshots every this many steps, fetchable by a peer agent (0: none)
 
     @property
     def ranks(self) -> RankSet:

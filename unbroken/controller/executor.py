@@ -53,6 +53,7 @@ class Executor:
             sm.Recovered: self._recovered, sm.RecoveryHeld: self._recovery_held, sm.DumpOrder: self._dump, sm.CommitDump: self._commit_dump,
             sm.AnswerRestore: self._answer_restore, sm.RestoreDecided: self._restore_decided,
             sm.CommitPersisted: self._commit_persisted, sm.Finish: self._finish, sm.Terminating: self._terminating,
+            sm.ScaleOut: self._scale_out, sm.ScaleOutRefused: self._scale_out_refused,
             Reply: self._reply, TellAgents: self._tell_agents,
         }
 
@@ -209,6 +210,19 @@ class Executor:
         if action.rung != Rung.RECOVER_IN_PLACE:
             hub.board.recovery_dropped()
 
+    def _scale_out(self, action: sm.ScaleOut) -> None:
+        hub = self._hub
+        hub.timing.scale_out_began(time.monotonic(), hub.board.views(), action.from_world, action.to_world)
+        hub.events.emit("scale_out", from_world=action.from_world, to_world=action.to_world,
+                        agents=list(action.agents), step=action.step, reason=action.reason)
+
+    def _scale_out_refused(self, action: sm.ScaleOutRefused) -> None:
+        hub = self._hub
+        hub.timing.scale_out_dropped()
+        hub.events.emit("scale_out_refused", world_size=action.world_size, agents=list(action.agents),
+                        reason=action.reason)
+        log.warning("controller: %s", action.reason)
+
     def _commit_step(self, action: sm.CommitStep) -> None:
         self._hub.board.committed()  # every rank reported StepSynced: each moves on to its update
         self.send_commit(action)  # the action is the wire message
@@ -313,13 +327,19 @@ def _committed(step: int) -> int | None:
 
 
 def _shrunk_shape(state: sm.JobState, ranks: list[int]) -> dict:
-    """StartRanks' fields for ``ranks`` of one agent once rung elastic shrank the job (none before)."""
-    if not state.data_ranks:
+    """StartRanks' fields for ``ranks`` of one agent once rung elastic shrank the job, or grew it back
+    (none before)."""
+    if not (state.data_ranks or state.restore_ranks or state.fetch_from):
         return {}
-    return dict(local_ranks=list(range(len(ranks))),
-                data_ranks=[",".join(map(str, state.data_ranks[r])) for r in ranks],
-                restore_ranks=[state.restore_ranks[r] for r in ranks] if state.restore_ranks else [],
-                data_world_size=state.data_world_size, lr_scale=state.lr_scale)
+    shape: dict = dict(local_ranks=list(range(len(ranks))),
+                       restore_ranks=[state.restore_ranks[r] for r in ranks] if state.restore_ranks else [])
+    if state.data_ranks:
+        shape.update(data_ranks=[",".join(map(str, state.data_ranks[r])) for r in ranks],
+                     data_world_size=state.data_world_size, lr_scale=state.lr_scale)
+    if state.fetch_from:
+        shape.update(fetch_agents=[state.fetch_from[r][0] for r in ranks],
+                     fetch_ranks=[state.fetch_from[r][1] for r in ranks])
+    return shape
 
 
 def _shrunk_rank(state: sm.JobState, rank: int) -> dict:

@@ -11,6 +11,8 @@ States of a job (:class:`JobPhase`)::
     RUNNING --every rank exited 0--> SUCCEEDED
     RUNNING --a rank that reported leaving its step loop dies--> RUNNING (it counts as finished,
         with a warning: see :mod:`unbroken.controller.loop_end`) --every rank finished--> SUCCEEDED
+    RUNNING --a node lost, rung 'elastic'--> STOPPING (a smaller world: see unbroken.controller.elastic)
+    RUNNING (shrunk) --a step committed, every node of the launch there again--> STOPPING (scale-out)
     RUNNING --a rank failed, rung 'recover-in-place'--> RECOVERING (generation + 1)
     RECOVERING --every survivor paused, every replacement joined--> (regroup sent)
     RECOVERING --every rank resumed--> RUNNING
@@ -35,7 +37,7 @@ from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for
     JobPhase, Failure, ExitedAfterLoop, StartAttempt, StopAttempt, KillRank, Decide, Finish, CommitStep,
     AbortGeneration, RestartRanks, OrderRegroup, Recovered, DumpOrder, CommitDump, AnswerRestore, RestoreDecided,
     CommitPersisted, Recovery, RestoreRounds, JobPolicy, JobState, Action, FINAL_PHASES, Terminating, RecoveryHeld,
-    Unconfirmed)
+    Unconfirmed, ScaleOut, ScaleOutRefused, Shape)
 from unbroken.controller.events import (  # noqa: F401  (the nouns, re-exported for callers)
     AgentJoined, RankExited, LoopFinished, RankHung, AgentStopped, AgentLost, StandbyJoined, SessionReady,
     StepSynced, RanksSynced, RankPaused, ReplacementJoined, RankResumed, RankDamaged, RankDegraded,
@@ -55,7 +57,8 @@ def _replace(state: JobState, **changes) -> JobState:
 def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     """Apply one event to the job state; return the new state and what to do."""
     if isinstance(event, (RestoreOffered, StepPersisted)):  # in any phase: see unbroken.controller.commits
-        return commits.transition(state, event)
+        state, actions = commits.transition(state, event)
+        return elastic.check_restore(state, actions)  # a scale-out's ranks with no state: back to the shrunk shape
     if state.phase in FINAL_PHASES:
         return state, []
     if terminate.covers(state, event):  # SIGTERM: a dump where one can be made, then exit 143
@@ -71,7 +74,8 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
     if isinstance(event, AgentStopped):
         return _on_agent_stopped(state, event)
     if isinstance(event, StandbyJoined):
-        return _replace(state, standbys=state.standbys | {event.agent}), []
+        state = _replace(state, standbys=state.standbys | {event.agent}, no_grow=state.no_grow - {event.agent})
+        return state, elastic.on_joined(state, event.agent)
     if isinstance(event, AgentLost):
         return _on_agent_lost(state, event)
     if getattr(event, "attempt", state.attempt) != state.attempt:
@@ -124,10 +128,10 @@ def _on_rank_hung(state: JobState, event: RankHung) -> tuple[JobState, list[Acti
 
 
 def _on_agent_joined(state: JobState, event: AgentJoined) -> tuple[JobState, list[Action]]:
-    state = _replace(state, agents=state.agents | {event.node_rank})
+    state = _replace(state, agents=state.agents | {event.node_rank}, no_grow=state.no_grow - {event.node_rank})
     if state.phase is JobPhase.STARTING and state.hosts() <= state.agents:
         return _replace(state, phase=JobPhase.RUNNING), [StartAttempt(state.attempt)]
-    return state, []
+    return state, elastic.on_joined(state, event.node_rank)  # a shrunk job grows back at a commit (elastic.grow)
 
 
 def _on_rank_exited(state: JobState, event: RankExited) -> tuple[JobState, list[Action]]:
@@ -176,6 +180,12 @@ def _replica_map(state: JobState) -> Replicas:
 
 def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset()) -> tuple[JobState, list[Action]]:
     """Ask the ladder for a failure's rung (``lost``: further ranks lost with it) and start it."""
+    growing = state.growing
+    if growing is not None and not (state.hosts() - state.agents) - growing.joining:
+        # The attempt that grows the job back failed before it restored: back to the shrunk shape (its
+        # ranks' own snapshots are there), without the agents it took in.
+        state = _replace(state, first_failure=state.first_failure or failure, failures=state.failures + (failure,))
+        return elastic.undo_grow(state, failure.describe())
     facts = _facts(state, failure, lost)
     decision = choose(facts, state.policy)
     rung, reason, recovery = decision.rung, decision.reason, state.recovery
@@ -203,8 +213,8 @@ def _recover(state: JobState, failure: Failure, lost: frozenset[int] = frozenset
     stop = StopAttempt(state.attempt, f"{rung}: {failure.describe()}")
     state = _onto_standbys(state)
     # restore_ranks=(): every rank restores its own snapshots again (a shrink's renumbering is past)
-    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset(), restore_ranks=()), [
-        Decide(rung, failure, reason), stop]
+    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset(), restore_ranks=(), fetch_from=(),
+                    growing=None), [Decide(rung, failure, reason), stop]
 
 
 def _onto_standbys(state: JobState) -> JobState:
@@ -314,7 +324,7 @@ def _on_rank_degraded(state: JobState, event: RankDegraded) -> tuple[JobState, l
         state = _replace(state, phase=JobPhase.RECOVERING, synced=RankSet(),
                          recovery=Recovery(Rung.DUMP, gen, frozenset(), state.policy.max_recovery_tries))
         return state, [Decide(Rung.DUMP, failure, decision.reason), AbortGeneration(gen, decision.reason)]
-    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset(), restore_ranks=()), [
+    return _replace(state, phase=JobPhase.STOPPING, stopped_agents=frozenset(), restore_ranks=(), fetch_from=()), [
         Decide(decision.rung, failure, decision.reason), StopAttempt(state.attempt, f"exit: {failure.describe()}")]
 
 
@@ -328,6 +338,8 @@ def _on_agent_lost(state: JobState, event: AgentLost) -> tuple[JobState, list[Ac
     first = min(ranks)
     step = event.last_steps[first] if first < len(event.last_steps) else None
     failure = Failure(rank=first, attempt=state.attempt, kind="node-lost", step=step)
+    if state.phase is JobPhase.STOPPING and state.growing is not None and agent in state.growing.joining:
+        return elastic.undo_grow(state, failure.describe())  # lost while the scale-out stopped the attempt
     if state.phase in (JobPhase.STARTING, JobPhase.STOPPING):
         return _fail(state, failure, f"the agent of node {agent} was lost")
     return _recover(state, failure, lost=ranks)
@@ -346,8 +358,9 @@ def _on_step_synced(state: JobState, event: StepSynced | RanksSynced) -> tuple[J
     if held is not None and event.step > held.resume_step:  # every rank completed the resumed step
         actions.append(RecoveryHeld(held.gen, held.resume_step))
         held = None
-    return _replace(state, sync_step=event.step, synced=RankSet(), committed_step=event.step,
-                    unconfirmed=held), actions
+    state = _replace(state, sync_step=event.step, synced=RankSet(), committed_step=event.step, unconfirmed=held)
+    state, grown = elastic.grow(state)  # a shrunk job grows back at a committed step, once it can
+    return state, actions + grown
 
 
 def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Action]]:

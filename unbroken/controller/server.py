@@ -77,8 +77,10 @@ class Controller:
         self.host = host
         self.events = events
         self.lock = threading.RLock()
+        ckpt = cfg.checkpoint  # a scale-out fetches snapshots from a peer agent's memory (controller/elastic.py)
         self._state = sm.JobState(cfg.recovery, world_size=cfg.world_size, nnodes=cfg.nnodes,
-                                  can_dump=bool(cfg.checkpoint.save_dir))
+                                  can_dump=bool(ckpt.save_dir),
+                                  snapshot_every=ckpt.every_steps if ckpt.peer_memory and cfg.job_id else 0)
         # A controller taking over from a lost leader (controller/takeover.py): the job restarts from
         # the state the last leader left; its node's agents are not let back in.
         self._takeover = takeover
@@ -288,9 +290,9 @@ class Controller:
         if self._state.phase is not sm.JobPhase.RUNNING:
             return
         views = [w for w in self.board.views() if w.rank < self._state.world_size]  # (fewer after rung elastic)
-        fields = self.timing.check_recovered(views, self._state.attempt, time.monotonic())
-        if fields is not None:
-            self.events.emit("recovered", **fields)
+        found = self.timing.check_recovered(views, self._state.attempt, time.monotonic())
+        if found is not None:
+            self.events.emit(found[0], **found[1])
 
     # -- the watchdog --------------------------------------------------------------------
     def _watch_loop(self) -> None:

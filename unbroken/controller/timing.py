@@ -4,7 +4,9 @@ Owned by the :class:`~unbroken.controller.server.Controller`, changed under its 
 first fault of a cascade starts the clock (:meth:`RecoveryTiming.fault_began`); the in-flight
 milestones (decide, replacement joined, regroup, restore) are noted as they happen and
 reported in ``recovered_in_flight``; after a job restart, ``recovered`` is reported once every
-rank is back at the fault's step, with the step and tier the ranks restored from.
+rank is back at the fault's step, with the step and tier the ranks restored from. A scale-out
+(controller/elastic.py) is timed the same way, from its decision to every rank of the grown world
+back at the step it was decided at, and reported as ``scaled_out``.
 """
 
 from __future__ import annotations
@@ -25,12 +27,25 @@ class RecoveryTiming:
         self._milestones: dict[str, float] = {}  # in-flight recovery milestones (monotonic)
         self._restore_s: list[float] = []
         self._restored: dict[int, tuple[int, str]] = {}  # attempt -> (step, tier) of its first restore
+        self._scale_out: dict[str, int] = {}  # a scale-out being timed: its from_world and to_world
 
     def fault_began(self, t: float, workers: Iterable[RankView]) -> None:
         """Note when (monotonic ``t``) and at which step the failure being recovered began,
         unless one is already being timed (the first fault of a cascade counts)."""
         if self.fault_t is None:
             self.fault_t, self.fault_step = t, max((v.step or 0) for v in workers)
+        self._scale_out = {}  # a fault during a scale-out: what ends is a recovery
+
+    def scale_out_began(self, t: float, workers: Iterable[RankView], from_world: int, to_world: int) -> None:
+        """A scale-out was decided at ``t``: timed like a recovery, reported as ``scaled_out``."""
+        if self.fault_t is None:
+            self.fault_t, self.fault_step = t, max((v.step or 0) for v in workers)
+            self._scale_out = {"from_world": from_world, "to_world": to_world}
+
+    def scale_out_dropped(self) -> None:
+        """The scale-out being timed was undone (or never began): nothing to report for it."""
+        if self._scale_out:
+            self.fault_t, self._scale_out = None, {}
 
     def decided(self, t: float) -> None:
         self._milestones = {"decide": t}
@@ -69,8 +84,10 @@ class RecoveryTiming:
         self._restore_s = []
         return fields
 
-    def check_recovered(self, workers: Iterable[RankView], attempt: int, now: float) -> dict[str, Any] | None:
-        """Once every rank is back at the step the fault hit: the fields of ``recovered`` (once)."""
+    def check_recovered(self, workers: Iterable[RankView], attempt: int, now: float
+                        ) -> tuple[str, dict[str, Any]] | None:
+        """Once every rank is back at the step the fault hit: the event's name (``recovered``, or
+        ``scaled_out``) and its fields (once)."""
         if self.fault_t is None or not all((w.step or 0) >= self.fault_step for w in workers):
             return None
         if self._resume_step is not None:  # in flight: state came from live replicas
@@ -78,6 +95,7 @@ class RecoveryTiming:
         else:
             restored_step, tier = self._restored.get(attempt, (0, "none"))
         fields = dict(attempt=attempt, step=self.fault_step, recover_s=round(now - self.fault_t, 4),
-                      restored_step=restored_step, tier=tier)
-        self.fault_t, self._resume_step = None, None
-        return fields
+                      restored_step=restored_step, tier=tier, **self._scale_out)
+        name = "scaled_out" if self._scale_out else "recovered"
+        self.fault_t, self._resume_step, self._scale_out = None, None, {}
+        return name, fields

@@ -108,6 +108,10 @@ class StartRanks(Message):
     restore_ranks: list[int] = dataclasses.field(default_factory=list)  # whose memory-tier snapshot it restores
     data_world_size: int = 0  # the data-parallel world the global batch is split into (0: world_size)
     lr_scale: float = 1.0  # --elastic-lr-scaling's factor (fast mode)
+    # After a scale-out (controller/elastic.py), one entry per rank of ``ranks``: the agent and rank whose
+    # snapshot the agent fetches for it from that agent's memory before starting it (-1: none).
+    fetch_agents: list[int] = dataclasses.field(default_factory=list)
+    fetch_ranks: list[int] = dataclasses.field(default_factory=list)
 
 
 @message("peer_agents")

@@ -37,6 +37,7 @@ class JobPolicy:
     elastic_mode: str = "exact"  # --elastic-mode: rung elastic keeps the global batch (exact) or shrinks it (fast)
     min_nodes: int = 1  # --min-nodes: rung elastic never shrinks the job below this many nodes
     elastic_lr_scaling: str = "none"  # --elastic-lr-scaling: fast mode's LR rule (job.lr_scale)
+    scale_out: bool = True  # False: --no-scale-out (a shrunk job never grows back when its nodes return)
 
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}")

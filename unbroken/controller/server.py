@@ -188,7 +188,7 @@ class Controller:
             if self._fenced:
                 return
             self._fenced = reason
-            self.events.emit("controller_fenced", reason=reason)
+            self.events.emit("controller_fenced", reason=reason, term=self._term)
         self.board.close()
         self.store_service.close()
         self._server.close()

@@ -22,7 +22,7 @@ network-namespace nodes) and off by the hosts' clock skew across machines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import msgpack
@@ -38,7 +38,7 @@ class CommitEntry:
     attempt: int
     gen: int
     step: int
-    node: str  # the agent hosting that controller
+    node: str = field(compare=False)  # the agent hosting that controller (a label: not compared)
     t: float  # unix seconds, the committing controller's clock, taken as it committed
 
     def encode(self) -> bytes:

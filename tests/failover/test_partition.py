@@ -12,7 +12,8 @@ of a real etcd.
 3. The job exits 0. The commit log, read from etcd (``steps/``) and from every agent's event log
    (``step_committed``, where a fenced leader's refused entries would still show), has no step
    committed twice in one attempt, no commit by a term after a later term was won, and none after
-   its controller was fenced (unbroken/consensus/step_log.py's check).
+   its controller was fenced (unbroken/consensus/step_log.py's check); the old leader's event log
+   shows no other act (a decision, an order, an end) after the new term was won.
 
 Loopback with SIGSTOP, not network namespaces: a frozen agent is cut off from etcd and from the job
 alike, as a partitioned host is, and wakes with its stale view of the world."""
@@ -35,6 +36,9 @@ from unbroken.consensus.step_log import check, entries_from_events
 STEPS = 40
 TRAIN = ["--step-sleep-s", "0.2", "--log-every", "1"]  # slow steps, so the faults hit the middle of the run
 FLAGS = ["--recover-strategy", "recover,exit", "--node-timeout-s", "5", "--first-step-timeout-s", "300"]
+# What a controller does as the leader, in its event log: a fenced one does none of it.
+ACTS = ("attempt_started", "decision", "abort_generation", "restart_rank", "regroup", "stop_ranks", "step_committed",
+        "job_finished")
 
 
 def commit_log_problems(job: FailoverJob, store: DurableStore) -> tuple[list, list[str]]:
@@ -82,9 +86,13 @@ def test_an_etcd_member_lost_then_the_leader_partitioned_no_two_leaders_commit(e
                      "the new leader's first commits")
         job.agents[0].popen.send_signal(signal.SIGCONT)
         woken = job.agents[0].wait(60)  # refused by the new leader: 1 (checked below, after the log)
-        # 3. the commit log: what the woken leader did in its first seconds is in it by now
+        # 3. the commit log: what the woken leader did in its first seconds is in it by now; and no
+        # other act of it either (a decision, an order, an end) once the new term was won
         entries, problems = commit_log_problems(job, store)
         assert problems == [], problems
+        won = store.terms_won()[second.term]
+        late = [e for e in events(job.run_dir("node0")) if e["t"] >= won and e["event"] in ACTS]
+        assert late == [], late
         assert woken == 1, job.outputs()
         assert job.finish(300, [job.agents[1], job.standby]) == [0, 0], job.outputs()
         entries, problems = commit_log_problems(job, store)  # and to the end of the job

@@ -110,3 +110,44 @@ def test_an_etcd_member_lost_then_the_leader_partitioned_no_two_leaders_commit(e
     finally:
         job.agents[0].popen.send_signal(signal.SIGCONT)
         job.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_leader_cut_off_from_etcd_but_not_from_its_workers_stops_committing(etcd3, tmp_path):
+    """The split-brain case: node 0's agent reaches one etcd member only (its --controller-store),
+    the others reach the other two. That member is killed: the leader is cut off from etcd while its
+    workers and the other agents still reach it. Its term ends by its own clock before etcd can let
+    its lease go, so it stops committing before another seat can lead; the others take the job over,
+    and the commit log shows no commit of the old term after the new one was won."""
+    m0, m1, m2 = etcd3.endpoints
+    job = FailoverJob(tmp_path, f"etcd://{m1[0]}:{m1[1]},{m2[0]}:{m2[1]}", steps=STEPS, flags=FLAGS,
+                      train_args=TRAIN, store_for={"node0": f"etcd://{m0[0]}:{m0[1]}"})
+    client = EtcdClient([m1, m2], timeout_s=2.0)
+    prefix = job_prefix(SECRET, job.job_id)
+    store = DurableStore(client, prefix)
+    try:
+        first = wait_for_leader(client, prefix, timeout_s=60)
+        assert first.node == "agent0", first
+        job.wait_for(lambda: job.printed("[rank 0] step 4:"), 360, "rank 0 at step 4")
+        etcd3.kill_member("m0")  # node 0's only way to etcd
+        second = wait_for_leader(client, prefix, timeout_s=30, newer_than=first.term)
+        assert second.node != "agent0", second
+        job.wait_for(lambda: any(e.term == second.term for e in store.step_log())
+                     or events(_leader_dir(job, second.node), "job_finished"), 300,
+                     "the new leader's first commits (or its end)")
+        time.sleep(2)  # what the old leader would still do, it does now
+        entries, problems = commit_log_problems(job, store)
+        assert problems == [], problems
+        won = store.terms_won()[second.term]
+        late = [e for e in events(job.run_dir("node0")) if e["t"] >= won and e["event"] in ACTS]
+        assert late == [], late
+        assert job.finish(300, [job.agents[1], job.standby]) == [0, 0], job.outputs()
+        assert job.agents[0].wait(90) == 1, job.outputs()  # it finds no leader in etcd: exits 1
+        entries, problems = commit_log_problems(job, store)
+        assert problems == [], problems
+        assert {first.term, second.term} <= {e.term for e in entries}
+        (fenced,) = events(job.run_dir("node0"), "controller_fenced")
+        assert fenced["term"] == first.term and fenced["t"] < won
+    finally:
+        job.close()

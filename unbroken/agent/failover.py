@@ -107,7 +107,7 @@ class DurableMirror:
         self._cond = threading.Condition()
         self._pending: sm.JobState | None = None
         self._steps: list[CommitEntry] = []
-        self.refused_steps = 0  # commit log entries etcd refused (the term was over): the event log has them
+        self.refused_steps = 0  # commit log entries not written, the term being over: the event log has them
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="unbroken-durable-mirror", daemon=True)
         self._thread.start()
@@ -148,8 +148,8 @@ class DurableMirror:
             except Fenced:
                 with self._cond:
                     self.refused_steps += len(steps) + len(self._steps)
-                log.warning("controller %s: etcd refused %d commit log entries of term %d (the term is over)",
-                            self._term.node, self.refused_steps, self._term.revision)
+                log.warning("controller %s: term %d is over: %d commit log entries not written to etcd (its event "
+                            "log has them)", self._term.node, self._term.revision, self.refused_steps)
                 self._on_fenced(self._term)
                 return
             except EtcdError as exc:  # no quorum for a moment: written again with what comes next

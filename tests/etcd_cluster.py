@@ -74,6 +74,17 @@ class EtcdCluster:
         proc.kill()
         proc.wait(10)
 
+    def leader_member(self) -> str:
+        """The name of the member that leads the etcd cluster now (asked of each running member)."""
+        from unbroken.consensus.etcd import EtcdClient
+
+        ids, leader = {}, ""
+        for name in self.procs:
+            status = EtcdClient([("127.0.0.1", self.client_ports[name])], timeout_s=2.0).status()
+            ids[status["header"]["member_id"]] = name
+            leader = status.get("leader", leader)
+        return ids[leader]
+
     def wait_healthy(self, timeout_s: float) -> None:
         from unbroken.consensus.etcd import EtcdClient, EtcdError
 

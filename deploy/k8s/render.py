@@ -1,5 +1,6 @@
 """Render the Kubernetes manifests of an unbroken job: a JobSet, its controller's headless
-Service and the entrypoint's ConfigMap, from a values file.
+Service and the entrypoint's ConfigMap, from a values file; with ``controllerFailover.enabled``,
+also the job's own etcd (a StatefulSet and its headless Service) for ``--controller-store``.
 
     python deploy/k8s/render.py [--values FILE]... [--set KEY=VALUE]... [--out FILE]
 
@@ -191,6 +192,27 @@ def check_values(values: dict[str, Any]) -> None:
         parse_quantity(key, _lookup(values, key))
     _int(values, "memoryTier.everySteps", low=0)
     _check_memory_limit(values)
+    _check_failover(values)
+
+
+def _check_failover(values: dict[str, Any]) -> None:
+    failover = _lookup(values, "controllerFailover")
+    if not isinstance(failover, dict) or not isinstance(failover.get("enabled"), bool):
+        raise RenderError(f"controllerFailover.enabled: {_lookup(values, 'controllerFailover.enabled')!r} must be "
+                          "true or false")
+    _int(values, "controllerFailover.leaseSeconds", low=1, high=60)
+    if _int(values, "controllerFailover.etcd.members", low=1, high=5) % 2 == 0:
+        raise RenderError(f"controllerFailover.etcd.members: {failover['etcd']['members']} must be 1, 3 or 5 "
+                          "(an even count tolerates no more losses than the odd one below it)")
+    client = _int(values, "controllerFailover.etcd.clientPort", low=1, high=65535)
+    if client == _int(values, "controllerFailover.etcd.peerPort", low=1, high=65535):
+        raise RenderError(f"controllerFailover.etcd.peerPort: {client} is also clientPort; give two different ports")
+    for key in ("image", "storageSize", "storageClassName"):
+        raw = _lookup(values, f"controllerFailover.etcd.{key}")
+        if not isinstance(raw, str) or (key != "storageClassName" and not raw):
+            raise RenderError(f"controllerFailover.etcd.{key}: {raw!r} must be a{' non-empty' * (key != 'storageClassName')} "
+                              "string")
+    parse_quantity("controllerFailover.etcd.storageSize", failover["etcd"]["storageSize"])
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -232,6 +254,17 @@ def _check_memory_limit(values: dict[str, Any]) -> None:
 
 def controller_host(values: dict[str, Any]) -> str:
     return f"{values['name']}-controller"
+
+
+def etcd_name(values: dict[str, Any]) -> str:
+    return f"{values['name']}-etcd"
+
+
+def etcd_hosts(values: dict[str, Any]) -> list[str]:
+    """The etcd members' DNS names (the StatefulSet's pods under its headless Service)."""
+    name = etcd_name(values)
+    return [f"{name}-{i}.{name}.{values['namespace']}.svc"
+            for i in range(values["controllerFailover"]["etcd"]["members"])]
 
 
 def shared_storage(values: dict[str, Any]) -> bool:
@@ -279,6 +312,11 @@ def run_args(values: dict[str, Any], *, standby: bool = False) -> list[str]:
     args += ["--standby"] if standby else ["--node-rank", "$(UNBROKEN_NODE_RANK)"]
     if values["metricsPort"] and not standby:
         args += ["--metrics-port", str(values["metricsPort"])]
+    failover = values["controllerFailover"]
+    if failover["enabled"]:
+        port = failover["etcd"]["clientPort"]
+        args += ["--controller-store", "etcd://" + ",".join(f"{host}:{port}" for host in etcd_hosts(values)),
+                 "--controller-lease-s", str(failover["leaseSeconds"])]
     args += [str(a) for a in values["extraArgs"]]
     return args + [values["script"], *(str(a) for a in values["scriptArgs"])]
 
@@ -364,6 +402,48 @@ def controller_service(values: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(values, controller_host(values), **({"annotations": annotations} if annotations else {})),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector, "ports": ports}}
+
+
+def etcd_manifests(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's own etcd: a headless Service naming each member, and a StatefulSet of
+    ``controllerFailover.etcd.members`` pods started together (the cluster bootstraps with all of
+    them), each with a volume of its own (a restarted member keeps its data and rejoins)."""
+    etcd, name = values["controllerFailover"]["etcd"], etcd_name(values)
+    client, peer = etcd["clientPort"], etcd["peerPort"]
+    selector = {"app.kubernetes.io/name": "unbroken-etcd", "app.kubernetes.io/instance": values["name"]}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(values, name),
+               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector,
+                        "ports": [{"name": "client", "port": client, "targetPort": "client", "protocol": "TCP"},
+                                  {"name": "peer", "port": peer, "targetPort": "peer", "protocol": "TCP"}]}}
+    me = f"$(POD_NAME).{name}.{values['namespace']}.svc"
+    members = ",".join(f"{name}-{i}=http://{host}:{peer}" for i, host in enumerate(etcd_hosts(values)))
+    container = {"name": "etcd", "image": etcd["image"], "imagePullPolicy": values["imagePullPolicy"],
+                 "command": ["etcd"],
+                 "args": ["--name=$(POD_NAME)", "--data-dir=/var/lib/etcd/data",
+                          f"--listen-client-urls=http://0.0.0.0:{client}", f"--advertise-client-urls=http://{me}:{client}",
+                          f"--listen-peer-urls=http://0.0.0.0:{peer}", f"--initial-advertise-peer-urls=http://{me}:{peer}",
+                          f"--initial-cluster={members}", "--initial-cluster-state=new",
+                          f"--initial-cluster-token={name}"],
+                 "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                 "ports": [{"name": "client", "containerPort": client, "protocol": "TCP"},
+                           {"name": "peer", "containerPort": peer, "protocol": "TCP"}],
+                 "readinessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 5},
+                 "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}]}
+    if etcd["resources"]:
+        container["resources"] = etcd["resources"]
+    claim = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": str(etcd["storageSize"])}}}
+    if etcd["storageClassName"]:
+        claim["storageClassName"] = etcd["storageClassName"]
+    pod: dict[str, Any] = {"containers": [container]}
+    for key in ("nodeSelector", "tolerations"):
+        if values[key]:
+            pod[key] = values[key]
+    statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(values, name),
+                   "spec": {"serviceName": name, "replicas": etcd["members"], "podManagementPolicy": "Parallel",
+                            "selector": {"matchLabels": selector},
+                            "template": {"metadata": {"labels": {**_labels(values), **selector}}, "spec": pod},
+                            "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": claim}]}}
+    return [service, statefulset]
 
 
 def _container(values: dict[str, Any], *, standby: bool) -> dict[str, Any]:
@@ -471,7 +551,8 @@ def render(values: dict[str, Any], *, warn: Callable[[str], None] = _warn) -> li
     check_command(run_args(values), warn=warn)
     if values["standbyNodes"]:
         check_command(run_args(values, standby=True), warn=lambda _: None)
-    return [entrypoint_configmap(values), controller_service(values), jobset(values)]
+    etcd = etcd_manifests(values) if values["controllerFailover"]["enabled"] else []
+    return [entrypoint_configmap(values), controller_service(values), *etcd, jobset(values)]
 
 
 def to_yaml(manifests: list[dict[str, Any]], values: dict[str, Any]) -> str:

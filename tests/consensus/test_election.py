@@ -86,3 +86,27 @@ def test_losing_one_of_three_members_is_tolerated(etcd3):
     assert [(c.step, c.term) for c in store.commits()] == \
         [(0, term_a.revision), (1, term_a.revision), (2, term_b.revision)]
     b.resign()
+
+
+def test_losing_the_etcd_leader_member_keeps_the_term_and_the_commit_log(etcd3):
+    """The member that leads etcd is SIGKILLed: a term of the default lease (2 s) holds through
+    etcd's own re-election, and the mirror's guarded writes (state and commit log) go on through
+    the members left (the client tries each endpoint in turn)."""
+    from unbroken.agent.failover import DurableMirror
+
+    a = candidate(etcd3, "n0", ttl_s=2)
+    term = a.campaign(timeout_s=10)
+    store = DurableStore(EtcdClient(etcd3.endpoints, timeout_s=1.0), PREFIX)
+    fenced = []
+    mirror = DurableMirror(store, term, fenced.append)
+    mirror.committed({"t": 1.0, "attempt": 0, "gen": 0, "step": 0})
+    etcd3.kill_member(etcd3.leader_member())
+    killed = time.monotonic()
+    for step in range(1, 6):
+        time.sleep(0.5)
+        mirror.committed({"t": 1.0 + step, "attempt": 0, "gen": 0, "step": step})
+    mirror.close(timeout_s=10)
+    assert time.monotonic() - killed > 2  # past the lease: it was refreshed through another member
+    term.check()
+    assert fenced == [] and [e.step for e in store.step_log()] == list(range(6))
+    a.resign()

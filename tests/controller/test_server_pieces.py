@@ -94,6 +94,7 @@ class FakeHub:
         self._step_listeners = [self.live.on_step]
         self.applied: list = []
         self.degraded_calls: list = []
+        self.commits: list = []
         self._run_machine = run_machine
         self.executor = Executor(self)
 
@@ -110,6 +111,9 @@ class FakeHub:
 
     def degraded(self, rank, attempt, reason) -> None:
         self.degraded_calls.append((rank, attempt, reason))
+
+    def step_committed(self, gen, step) -> None:  # the commit log's entry (--controller-store)
+        self.commits.append((gen, step))
 
     def check_recovered(self) -> None:
         pass
@@ -174,6 +178,7 @@ def test_step_synced_puts_the_rank_in_sync_and_the_commit_moves_every_rank_to_up
     worker_msg(hub, 1, m.StepSynced(rank=1, attempt=0, gen=0, step=3))
     assert {w.phase for w in hub.board.views()} == {Phase.UPDATE}
     assert all(c.sent == [m.CommitStep(gen=0, step=3)] for c in conns.values())
+    assert hub.commits == [(0, 3)]  # the commit log's entry, once
     assert hub.board.counts.received["StepSynced"] == 0  # counted by the serving loop, not the handlers
     assert hub.board.counts.sent["CommitStep"] == 2
 

@@ -182,6 +182,44 @@ def test_every_pod_runs_unbroken_run_with_flags_its_parser_accepts(monkeypatch):
     assert cfg.checkpoint.persist_every_steps == 10
 
 
+def test_controller_failover_renders_a_3_member_etcd_and_every_agent_lists_its_members(monkeypatch):
+    """controllerFailover.enabled: the job's own etcd (a StatefulSet of 3 members under a headless
+    Service, checked against the client's models) and --controller-store with the members' DNS
+    names on every pod, node and standby alike, parsed by unbroken's own parser."""
+    from unbroken.cli.main import build_parser, launch_config
+    from unbroken.consensus.etcd import parse_endpoints
+
+    sets = ["controllerFailover.enabled=true", "standbyNodes=1", "controllerFailover.etcd.clientPort=12379",
+            "controllerFailover.etcd.image=registry.example.com/etcd:3.5", "namespace=train"]
+    manifests = render.render(render.load_values([], sets), warn=lambda _: None)
+    assert [m["kind"] for m in manifests] == ["ConfigMap", "Service", "Service", "StatefulSet", "JobSet"]
+    _, _, service, statefulset, jobset = manifests
+    _check_model(service, "V1Service")
+    _check_model(statefulset, "V1StatefulSet")
+    _check_jobset(jobset)
+    _check_labels(manifests)
+    spec = statefulset["spec"]
+    assert spec["replicas"] == 3 and spec["serviceName"] == service["metadata"]["name"] == "unbroken-gpt-etcd"
+    assert spec["podManagementPolicy"] == "Parallel" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"]  # members find each other before they are ready
+    assert set(service["spec"]["selector"].items()) <= set(spec["template"]["metadata"]["labels"].items())
+    (etcd,) = spec["template"]["spec"]["containers"]
+    assert etcd["image"] == "registry.example.com/etcd:3.5"
+    hosts = [f"unbroken-gpt-etcd-{i}.unbroken-gpt-etcd.train.svc" for i in range(3)]
+    assert f"--initial-cluster={','.join(f'unbroken-gpt-etcd-{i}=http://{h}:2380' for i, h in enumerate(hosts))}" \
+        in etcd["args"]
+    assert "--advertise-client-urls=http://$(POD_NAME).unbroken-gpt-etcd.train.svc:12379" in etcd["args"]
+    monkeypatch.setenv("UNBROKEN_JOB_SECRET", "from-the-secret-" + "0123456789abcdef" * 2)
+    for job in ("node", "standby"):
+        (container,) = _pod({"JobSet": jobset}, job)["spec"]["containers"]
+        args = _expanded_args(container, node_rank=1)
+        cfg = launch_config(build_parser().parse_args(args[1:]))
+        assert parse_endpoints(cfg.controller_store) == [(h, 12379) for h in hosts]
+        assert cfg.controller_lease_s == 2
+    assert not [m for m in render.render(render.load_values([], []), warn=lambda _: None)
+                if m["kind"] == "StatefulSet"]  # off by default
+
+
 def test_without_a_shared_claim_a_multi_node_job_writes_no_storage_tier():
     """Each pod's emptyDir is its own: the storage tier's commit needs every rank's files in one place."""
     warnings = []
@@ -305,6 +343,9 @@ def test_standby_pods_join_with_standby_and_do_not_decide_success():
     (["name=Bad_Name"], "must be a DNS label"),
     (["node=3"], "unknown key 'node'"),  # a typo is an error, not a silently ignored value
     (["storage.claim=ckpt"], "unknown key 'storage.claim'"),
+    (["controllerFailover.enabled=true", "controllerFailover.etcd.members=2"], "must be 1, 3 or 5"),
+    (["controllerFailover.enabled=true", "nodes=1"], "a single-node job keeps its controller in its own agent"),
+    (["controllerFailover.etcd.peerPort=2379"], "is also clientPort"),
 ])
 def test_bad_values_exit_2_naming_the_key(sets, says, capsys):
     assert render.main([a for s in sets for a in ("--set", s)]) == 2

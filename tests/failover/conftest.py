@@ -1,4 +1,4 @@
-"""Fixtures: a real etcd of 1 member (``etcd1``), killed and its data removed after the test."""
+"""Fixtures: a real etcd of 1 member (``etcd1``) or 3 (``etcd3``), killed and its data removed after the test."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ def etcd1(tmp_path):
     root = tmp_path / "etcd"
     root.mkdir()
     cluster = EtcdCluster(root, 1)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def etcd3(tmp_path):
+    root = tmp_path / "etcd"
+    root.mkdir()
+    cluster = EtcdCluster(root, 3)
     try:
         yield cluster
     finally:

@@ -54,7 +54,7 @@ class FailoverJob:
 
     def __init__(self, tmp: Path, store: str, *, nnodes: int = 2, nproc: int = 1, steps: int = 12,
                  standby: bool = True, flags: list[str] = (), train_args: list[str] = (),
-                 script: Path | None = None) -> None:
+                 script: Path | None = None, store_for: dict[str, str] | None = None) -> None:
         self.tmp = tmp
         self.out = tmp / "weights.safetensors"
         self.port = free_port()
@@ -63,13 +63,20 @@ class FailoverJob:
         script = [str(script)] if script is not None else [
             str(EXAMPLE), "--steps", str(steps), "--out", str(self.out), *TRAIN_ARGS, *train_args]
         common = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                  "--master-port", str(self.port), "--rdzv-id", self.job_id, "--controller-store", store, *flags]
+                  "--master-port", str(self.port), "--rdzv-id", self.job_id, *flags]
+        stores = store_for or {}  # an agent's own --controller-store (the etcd members it reaches)
+
+        def store_of(name: str) -> list[str]:
+            return ["--controller-store", stores.get(name, store)]
+
         self.agents: list[Agent] = []
         for node in range(nnodes):
-            self.agents.append(self._agent(f"node{node}", ["--node-rank", str(node), *common], script))
+            self.agents.append(self._agent(f"node{node}", ["--node-rank", str(node), *common, *store_of(f"node{node}")],
+                                           script))
             if node == 0:
                 time.sleep(0.5)  # node 0 leads first (the others stand by until a leader is there)
-        self.standby = self._agent("standby", ["--standby", *common], script) if standby else None
+        self.standby = self._agent("standby", ["--standby", *common, *store_of("standby")], script) \
+            if standby else None
 
     def _agent(self, name: str, flags: list[str], script: list[str]) -> Agent:
         shm = self.shm_root / name

@@ -9,7 +9,8 @@ follows the next one when its controller is lost (:meth:`unbroken.agent.agent.Ag
 
 The leader mirrors the controller's durable state into etcd (:class:`DurableMirror`: attempt,
 generation, committed step, restart budget, placement, replica layout, the job's end) with writes
-fenced by its term. A seat that wins after a lost leader starts its controller from that state:
+fenced by its term, and with it the commit log: each step its controller commits, stamped with the
+term (:mod:`unbroken.consensus.step_log`). A seat that wins after a lost leader starts its controller from that state:
 the job restarts from the memory tier, with the previous leader's node lost
 (:mod:`unbroken.controller.takeover`). A leader whose term ends (lease lost, a write refused) fences
 its controller at once (:meth:`unbroken.controller.server.Controller.fence`).
@@ -26,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from unbroken.config import LaunchConfig
@@ -34,6 +35,7 @@ from unbroken.consensus.durable import DurableState, DurableStore, job_prefix
 from unbroken.consensus.election import Fenced, Term, wait_for_leader
 from unbroken.consensus.etcd import EtcdClient, EtcdError
 from unbroken.consensus.seat import ControllerSeat
+from unbroken.consensus.step_log import CommitEntry
 from unbroken.controller import machine as sm
 from unbroken.controller.durable_mirror import agent_name, durable_from_job
 from unbroken.controller.server import Controller
@@ -41,16 +43,25 @@ from unbroken.controller.takeover import Takeover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DurableMirror", "EtcdLeader", "SeatHost", "seat_address"]
+__all__ = ["DurableMirror", "EtcdLeader", "Leadership", "SeatHost", "seat_address"]
 
 #: How long a node other than 0 waits for the job's first leader before it campaigns anyway.
 FIRST_LEADER_WAIT_S = 120.0
 ETCD_TIMEOUT_S = 2.0
 
-#: (host, port, takeover or None for a fresh job, durable listener, whether the term still holds)
-#: -> a started controller.
-StartController = Callable[[str, int, "Takeover | None", Callable[[sm.JobState], None], Callable[[], bool]],
-                           Controller]
+
+
+@dataclass(frozen=True)
+class Leadership:
+    """What a controller started by a seat is given of the term it acts for."""
+    term: int  # the term (the leader key's create revision)
+    holds: Callable[[], bool]  # whether the term still holds, by this host's clock
+    durable: Callable[[sm.JobState], None]  # its durable listener (the mirror's offer)
+    commits: Callable[[dict], None]  # its commit listener (the mirror's committed)
+
+
+#: (host, port, takeover or None for a fresh job, the term) -> a started controller.
+StartController = Callable[[str, int, "Takeover | None", Leadership], Controller]
 
 
 def seat_address(cfg: LaunchConfig) -> tuple[str, int]:
@@ -88,12 +99,15 @@ class EtcdLeader:
 
 class DurableMirror:
     """The leading controller's durable state into etcd, off the controller's lock: :meth:`offer`
-    keeps the newest state, the thread writes it (fenced by ``term``); older ones are skipped."""
+    keeps the newest state, the thread writes it (fenced by ``term``); older ones are skipped.
+    :meth:`committed` queues a commit log entry: every one is written, with the next state."""
 
     def __init__(self, store: DurableStore, term: Term, on_fenced: Callable[[Term], None]) -> None:
         self._store, self._term, self._on_fenced = store, term, on_fenced
         self._cond = threading.Condition()
         self._pending: sm.JobState | None = None
+        self._steps: list[CommitEntry] = []
+        self.refused_steps = 0  # commit log entries not written, the term being over: the event log has them
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="unbroken-durable-mirror", daemon=True)
         self._thread.start()
@@ -101,6 +115,14 @@ class DurableMirror:
     def offer(self, state: sm.JobState) -> None:
         with self._cond:
             self._pending = state
+            self._cond.notify()
+
+    def committed(self, record: dict) -> None:
+        """The controller's ``step_committed`` record: an entry of the commit log in etcd."""
+        entry = CommitEntry(term=self._term.revision, attempt=int(record["attempt"]), gen=int(record["gen"]),
+                            step=int(record["step"]), node=self._term.node, t=float(record["t"]))
+        with self._cond:
+            self._steps.append(entry)
             self._cond.notify()
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -113,21 +135,30 @@ class DurableMirror:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closed:
+                while self._pending is None and not self._steps and not self._closed:
                     self._cond.wait()
                 state, self._pending = self._pending, None
-                if state is None:
+                steps, self._steps = self._steps, []
+                if state is None and not steps:
                     return
-            durable = replace(durable_from_job(state), finished=state.phase in sm.FINAL_PHASES)
+            durable = None if state is None else replace(durable_from_job(state),
+                                                         finished=state.phase in sm.FINAL_PHASES)
             try:
-                self._store.save(self._term, durable)
+                self._store.save(self._term, durable, steps)
             except Fenced:
+                with self._cond:
+                    self.refused_steps += len(steps) + len(self._steps)
+                log.warning("controller %s: term %d is over: %d commit log entries not written to etcd (its event "
+                            "log has them)", self._term.node, self._term.revision, self.refused_steps)
                 self._on_fenced(self._term)
                 return
-            except EtcdError as exc:  # no quorum for a moment: the next state is written when it comes
+            except EtcdError as exc:  # no quorum for a moment: written again with what comes next
                 log.warning("controller: could not mirror the job state into etcd: %s", exc)
                 with self._cond:
                     self._pending = self._pending or state
+                    self._steps = steps + self._steps
+                if self._closed:
+                    return  # closing: what is left is in the event log
 
 
 class SeatHost:
@@ -180,9 +211,9 @@ class SeatHost:
             takeover = None if self.first and not self._led else self._takeover(term, state)
             self._led = True
             mirror = DurableMirror(self._seat.store, term, self._on_fenced)
+            leadership = Leadership(term.revision, lambda: _holds(term), mirror.offer, mirror.committed)
             try:
-                controller = self._start_controller(self.host, self.port, takeover, mirror.offer,
-                                                    lambda: _holds(term))
+                controller = self._start_controller(self.host, self.port, takeover, leadership)
             except Exception as exc:  # (its port taken, say) give the term up: another seat may lead
                 log.error("agent %s won the controller's lead (term %d) but could not start a controller on "
                           "%s:%d: %s; giving the lead up", self.node, term.revision, self.host, self.port, exc)

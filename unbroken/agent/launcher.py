@@ -18,7 +18,7 @@ import signal
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TYPE_CHECKING, Callable, TextIO
 
 from unbroken.agent.agent import Agent
 from unbroken.config import LaunchConfig
@@ -28,6 +28,9 @@ from unbroken.controller.server import Controller
 from unbroken.controller.takeover import Takeover
 from unbroken.errors import ConfigError
 from unbroken.ops.live_view import LiveView
+
+if TYPE_CHECKING:
+    from unbroken.agent.failover import Leadership
 
 
 class Terminated(KeyboardInterrupt):
@@ -97,20 +100,22 @@ def _log_checkpoint_dirs(cfg: LaunchConfig, events: EventLog) -> None:
 
 
 def _start_controller(cfg: LaunchConfig, events: EventLog, *, host: str = "", port: int | None = None,
-                      takeover: Takeover | None = None, durable: Callable | None = None,
-                      term_valid: Callable[[], bool] | None = None) -> tuple[Controller, LiveView]:
+                      takeover: Takeover | None = None, leadership: Leadership | None = None
+                      ) -> tuple[Controller, LiveView]:
     """A controller (node 0's, or a new leader's: agent/failover.py) and the live view it feeds
     (status.json, /metrics, the page): built and joined here, so that the controller and the view
     know nothing of each other."""
     host = host or cfg.master_addr
     controller = Controller(cfg, host=host, port=cfg.master_port if port is None else port, events=events,
-                            takeover=takeover, term_valid=term_valid)
+                            takeover=takeover, term_valid=leadership and leadership.holds,
+                            term=leadership.term if leadership else 0)
     live = LiveView(run_dir=cfg.run_dir, job_id=cfg.job_id, world_size=cfg.world_size, events=events,
                     snapshot=controller.snapshot, host=host, metrics_port=cfg.metrics_port)
     events.listeners.append(live.on_record)  # status, metrics and the page follow the log
     controller.add_step_listener(live.on_step)  # and each completed step
-    if durable is not None:
-        controller.add_durable_listener(durable)
+    if leadership is not None:
+        controller.add_durable_listener(leadership.durable)
+        controller.add_commit_listener(leadership.commits)
     try:
         live.start()
         controller.start()
@@ -192,13 +197,12 @@ def _run_with_seat(cfg: LaunchConfig, *, output: TextIO | None, on_controller: C
     made: list[tuple[Controller, LiveView]] = []
     events: list[EventLog] = []
 
-    def start_controller(host: str, port: int, takeover: Takeover | None, durable: Callable,
-                         term_valid: Callable[[], bool]) -> Controller:
+    def start_controller(host: str, port: int, takeover: Takeover | None, leadership: Leadership) -> Controller:
         if not events:
             events.append(EventLog(cfg.run_dir))
             _log_checkpoint_dirs(cfg, events[0])
         controller, live = _start_controller(cfg, events[0], host=host, port=port, takeover=takeover,
-                                             durable=durable, term_valid=term_valid)
+                                             leadership=leadership)
         made.append((controller, live))
         if on_controller is not None:
             on_controller(controller)

@@ -5,10 +5,14 @@ HMAC of the job secret, so the secret itself is never written):
 
 * ``leader``  -- the leading controller (see :mod:`unbroken.consensus.election`);
 * ``state``   -- a :class:`DurableState` (msgpack; nothing pickled);
-* ``terms/<term>`` -- one record per leadership won (node, address), for audits and tests;
-* ``commits/<step>`` -- the commit log: one key per committed step, created only if absent,
-  in the same transaction that moves ``state.committed_step``. A step is therefore committed
-  at most once, and only by the leader whose term the transaction's guard names.
+* ``terms/<term>`` -- one record per leadership won (node, address, the winner's wall clock when
+  it recorded it), for audits and tests;
+* ``steps/<term>/<attempt>/<step>`` -- the wired controller's commit log
+  (:mod:`unbroken.consensus.step_log`), written with the state by :meth:`DurableStore.save`;
+* ``commits/<step>`` -- a once-only commit (:meth:`DurableStore.commit`): one key per committed
+  step, created only if absent, in the same transaction that moves ``state.committed_step``. The
+  consensus tests' candidates and the benchmark's ``leader_*`` rows use it; the wired controller
+  does not (a new attempt redoes steps: it keeps ``steps/`` instead).
 
 Every write is one transaction guarded by the writer's :class:`~unbroken.consensus.election.Term`
 (the leader key's create_revision must equal the term): a fenced leader's write is refused by
@@ -18,14 +22,16 @@ own besides the client and the prefix; it is safe to share between threads.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 import msgpack
 
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.consensus.election import Fenced, Term, leader_key
 from unbroken.consensus.etcd import Compare, EtcdClient, EtcdError, Put
+from unbroken.consensus.step_log import CommitEntry, decode, step_key, steps_prefix
 from unbroken.errors import ConfigError, UnbrokenError
 
 __all__ = ["CommitRecord", "DurableState", "DurableStore", "StepAlreadyCommitted", "job_prefix"]
@@ -94,6 +100,10 @@ class CommitRecord:
     revision: int  # etcd revision of the commit (its key's create_revision)
 
 
+#: Puts per transaction (etcd refuses more than --max-txn-ops, 128 by default).
+MAX_TXN_PUTS = 100
+
+
 def _step_key(prefix: bytes, step: int) -> bytes:
     return prefix + b"commits/%020d" % step  # zero-padded: key order is step order
 
@@ -110,9 +120,11 @@ class DurableStore:
         return None if kv is None else DurableState.decode(kv.value)
 
     def record_term(self, term: Term, address: str) -> None:
-        """Write ``terms/<term>`` (right after winning): the leadership history."""
-        self._guarded(term, [Put(self.prefix + b"terms/%020d" % term.revision,
-                                 msgpack.packb({"node": term.node, "address": address}))], "record its term")
+        """Write ``terms/<term>`` (right after winning): the leadership history. Its ``t`` (this
+        host's wall clock, read after the win) is when the term began at the latest."""
+        record = {"node": term.node, "address": address, "t": time.time()}
+        self._guarded(term, [Put(self.prefix + b"terms/%020d" % term.revision, msgpack.packb(record))],
+                      "record its term")
 
     def terms(self) -> dict[int, str]:
         """term -> node, for every leadership recorded."""
@@ -121,9 +133,23 @@ class DurableStore:
             out[int(kv.key.rsplit(b"/", 1)[1])] = str(msgpack.unpackb(kv.value, raw=False)["node"])
         return out
 
-    def save(self, term: Term, state: DurableState) -> None:
-        """Replace the state (attempt, generation, maps, budget); Fenced if ``term`` is over."""
-        self._guarded(term, [Put(self.state_key, state.encode())], "save the job state")
+    def terms_won(self) -> dict[int, float]:
+        """term -> the wall time its leader recorded it (0.0 for a record without one)."""
+        return {int(kv.key.rsplit(b"/", 1)[1]): float(msgpack.unpackb(kv.value, raw=False).get("t", 0.0))
+                for kv in self.client.get_prefix(self.prefix + b"terms/")}
+
+    def save(self, term: Term, state: DurableState | None, steps: Sequence[CommitEntry] = ()) -> None:
+        """Replace the state (attempt, generation, maps, budget) and append ``steps`` to the commit
+        log, in as few transactions as etcd takes, each guarded; Fenced if ``term`` is over."""
+        puts = [Put(step_key(self.prefix, e), e.encode()) for e in steps]
+        if state is not None:
+            puts.append(Put(self.state_key, state.encode()))
+        for start in range(0, len(puts), MAX_TXN_PUTS):
+            self._guarded(term, puts[start:start + MAX_TXN_PUTS], "save the job state")
+
+    def step_log(self) -> list[CommitEntry]:
+        """The wired controller's commit log (``steps/``), in (term, attempt, step) order."""
+        return [decode(self.prefix, kv.key, kv.value) for kv in self.client.get_prefix(steps_prefix(self.prefix))]
 
     def commit(self, term: Term, step: int, state: DurableState) -> DurableState:
         """Commit ``step``: the log entry and ``state.committed_step = step`` in one transaction.

@@ -224,6 +224,7 @@ class Executor:
         log.warning("controller: %s", action.reason)
 
     def _commit_step(self, action: sm.CommitStep) -> None:
+        self._hub.step_committed(action.gen, action.step)  # the commit log, before the act is sent
         self._hub.board.committed()  # every rank reported StepSynced: each moves on to its update
         self.send_commit(action)  # the action is the wire message
 

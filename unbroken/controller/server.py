@@ -61,6 +61,11 @@ StepListener = Callable[[int, int, dict], None]
 DurableListener = Callable[[sm.JobState], None]
 
 
+#: Told of each step this controller commits, at the moment it commits it (under the lock): the
+#: ``step_committed`` record of its event log (term, attempt, gen, step, t). --controller-store only.
+CommitListener = Callable[[dict], None]
+
+
 def _durable_key(state: sm.JobState) -> tuple:
     return (state.attempt, state.gen, state.committed_step, state.restarts_used, state.placement,
             state.num_replicas, state.mesh, state.mesh_replicate, state.phase in sm.FINAL_PHASES)
@@ -72,7 +77,8 @@ class Controller:
     :meth:`add_step_listener`."""
 
     def __init__(self, cfg: LaunchConfig, *, host: str, port: int, events: EventLog,
-                 takeover: tk.Takeover | None = None, term_valid: Callable[[], bool] | None = None) -> None:
+                 takeover: tk.Takeover | None = None, term_valid: Callable[[], bool] | None = None,
+                 term: int = 0) -> None:
         self.cfg = cfg
         self.host = host
         self.events = events
@@ -91,6 +97,8 @@ class Controller:
         # --controller-store: whether this controller's leadership term still holds, asked before
         # each event (a clock check, no etcd call): past it, another controller may lead already.
         self._term_valid = term_valid
+        self._term = term  # the leadership term it acts for (0: no --controller-store)
+        self._commit_listeners: list[CommitListener] = []
         self._durable_listeners: list[DurableListener] = []
         self._durable_seen: tuple = ()
         self.board = Board(cfg.world_size, cfg.nnodes)
@@ -124,6 +132,18 @@ class Controller:
     def add_durable_listener(self, listener: DurableListener) -> None:
         """Tell ``listener`` of each state whose durable part changed (before :meth:`start`)."""
         self._durable_listeners.append(listener)
+
+    def add_commit_listener(self, listener: CommitListener) -> None:
+        """Log each step commit (``step_committed``) and tell ``listener`` of it (before :meth:`start`)."""
+        self._commit_listeners.append(listener)
+
+    def step_committed(self, gen: int, step: int) -> None:
+        """The executor commits ``step``: the commit log's entry (with commit listeners only); under the lock."""
+        if self._commit_listeners:
+            record = self.events.emit("step_committed", term=self._term, attempt=self._state.attempt, gen=gen,
+                                      step=step)
+            for listener in self._commit_listeners:
+                listener(record)
 
     @property
     def port(self) -> int:
@@ -170,7 +190,7 @@ class Controller:
             if self._fenced:
                 return
             self._fenced = reason
-            self.events.emit("controller_fenced", reason=reason)
+            self.events.emit("controller_fenced", reason=reason, term=self._term)
         self.board.close()
         self.store_service.close()
         self._server.close()

@@ -131,6 +131,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("elastic-lr-scaling", default="none", metavar="RULE",
          help="--elastic-mode fast: the factor job.lr_scale hands the script, none (1), linear (new/original "
               "data-parallel ranks) or sqrt (its square root)")
+    flag("no-fork-ranks", action="store_true",
+         help="start every rank as its own `python script` process instead of forking it from the node's "
+              "zygote, a process that imported torch once (see docs/recovery.md)")
     flag("prerun-spares", action="store_true",
          help="spares run the script up to its first rank-dependent read before a rank is lost (see docs/recovery.md)")
     _add_worker_settings(flag)
@@ -234,6 +237,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         inject=args.inject,
         standby=args.standby,
         prerun_spares=args.prerun_spares,
+        fork_ranks=not args.no_fork_ranks,
         straggler_factor=args.straggler_factor,
         metrics_port=args.metrics_port,
         sigterm_dump_timeout_s=args.sigterm_dump_timeout_s,

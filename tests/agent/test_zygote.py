@@ -36,6 +36,7 @@ def test_a_forked_rank_is_the_process_the_agent_would_start(tmp_path, monkeypatc
     zygote = Zygote.start(omp_num_threads=1)
     assert zygote is not None
     try:
+        assert zygote.wait_ready(), zygote.unusable  # its imports (the agent waits so before it joins)
         rank = zygote.fork(env, [str(script), "exit"])
         assert rank is not None, zygote.unusable
         line = rank.stdout.readline().decode()

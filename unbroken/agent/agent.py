@@ -113,6 +113,10 @@ class Agent:
         """Serve the controller until it says shut down; return (exit code, reason). With a leader
         source (--controller-store), a lost controller is followed to the next leader instead."""
         self._peer = self._build_peer_memory()
+        # The ranks start from the zygote: join once its imports are done, not before. (Waiting for it
+        # later, in the command thread, would leave the controller's messages unread: this node fences.)
+        if self._zygote is not None and not self._zygote.wait_ready():
+            self._zygote.close()
         self._open(*self._first_controller(connect_timeout_s), timeout_s=connect_timeout_s)
         if self.cfg.worker.node_reports:  # per-node aggregation of step reports and commits (agent/relay.py)
             self._relay = NodeRelay(self.cfg.secret.encode(), self._send)

@@ -8,6 +8,7 @@ a reader thread here collects. Whenever the zygote cannot fork (not ready in tim
 because it is no longer single-threaded, gone), :meth:`Zygote.fork` returns None and the agent
 starts the rank as before, ``python -u script``; it never fails a rank's start.
 
+The agent waits for the zygote's imports (:meth:`Zygote.wait_ready`) before it joins the job.
 Threads: :meth:`Zygote.start` in the agent's main thread (PR_SET_PDEATHSIG follows the thread
 that forked, and that one lives as long as the agent), :meth:`Zygote.fork` in its command
 thread, ``poll``/``wait`` from any; the reader thread owns the socket's receiving end.
@@ -30,9 +31,13 @@ from unbroken.agent.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
-#: How long a rank's start waits for the zygote (its imports run first: ~3-6 s of CPU, a minute
-#: on a loaded machine). After that the rank starts as its own process, and so does every later one.
-FORK_TIMEOUT_S = 120.0
+#: How long the agent waits for the zygote's imports before it joins the job (~3-6 s of CPU, a
+#: minute on a loaded machine); after that every rank starts as its own process.
+READY_TIMEOUT_S = 120.0
+#: How long one fork may take once the zygote is ready (it may be importing the script's modules):
+#: the command thread waits, and must read the controller's messages again well before the node's
+#: fence (--node-timeout-s / 2).
+FORK_TIMEOUT_S = 10.0
 _REPLY_BYTES = 1 << 16
 
 
@@ -73,6 +78,7 @@ class Zygote:
         self._abandoned: set[int] = set()  # orders given up on: a late fork of one is killed at once
         self._next_id = 0
         self._gone = False
+        self._ready = False
         self.unusable = ""  # why no more ranks are forked ("": they are)
         self._reader = threading.Thread(target=self._read, name="unbroken-zygote", daemon=True)
         self._reader.start()
@@ -98,6 +104,17 @@ class Zygote:
     @property
     def pid(self) -> int:
         return self._popen.pid
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
+        """Wait until the zygote finished its imports; False (and it forks nothing) if it did not in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._ready and not self._gone and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            ready = self._ready
+        if not ready:
+            self._give_up("gone before its imports were done" if self._gone else f"not ready within {timeout_s:.0f} s")
+        return ready
 
     def fork(self, env: dict[str, str], argv: list[str], timeout_s: float = FORK_TIMEOUT_S) -> ForkedRank | None:
         """A rank running ``argv`` with exactly ``env``, forked by the zygote; None when it cannot."""
@@ -183,7 +200,9 @@ class Zygote:
                 break
             msg = json.loads(data)
             with self._cond:
-                if "exited" in msg:
+                if "ready" in msg:
+                    self._ready = True
+                elif "exited" in msg:
                     self._codes[int(msg["exited"])] = int(msg["code"])
                 elif msg.get("id") in self._abandoned:
                     if "pid" in msg:  # forked after its order timed out: nobody holds it

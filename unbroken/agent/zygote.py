@@ -12,7 +12,7 @@ Messages, JSON, one per packet:
   end of the rank's output pipe. The zygote forks; the child becomes the rank (below).
 * agent -> zygote ``{"imports": [name, ...]}``: the modules the job's script imported, imported
   here too (as a warm spare does: agent/spare.py), so a rank forked later finds them.
-* zygote -> agent ``{"id": n, "pid": p}``, or ``{"id": n, "refused": why}`` (the agent starts
+* zygote -> agent ``{"ready": true}`` once, after its imports; ``{"id": n, "pid": p}``, or ``{"id": n, "refused": why}`` (the agent starts
   that rank the usual way); ``{"exited": p, "code": c}`` when a child ends (``c`` as
   ``Popen.returncode``: negative for a signal).
 
@@ -53,6 +53,7 @@ def main() -> None:
 
     warm_up()
     sock = socket.socket(fileno=int(sys.argv[1]))
+    _send(sock, {"ready": True})
     order, out_fd = serve(sock)  # returns only in a forked child
     become_rank(order, out_fd)
 

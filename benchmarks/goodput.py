@@ -7,12 +7,14 @@ Three launches of `unbroken run --nproc-per-node 4 examples/train_gpt.py` (defau
 strategies, --step-sleep-s as given):
 
   calibration  a short fault-free run: its median time per step sets the step count N of the
-               soak, so that the faulty run trains for about --duration-s
+               soak, --steps-margin x what --duration-s takes at that pace, so that the faulty
+               run trains for at least --duration-s even if the machine gets quieter (a shared
+               machine's step time moves by tens of per cent)
   soak         N steps; once its first step completed, every --fault-every-s the benchmark itself
                (from outside, like an operator or the kernel) sends SIGKILL or SIGSTOP (drawn at
                random, --seed) to the process of a random rank (its newest `rank_started` pid).
-               No fault in the last --fault-every-s / 2 of the expected run, so every fault has
-               time to be recovered
+               No fault in the last --fault-every-s / 2 of the run (at the pace seen so far), so
+               every fault has time to be recovered
   reference    the same N steps with no fault: the comparison for goodput and the final weights
 
 Row ``soak``:
@@ -26,9 +28,13 @@ Row ``soak``:
   recovered  faults followed by a recovery (`recovered_in_flight` or `recovered` event) before the
              next fault or the job's end, the job having ended with exit 0
   bit_equal  the soak's final weights equal the reference's bit for bit
-  plus ``wall_s`` and ``steps_per_s`` of both runs, ``unbroken_goodput`` (unbroken's own breakdown
-  of the soak's wall, ops/goodput.py, which counts start-up as badput) and ``per_fault_cost_s``
-  ((soak span - reference span) / faults).
+  plus ``wall_s`` and ``steps_per_s`` of both runs, ``per_fault_cost_s`` ((soak span - reference
+  span) / faults), and unbroken's own breakdown of the soak's wall from its event log
+  (ops/goodput.py, the `unbroken report` figures): ``unbroken_goodput`` (start-up counted as
+  badput), ``unbroken_goodput_after_startup`` (productive / (wall - start-up)),
+  ``unbroken_recovery_s_per_fault`` (detect + replace + regroup + restore + redo, per fault) and
+  ``unbroken_seconds``. On a shared machine the two runs see different loads: goodput moves with
+  that; the breakdown, from one run, does not.
 A timeline picture (steps of every rank over time, faults and recovery phases marked:
 unbroken/ops/plot.py, the `unbroken report --plot` picture) is written next to --json as
 ``<json stem>.png`` (or --png) when matplotlib imports.
@@ -41,6 +47,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -53,6 +60,7 @@ from recovery_run import load_weights, same_weights
 from runlib import REPO, clean_shm, launch, median, read_events, unbroken_cmd, worker_pid
 
 NPROC = 4
+STEP_LINE = re.compile(r"^\[rank 0\] step (\d+): ")  # the example's line after each step (--log-every 1)
 TARGET_GOODPUT = 0.95
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 
@@ -65,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the rank and kind drawn for each fault")
     p.add_argument("--step-sleep-s", type=float, default=0.05, help="the example's sleep per step")
     p.add_argument("--calibration-steps", type=int, default=60)
+    p.add_argument("--steps-margin", type=float, default=1.25,
+                   help="the soak's steps: this x --duration-s / the calibration's median step")
     p.add_argument("--steps", type=int, default=0, help="the soak's steps (0: from the calibration run)")
     p.add_argument("--run-timeout-s", type=float, default=0.0, help="a launch still going after this is killed "
                    "(0: 3 x --duration-s + 300)")
@@ -84,20 +94,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 class Faulter:
     """Sends the soak's outside faults from a thread: the first --fault-every-s after the first
-    completed step, then every --fault-every-s until ``stop_after_t``."""
+    completed step, then every --fault-every-s while more than half of that is left of the run's
+    ``steps`` at the pace seen so far (rank 0's step lines)."""
 
-    def __init__(self, run_dir: Path, every_s: float, kinds: list[str], seed: int, expected_s: float) -> None:
-        self.run_dir, self.every_s, self.kinds, self.expected_s = run_dir, every_s, kinds, expected_s
+    def __init__(self, run_dir: Path, every_s: float, kinds: list[str], seed: int, steps: int) -> None:
+        self.run_dir, self.every_s, self.kinds, self.steps = run_dir, every_s, kinds, steps
         self.rng = random.Random(seed)
         self.sent: list[dict] = []
         self.first_step_t: float | None = None
+        self.last_step = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="faulter", daemon=True)
 
     def on_line(self, t: float, line: str) -> None:
-        if self.first_step_t is None and line.startswith("[rank 0] step "):
+        m = STEP_LINE.match(line)
+        if m is None:
+            return
+        self.last_step = max(self.last_step, int(m[1]) + 1)  # completed steps (the line counts from 0)
+        if self.first_step_t is None:
             self.first_step_t = t
             self._thread.start()
+
+    def _left_s(self) -> float:
+        """The run's time left at the pace seen so far."""
+        assert self.first_step_t is not None
+        done = max(1, self.last_step - 1)
+        return (self.steps - self.last_step) * (time.time() - self.first_step_t) / done
 
     def stop(self) -> None:
         self._done.set()
@@ -106,9 +128,10 @@ class Faulter:
 
     def _run(self) -> None:
         assert self.first_step_t is not None
-        stop_after_t = self.first_step_t + self.expected_s - self.every_s / 2
         next_t = self.first_step_t + self.every_s
-        while next_t <= stop_after_t and not self._done.wait(max(0.0, next_t - time.time())):
+        while not self._done.wait(max(0.0, next_t - time.time())):
+            if self._left_s() < self.every_s / 2:
+                return
             rank, kind = self.rng.randrange(NPROC), self.rng.choice(self.kinds)
             pid = worker_pid(self.run_dir, rank)
             if pid is not None:
@@ -131,8 +154,7 @@ def run_example(name: str, workdir: Path, args: argparse.Namespace, steps: int, 
            "--step-sleep-s", str(args.step_sleep_s), "--log-every", "1", "--out", str(out)]
     faulter = None
     if faulter_for is not None:
-        expected_s = steps * args.per_step_s
-        faulter = faulter_for(d / "run", args.fault_every_s, args.kinds, args.seed, expected_s)
+        faulter = faulter_for(d / "run", args.fault_every_s, args.kinds, args.seed, steps)
     print(f"{name}: {steps} steps ...", flush=True)
     res = launch(cmd, env, args.run_timeout_s, args.verbose, on_line=faulter.on_line if faulter else None)
     if faulter is not None:
@@ -192,7 +214,15 @@ def soak_row(soak: dict, ref: dict, steps: int) -> dict:
     if clean:
         row["reference_steps_per_s"] = round((steps - 1) / clean, 3)
     if soak["events"]:
-        row["unbroken_goodput"] = round(gp.breakdown(soak["events"]).goodput, 4)
+        bd = gp.breakdown(soak["events"])
+        row["unbroken_goodput"] = round(bd.goodput, 4)
+        row["unbroken_seconds"] = {k: round(v, 3) for k, v in bd.seconds.items()}
+        after_startup_s = bd.wall_s - bd.seconds.get("startup", 0.0)
+        if after_startup_s > 0:
+            row["unbroken_goodput_after_startup"] = round(bd.seconds.get("productive", 0.0) / after_startup_s, 4)
+        badput = sum(bd.seconds.get(k, 0.0) for k in gp.PHASES)
+        if faults:
+            row["unbroken_recovery_s_per_fault"] = round(badput / len(faults), 3)
     detected = [float(ev["t"]) for ev in soak["events"] if ev.get("event") == "hang_detected"]
     stops = [f["t"] for f in faults if f["kind"] == "sigstop"]
     waits = [min((t for t in detected if t >= s), default=math.nan) - s for s in stops]
@@ -232,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"the calibration run failed (exit {cal['rc']}):\n  " + "\n  ".join(cal["tail"]))
                 return 1
             args.per_step_s = median(per)
-            steps = max(10, math.ceil(args.duration_s / args.per_step_s))
+            steps = max(10, math.ceil(args.steps_margin * args.duration_s / args.per_step_s))
             print(f"calibration: median step {args.per_step_s * 1000:.1f} ms -> {steps} steps for "
-                  f"{args.duration_s:.0f} s", flush=True)
+                  f"{args.duration_s:.0f} s (x {args.steps_margin} margin)", flush=True)
         else:
             args.per_step_s = args.duration_s / steps
         soak = run_example("soak", workdir, args, steps, env, faulter_for=Faulter)
@@ -287,8 +317,10 @@ def print_table(row: dict, args: argparse.Namespace, load0: float, load1: float,
           f"{'met' if row['goodput'] is not None and row['goodput'] >= TARGET_GOODPUT else 'NOT met'}), "
           f"faults {row['faults']} (SIGKILL {row['sigkill']}, SIGSTOP {row['sigstop']}), recovered {row['recovered']}, "
           f"bit-equal {row['bit_equal']}, per fault {fmt(row.get('per_fault_cost_s'))} s, "
-          f"SIGSTOP -> hang detected {fmt(row.get('hang_detect_s'))} s, unbroken's own goodput "
-          f"(start-up counted) {fmt(row.get('unbroken_goodput'), '{:.4f}')}")
+          f"SIGSTOP -> hang detected {fmt(row.get('hang_detect_s'))} s")
+    print(f"  from the soak's event log (ops/goodput.py): goodput {fmt(row.get('unbroken_goodput'), '{:.4f}')} "
+          f"(start-up counted), {fmt(row.get('unbroken_goodput_after_startup'), '{:.4f}')} after start-up; "
+          f"recovery {fmt(row.get('unbroken_recovery_s_per_fault'))} s per fault")
     print(f"  goodput = reference (t(step N) - t(step 1)) / soak's; load average (1 min) before / after "
           f"{load0:.1f} / {load1:.1f} on {os.cpu_count()} cpus")
     print(f"  {picture}")

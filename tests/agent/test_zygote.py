@@ -49,6 +49,7 @@ def test_a_forked_rank_is_the_process_the_agent_would_start(tmp_path, monkeypatc
         assert sleeper.stdout.readline()  # it runs
         proc = psutil.Process(sleeper.pid)
         assert proc.ppid() == zygote.pid and "s3cr3t" not in " ".join(proc.cmdline())
+        assert proc.name() == "unbroken-r2"
         assert sleeper.poll() is None
         os.killpg(sleeper.pid, signal.SIGKILL)  # as the agent kills a rank: its process group
         assert sleeper.wait(timeout=30) == -signal.SIGKILL

@@ -28,6 +28,7 @@ import time
 from typing import BinaryIO
 
 from unbroken.agent.processes import die_with_parent
+from unbroken.worker_config import ENV_RUN_DIR
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +85,13 @@ class Zygote:
         self._reader.start()
 
     @classmethod
-    def start(cls, omp_num_threads: int) -> Zygote | None:
-        """Start the zygote; None where it cannot be (it is only a speed-up)."""
+    def start(cls, omp_num_threads: int, run_dir: str = "") -> Zygote | None:
+        """Start the zygote; None where it cannot be (it is only a speed-up). ``run_dir`` goes into its
+        environment (no part of a rank's: that comes with each order) to tell whose it is."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, OMP_NUM_THREADS=str(omp_num_threads), PYTHONUNBUFFERED="1")
+        if run_dir:
+            env[ENV_RUN_DIR] = run_dir
         try:
             # -P as for a spare: the working directory cannot shadow the installed package.
             popen = subprocess.Popen([sys.executable, "-u", "-P", "-m", "unbroken.agent.zygote", str(theirs.fileno())],

@@ -129,7 +129,7 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     ``graceful`` gets the agent while it serves (SIGTERM: see the module docstring)."""
     _prepare_run_dir(cfg)
     # First of all: the zygote's imports (seconds of CPU) overlap the controller's start and the rendezvous.
-    zygote = Zygote.start(cfg.omp_num_threads) if cfg.fork_ranks else None
+    zygote = Zygote.start(cfg.omp_num_threads, str(cfg.run_dir)) if cfg.fork_ranks else None
     try:
         if cfg.controller_store:
             return _run_with_seat(cfg, output=output, on_controller=on_controller, graceful=graceful, zygote=zygote)

@@ -23,7 +23,8 @@ travels over the socket, never on a command line.
 
 The child, before it runs the script: its own session (the agent signals the process group),
 SIGKILL when the zygote dies (which dies with the agent), fds 0/1/2 = /dev/null and the pipe,
-the environment replaced by the order's, the RNGs a fresh interpreter would have reseeded,
+the environment replaced by the order's, named ``unbroken-r<rank>`` (its command line is the
+zygote's; /proc/<pid>/environ shows the zygote's start environment, run directory included), the RNGs a fresh interpreter would have reseeded,
 then the script as ``__main__`` as a warm spare runs it.
 """
 
@@ -116,10 +117,20 @@ def become_rank(order: dict, out_fd: int) -> None:
     os.close(out_fd)
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in order["env"].items()})
+    _name_process(f"unbroken-r{os.environ.get('RANK', '')}")  # its cmdline is the zygote's: name it for ps/top
     # `random` reseeds itself in a forked child (os.register_at_fork); numpy's global RNG does not.
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
     run_as_main([str(a) for a in order["argv"]])
+
+
+def _name_process(name: str) -> None:
+    """This process's name as ps, top and psutil's ``name()`` show it (Linux: 15 bytes at most)."""
+    try:
+        with open("/proc/self/comm", "w", encoding="ascii") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 def _threads_started() -> str:

@@ -72,6 +72,14 @@ def _role(proc: psutil.Process) -> str:
     if "unbroken.agent.spare" in cmd:
         return "spare"
     try:
+        name = proc.name()
+    except psutil.Error:
+        name = ""
+    if name.startswith("unbroken-r"):  # forked by the node's zygote (agent/zygote.py)
+        return f"rank {name[len('unbroken-r'):]}"
+    if "unbroken.agent.zygote" in cmd:
+        return "zygote"
+    try:
         rank = proc.environ().get("RANK")
     except psutil.Error:
         rank = None

@@ -254,7 +254,9 @@ def summarize(runs: list[Run]) -> dict:
     row["failed_runs"] = sum(not r.ok for r in runs)
     row["runs"] = [{"recover_s": None if r.recover_s is None else round(r.recover_s, 4),
                     "lost_steps": r.lost_steps, "job_s": None if r.job_s is None else round(r.job_s, 4),
-                    "weights_equal": r.weights_equal, **({"problems": r.problems} if r.problems else {})}
+                    "weights_equal": r.weights_equal,
+                    **{k: round(r.extra[k], 4) for k in ("hang_detect_s", "detect_s") if k in r.extra},
+                    **({"problems": r.problems} if r.problems else {})}
                    for r in runs]
     return row
 
@@ -350,8 +352,9 @@ def print_table(args: argparse.Namespace, results: dict[str, list[Run]], skipped
     if hang:
         console.print(f"{HANG}: rank {KILL_RANK} SIGSTOPped after rank 0 completed step {args.kill_step - 1}; "
                       f"hang timeout used {median([r.extra['hang_timeout_s'] for r in hang]):.2f} s "
-                      f"({'--hang-timeout-s' if args.hang_timeout_s else 'calibrated: max(floor, 3 x median step)'}), "
-                      f"SIGSTOP -> hang detected {median([r.extra['hang_detect_s'] for r in hang]):.2f} s, "
+                      f"({'--hang-timeout-s' if args.hang_timeout_s else 'calibrated: max(1 s, 3 x p99 step) with evidence against the rank, else max(5 s, ...)'}), "
+                      f"SIGSTOP -> hang detected {spread([r.extra['hang_detect_s'] for r in hang], '{:.2f}')} s "
+                      f"(target <= 1.5 s), "
                       f"-> back at the step {median([r.recover_s for r in hang if r.recover_s is not None] or [0]):.2f} s")
     for name, runs in results.items():
         for i, r in enumerate(runs):

@@ -83,6 +83,8 @@ def add_event_figures(run: Run, events: list[dict], stop_t: float | None = None)
         if ev.get("event") == "hang_detected" and stop_t is not None and "hang_timeout_s" not in run.extra:
             run.extra["hang_timeout_s"] = float(ev["timeout_s"])
             run.extra["hang_detect_s"] = float(ev["t"]) - stop_t
+            if ev.get("rank") != KILL_RANK:  # a victim blamed: the detector's one unforgivable mistake
+                run.problems.append(f"hang blamed on rank {ev.get('rank')}, not the SIGSTOPped rank {KILL_RANK}")
         if ev.get("event") == "recovered" and "controller_recover_s" not in run.extra:
             run.extra["controller_recover_s"] = float(ev["recover_s"])
             run.notes.append(f"{ev.get('tier')}, step {ev.get('restored_step')}")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TextIO
 
 from unbroken.agent.fence import ControllerWatch
+from unbroken.agent.forks import ForkedRank, Zygote
 from unbroken.agent.placement import Placement
 from unbroken.agent.processes import die_with_parent, process_state, signal_group
 from unbroken.agent.relay import NodeRelay
@@ -62,7 +63,7 @@ class WorkerProc:
     rank: int
     local_rank: int
     attempt: int
-    popen: subprocess.Popen | None  # None only while a pre-run spare is being taken for it
+    popen: subprocess.Popen | ForkedRank | None  # None only while a pre-run spare is being taken for it
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
     state: str = "running"
@@ -71,7 +72,8 @@ class WorkerProc:
 
 class Agent:
     def __init__(self, cfg: LaunchConfig, controller_host: str, controller_port: int,
-                 output: TextIO | None = None, leader: LeaderSource | None = None) -> None:
+                 output: TextIO | None = None, leader: LeaderSource | None = None,
+                 zygote: Zygote | None = None) -> None:
         self.cfg = cfg
         self.node_rank = cfg.node_rank
         self.controller = f"{controller_host}:{controller_port}"
@@ -87,7 +89,10 @@ class Agent:
         self._warm_restart = False  # the next attempt follows a takeover: start it from the warm spare
         self.standby = cfg.standby
         self._placement = Placement(cfg.node_rank, cfg.nproc_per_node, cfg.standby)
-        self._spares = Spares(cfg, self._prerun_env, self._send)
+        # The node's ranks are forked from the zygote (agent/forks.py) while it can; this agent closes it.
+        self._zygote = zygote
+        self._spares = Spares(cfg, self._prerun_env, self._send,
+                              zygote_ready=lambda: self._zygote is not None and not self._zygote.unusable)
         ckpt = cfg.checkpoint
         self._persister = None
         if ckpt.save_dir and ckpt.every_steps and ckpt.persist_every_steps and cfg.job_id:
@@ -108,6 +113,10 @@ class Agent:
         """Serve the controller until it says shut down; return (exit code, reason). With a leader
         source (--controller-store), a lost controller is followed to the next leader instead."""
         self._peer = self._build_peer_memory()
+        # The ranks start from the zygote: join once its imports are done, not before. (Waiting for it
+        # later, in the command thread, would leave the controller's messages unread: this node fences.)
+        if self._zygote is not None and not self._zygote.wait_ready():
+            self._zygote.close()
         self._open(*self._first_controller(connect_timeout_s), timeout_s=connect_timeout_s)
         if self.cfg.worker.node_reports:  # per-node aggregation of step reports and commits (agent/relay.py)
             self._relay = NodeRelay(self.cfg.secret.encode(), self._send)
@@ -133,6 +142,8 @@ class Agent:
             self._watch.stop()
             self._spares.drop()
             self._stop_all(None)
+            if self._zygote is not None:
+                self._zygote.close()
             if self._persister is not None:
                 self._persister.stop()  # its last report still goes out on the open connection
             if self._peer is not None:
@@ -171,6 +182,8 @@ class Agent:
                 self._peer_agents(msg)
             elif isinstance(msg, m.SpareImports):
                 self._spares.set_imports(msg.modules)
+                if self._zygote is not None:
+                    self._zygote.pre_import(msg.modules)
             elif isinstance(msg, m.Shutdown):
                 return msg.exit_code, msg.reason
 
@@ -360,6 +373,10 @@ class Agent:
         proc = self._from_prerun(WorkerProc(rank, local_rank, attempt, None), env, argv) if gen > 0 else None
         if proc is None:
             popen = self._spares.take_warm(env, argv) if gen > 0 or warm else None
+            if popen is None and self._zygote is not None:
+                popen = self._zygote.fork(env, argv)
+                if popen is None:
+                    self._spares.start()  # the zygote forks no more: a warm spare for the next replacement
             if popen is None:
                 popen = subprocess.Popen([sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,

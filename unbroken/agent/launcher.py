@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TextIO
 
 from unbroken.agent.agent import Agent
+from unbroken.agent.forks import Zygote
 from unbroken.config import LaunchConfig
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.machine import Failure
@@ -132,8 +133,20 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     """Run this node's part of a job to its end. ``cfg`` must come from :func:`resolve`;
     ``graceful`` gets the agent while it serves (SIGTERM: see the module docstring)."""
     _prepare_run_dir(cfg)
-    if cfg.controller_store:
-        return _run_with_seat(cfg, output=output, on_controller=on_controller, graceful=graceful)
+    # First of all: the zygote's imports (seconds of CPU) overlap the controller's start and the rendezvous.
+    zygote = Zygote.start(cfg.omp_num_threads, str(cfg.run_dir)) if cfg.fork_ranks else None
+    try:
+        if cfg.controller_store:
+            return _run_with_seat(cfg, output=output, on_controller=on_controller, graceful=graceful, zygote=zygote)
+        return _run_here(cfg, output=output, on_controller=on_controller, graceful=graceful, zygote=zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()  # (the agent closed it already, after its ranks stopped, unless it never ran)
+
+
+def _run_here(cfg: LaunchConfig, *, output: TextIO | None, on_controller: Callable[[Controller], None] | None,
+              graceful: GracefulStop | None, zygote: Zygote | None) -> JobResult:
+    """Node 0 hosts the controller; every other node (and a standby) only runs its agent."""
     controller: Controller | None = None
     live: LiveView | None = None
     events: EventLog | None = None
@@ -147,7 +160,7 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
             host, port = cfg.master_addr, controller.port
         else:
             host, port = cfg.master_addr, cfg.master_port
-        agent = Agent(cfg, host, port, output=output)
+        agent = Agent(cfg, host, port, output=output, zygote=zygote)
         return _serve(cfg, agent, lambda: controller, graceful)
     finally:
         if controller is not None:
@@ -189,7 +202,7 @@ def _serve(cfg: LaunchConfig, agent: Agent, controller_now: Callable[[], Control
 
 
 def _run_with_seat(cfg: LaunchConfig, *, output: TextIO | None, on_controller: Callable[[Controller], None] | None,
-                   graceful: GracefulStop | None) -> JobResult:
+                   graceful: GracefulStop | None, zygote: Zygote | None) -> JobResult:
     """--controller-store: this agent runs a controller seat (agent/failover.py) and follows the
     leading controller, wherever it is."""
     from unbroken.agent.failover import SeatHost
@@ -211,7 +224,7 @@ def _run_with_seat(cfg: LaunchConfig, *, output: TextIO | None, on_controller: C
     seat = SeatHost(cfg, start_controller)
     try:
         seat.start()
-        agent = Agent(cfg, cfg.master_addr, cfg.master_port, output=output, leader=seat.leader)
+        agent = Agent(cfg, cfg.master_addr, cfg.master_port, output=output, leader=seat.leader, zygote=zygote)
         return _serve(cfg, agent, lambda: seat.controller, graceful)
     finally:
         seat.close()

@@ -46,7 +46,7 @@ def main() -> None:
 
     warm_up()
     if sys.argv[1:2] == ["--prerun"]:
-        _run_as_main(sys.argv[2:])
+        run_as_main(sys.argv[2:])
         return
     for line in sys.stdin:
         order = json.loads(line)
@@ -97,10 +97,10 @@ def pre_import(names: list[str]) -> int:
 def run_script(order: dict) -> None:
     os.environ.update({str(k): str(v) for k, v in order["env"].items()})
     sys.stdin.close()
-    _run_as_main([str(a) for a in order["argv"]])
+    run_as_main([str(a) for a in order["argv"]])
 
 
-def _run_as_main(argv: list[str]) -> None:
+def run_as_main(argv: list[str]) -> None:
     script = os.path.abspath(argv[0])
     sys.argv = argv
     sys.path.insert(0, os.path.dirname(script))  # as `python script.py` sets sys.path[0]

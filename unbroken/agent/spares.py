@@ -1,7 +1,7 @@
 """This node's spare process, the agent's side: when one starts, what it is told, who takes it.
 
 A node keeps at most one spare while in-flight recovery with a replacement is allowed
-(``REPLACING_RUNGS``): a *warm* spare (agent/spare.py: torch imported, then the modules the
+(``REPLACING_RUNGS``), and no warm one while the node's zygote can fork replacements (agent/forks.py): a *warm* spare (agent/spare.py: torch imported, then the modules the
 script imported, told in JSON lines on its stdin) or, with ``--prerun-spares``, a *pre-run* spare
 (agent/prerun.py: the script run up to its first rank-dependent read). A replacement of a lost
 rank takes the pre-run spare if it can, else the warm one, else starts cold. After one is taken,
@@ -44,10 +44,11 @@ class Spares:
     message to the controller (the pre-run spare's events)."""
 
     def __init__(self, cfg: LaunchConfig, base_env: Callable[[], dict[str, str] | None],
-                 send: Callable[[m.Message], bool]) -> None:
+                 send: Callable[[m.Message], bool], zygote_ready: Callable[[], bool] = lambda: False) -> None:
         self._cfg = cfg
         self._base_env = base_env
         self._send = send
+        self._zygote_ready = zygote_ready  # the node's zygote forks replacements: no warm spare needed
         self._enabled = bool(REPLACING_RUNGS & set(cfg.recovery.allowed))
         self._prerun_allowed = cfg.prerun_spares  # False after a pre-run spare failed: warm ones from then on
         self._warm: subprocess.Popen | None = None
@@ -73,6 +74,8 @@ class Spares:
         env = self._base_env() if self._prerun_allowed else None
         if env is not None:  # (a standby agent's first spare, before it knows the job: warm)
             self._prerun = prerun.PrerunSpare.start(dict(os.environ), env, self._argv(), die_with_parent)
+            return
+        if self._zygote_ready():  # it imported torch once and forks a replacement in milliseconds (agent/forks.py)
             return
         env = dict(os.environ, OMP_NUM_THREADS=str(self._cfg.omp_num_threads), PYTHONUNBUFFERED="1")
         # -P: the working directory is not put on sys.path, so a folder named `unbroken` there

@@ -134,6 +134,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("no-scale-out", action="store_true",
          help="rung `elastic`: a shrunk job never grows back (default: once every node of the launch is there "
               "again, the lost one back or a standby agent, it grows back to its launch size at a committed step)")
+    flag("no-fork-ranks", action="store_true",
+         help="start every rank as its own `python script` process instead of forking it from the node's "
+              "zygote, a process that imported torch once (see docs/recovery.md)")
     flag("prerun-spares", action="store_true",
          help="spares run the script up to its first rank-dependent read before a rank is lost (see docs/recovery.md)")
     _add_worker_settings(flag)
@@ -237,6 +240,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         inject=args.inject,
         standby=args.standby,
         prerun_spares=args.prerun_spares,
+        fork_ranks=not args.no_fork_ranks,
         straggler_factor=args.straggler_factor,
         metrics_port=args.metrics_port,
         sigterm_dump_timeout_s=args.sigterm_dump_timeout_s,

@@ -9,25 +9,22 @@ import pytest
 from tests.etcd_cluster import EtcdCluster
 
 
-@pytest.fixture
-def etcd1(tmp_path):
+def _cluster(tmp_path, size: int):
     root = tmp_path / "etcd"
     root.mkdir()
-    cluster = EtcdCluster(root, 1)
+    cluster = EtcdCluster(root, size)
     try:
         yield cluster
     finally:
         cluster.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def etcd1(tmp_path):
+    yield from _cluster(tmp_path, 1)
 
 
 @pytest.fixture
 def etcd3(tmp_path):
-    root = tmp_path / "etcd"
-    root.mkdir()
-    cluster = EtcdCluster(root, 3)
-    try:
-        yield cluster
-    finally:
-        cluster.close()
-        shutil.rmtree(root, ignore_errors=True)
+    yield from _cluster(tmp_path, 3)

@@ -17,9 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from unbroken.controller import elastic, machine as sm, rendezvous
 from unbroken.controller.hub import Hub, Reply, TellAgents
@@ -30,6 +28,9 @@ from unbroken.names import LIVE_WORKER_STATES, Rung
 from unbroken.protocol import messages as m
 from unbroken.protocol.framing import MAX_FRAME_BYTES
 from unbroken.protocol.wire import pack_frame
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 

@@ -17,17 +17,24 @@ rendezvous with it):
   and write a plain script's keys (docs/security.md); the managed path reads
   nothing from it.
 
-Runs in the controller's thread that starts an attempt.
+Runs in the controller's thread that starts an attempt. Importing torch costs seconds of CPU
+(FACTS.md), and nothing else in the controller needs it: :func:`preload` imports it in the
+background when the controller starts, while the node's zygote imports its own (launch to
+first step: the two run side by side instead of one after the other).
 """
 
 from __future__ import annotations
 
+import importlib
 import secrets
 import socket
-
-import torch.distributed as dist
+import threading
+from typing import TYPE_CHECKING
 
 from unbroken.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 #: Random bytes of a per-attempt key prefix (hex: twice as many characters).
 PREFIX_BYTES = 16
@@ -36,6 +43,14 @@ PREFIX_BYTES = 16
 def new_prefix() -> str:
     """A fresh, unguessable key prefix for one attempt's rendezvous."""
     return "rdzv-" + secrets.token_hex(PREFIX_BYTES)
+
+
+def preload() -> threading.Thread:
+    """Import torch.distributed in a daemon thread (what :func:`open_store` needs at the first attempt)."""
+    thread = threading.Thread(target=importlib.import_module, args=("torch.distributed",),
+                              name="unbroken-import-torch", daemon=True)
+    thread.start()
+    return thread
 
 
 def open_store(host: str) -> dist.TCPStore:
@@ -56,5 +71,7 @@ def open_store(host: str) -> dist.TCPStore:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"rendezvous store cannot listen on {host!r}: {exc} (check --master-addr)") from None
+    import torch.distributed as dist  # noqa: PLC0415  (seconds: preload() has usually done it)
+
     fd = sock.detach()  # from here on the store owns (and closes) the listening socket
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True, master_listen_fd=fd)

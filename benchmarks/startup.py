@@ -9,6 +9,8 @@ moment the benchmark starts the launcher. Rows (interleaved, one launch of each 
 
   zygote   the default: ranks forked from the node's pre-imported zygote (agent/zygote.py)
   cold     --no-fork-ranks: each rank starts its own Python and imports torch
+  pool     ranks forked from a pool (`unbroken pool`, agent/pool.py) started once before the repeats:
+           torch imported before the launch, as on a machine that keeps a pool running
   before   the default launch of --before-src (PYTHONPATH = that tree), when given
 
 From the run's event log, per launch: the controller up (``controller_started``), the node's
@@ -20,10 +22,12 @@ targets (2 s or less for 4 ranks). A benchmark never asserts a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +43,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--rows", default="zygote,cold", help="comma-separated: zygote, cold")
+    p.add_argument("--rows", default="zygote,cold,pool", help="comma-separated: zygote, cold, pool")
     p.add_argument("--before-src", type=Path, default=None, help="a tree of the code to compare (git archive of main)")
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--json", type=Path, default=None)
@@ -54,6 +58,8 @@ def one(row: str, args: argparse.Namespace, work: Path) -> dict | None:
     cmd = unbroken_cmd() + ["run", "--nproc-per-node", str(args.nproc), "--run-dir", str(run_dir)]
     if row == "cold":
         cmd.append("--no-fork-ranks")
+    if row == "pool":
+        cmd += ["--pool-socket", str(work / "pool" / "pool.sock")]
     cmd += [str(REPO / "examples" / "train_gpt.py"), "--steps", "3"]
     t0 = time.time()
     res = launch(cmd, env, args.timeout_s, False)
@@ -72,13 +78,34 @@ def one(row: str, args: argparse.Namespace, work: Path) -> dict | None:
     return out
 
 
+@contextlib.contextmanager
+def pool(work: Path, wanted: bool):
+    """`unbroken pool` on a socket of this run, ready before the first launch; stopped after the last."""
+    if not wanted:
+        yield
+        return
+    (work / "pool").mkdir(mode=0o700)
+    sock = work / "pool" / "pool.sock"
+    popen = subprocess.Popen(unbroken_cmd() + ["pool", "--socket", str(sock)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert popen.stdout is not None
+        line = popen.stdout.readline().decode()
+        if "ready" not in line:
+            raise SystemExit(f"the pool did not start: {line!r}")
+        yield
+    finally:
+        popen.terminate()
+        popen.wait(timeout=30)
+
+
 def main() -> int:
     args = parse()
     rows = [r for r in args.rows.split(",") if r]
     if args.before_src is not None:
         rows.append("before")
     results: dict[str, list[dict]] = {r: [] for r in rows}
-    with tempfile.TemporaryDirectory(prefix="unbroken-startup-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="unbroken-startup-") as tmp, pool(Path(tmp), "pool" in rows):
         for i in range(args.repeats):
             for row in rows:
                 got = one(row, args, Path(tmp))

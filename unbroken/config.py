@@ -93,6 +93,7 @@ class LaunchConfig:
     standby: bool = False  # a spare agent: hosts ranks moved to it by the `recover` rung
     prerun_spares: bool = False  # spares run the script up to its first rank-dependent read (agent/prerun.py)
     fork_ranks: bool = True  # ranks are forked from the node's zygote, which imported torch once (agent/forks.py)
+    pool_socket: str = ""  # a pool's socket (agent/pool.py; "": the default one, used when a pool listens there)
     stop_grace_s: float = 3.0
     # SIGTERM with --save: how long the job may take to dump its newest committed step before it
     # stops without it (0: never dump). With the stop grace and the agent's exit it must fit in the

@@ -1,11 +1,10 @@
 """The agent: one per node, the node's process manager. Spawns, watches and stops this node's
 worker processes; its spare process (warm or pre-run) is held by a :class:`~unbroken.agent.spares.Spares`.
 
-It runs the controller's orders (start an attempt, stop it, kill one hung worker, shut
-down) received over its control connection, in the thread that calls :meth:`Agent.run`.
-A watcher thread notices a worker's exit within ``WATCH_INTERVAL_S`` and reports it
-with the exit code or signal and the last lines of its output. One reader thread per
-worker prefixes the worker's output lines with its rank. On the first SIGTERM
+It runs the controller's orders (start an attempt, stop it, kill one hung worker, shut down) received
+over its control connection, in the thread that calls :meth:`Agent.run`. A watcher thread notices a
+worker's exit within ``WATCH_INTERVAL_S`` and reports it with the exit code or signal and the last
+lines of its output. One reader thread per worker prefixes the worker's output lines with its rank. On the first SIGTERM
 (:meth:`Agent.request_stop`) a thread asks the controller to dump and stop the job, and stops
 this node on its own if no shutdown order comes in time.
 
@@ -371,24 +370,25 @@ class Agent:
         env = dict(os.environ, **self._worker_env(rank, local_rank, attempt, gen))
         argv = [self.cfg.script, *self.cfg.script_args]
         proc = self._from_prerun(WorkerProc(rank, local_rank, attempt, None), env, argv) if gen > 0 else None
+        how = "prerun"  # how the rank started, for its rank_started event
         if proc is None:
-            popen = self._spares.take_warm(env, argv) if gen > 0 or warm else None
+            popen, how = (self._spares.take_warm(env, argv) if gen > 0 or warm else None), "spare"
             if popen is None and self._zygote is not None:
-                popen = self._zygote.fork(env, argv)
+                popen, how = self._zygote.fork(env, argv), self._zygote.kind
                 if popen is None:
                     self._spares.start()  # the zygote forks no more: a warm spare for the next replacement
             if popen is None:
-                popen = subprocess.Popen([sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+                how, popen = "process", subprocess.Popen(
+                    [sys.executable, "-u", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
             proc = WorkerProc(rank, local_rank, attempt, popen)
-            proc.reader = threading.Thread(target=self._read_output, args=(proc,),
-                                           name=f"unbroken-out-r{rank}", daemon=True)
+            proc.reader = threading.Thread(target=self._read_output, args=(proc,), name=f"unbroken-out-r{rank}",
+                                           daemon=True)
             proc.reader.start()
         popen = proc.popen
         with self._lock:
             self._procs[rank] = proc
-        self._send(m.RankStarted(rank=rank, pid=popen.pid, attempt=attempt))
+        self._send(m.RankStarted(rank=rank, pid=popen.pid, attempt=attempt, how=how))
 
     def _worker_env(self, rank: int, local_rank: int, attempt: int, gen: int) -> dict[str, str]:
         host, port = self._placement.store_addr

@@ -25,9 +25,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import BinaryIO
 
+from unbroken.agent import pool
 from unbroken.agent.processes import die_with_parent
+from unbroken.agent.zygote import build as zygote_build
 from unbroken.worker_config import ENV_RUN_DIR
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,8 @@ READY_TIMEOUT_S = 120.0
 #: the command thread waits, and must read the controller's messages again well before the node's
 #: fence (--node-timeout-s / 2).
 FORK_TIMEOUT_S = 10.0
+#: How long the agent waits for a pool's answer (it has imported everything: milliseconds).
+CONNECT_TIMEOUT_S = 5.0
 _REPLY_BYTES = 1 << 16
 
 
@@ -69,8 +74,10 @@ class Zygote:
     starting/ready (one object: orders wait for its imports) -> unusable (timed out, refused,
     gone: :meth:`fork` returns None from then on); ``close`` ends it and its ranks."""
 
-    def __init__(self, popen: subprocess.Popen, sock: socket.socket) -> None:
-        self._popen = popen
+    def __init__(self, popen: subprocess.Popen | None, sock: socket.socket, hello: dict | None = None) -> None:
+        self._popen = popen  # None: a pool's zygote for this agent (agent/pool.py), not our child
+        self.kind = "zygote" if popen is not None else "pool"
+        self._pid = popen.pid if popen is not None else int((hello or {}).get("pid", 0))
         self._sock = sock
         self._cond = threading.Condition()
         self._replies: dict[int, dict] = {}
@@ -79,7 +86,7 @@ class Zygote:
         self._abandoned: set[int] = set()  # orders given up on: a late fork of one is killed at once
         self._next_id = 0
         self._gone = False
-        self._ready = False
+        self._ready = hello is not None
         self.unusable = ""  # why no more ranks are forked ("": they are)
         self._reader = threading.Thread(target=self._read, name="unbroken-zygote", daemon=True)
         self._reader.start()
@@ -105,9 +112,39 @@ class Zygote:
             theirs.close()
         return cls(popen, ours)
 
+    @classmethod
+    def connect(cls, path: Path, timeout_s: float = CONNECT_TIMEOUT_S) -> Zygote | None:
+        """This agent's zygote from the pool listening on ``path`` (agent/pool.py); None where there is
+        none, or it may not be used (another user's, another build): then the agent starts its own."""
+        problem = pool.private_dir_problem(path.parent)
+        if problem:
+            log.warning("unbroken agent: not using the pool at %s: %s", path, problem)
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(str(path))
+            if pool.peer_uid(sock) != os.getuid():
+                raise OSError(f"the process listening on {path} is not this user's")
+            hello = json.loads(sock.recv(_REPLY_BYTES) or b"{}")
+            sock.settimeout(None)
+        except (OSError, ValueError) as exc:
+            sock.close()
+            log.warning("unbroken agent: not using the pool at %s (%s): starting a zygote", path, exc)
+            return None
+        mine = zygote_build()
+        why = hello.get("refused_pool") or ("" if hello.get("ready") else "it did not say ready")
+        why = why or "; ".join(f"its {k} is {hello['build'].get(k)!r}, this agent's {v!r}"
+                               for k, v in mine.items() if hello.get("build", {}).get(k) != v)
+        if why:
+            sock.close()
+            log.warning("unbroken agent: not using the pool at %s: %s; starting a zygote", path, why)
+            return None
+        return cls(None, sock, hello)
+
     @property
     def pid(self) -> int:
-        return self._popen.pid
+        return self._pid
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
         """Wait until the zygote finished its imports; False (and it forks nothing) if it did not in time."""
@@ -129,7 +166,7 @@ class Zygote:
             order_id = self._next_id
         read_fd, write_fd = os.pipe()
         try:
-            order = json.dumps({"id": order_id, "env": env, "argv": argv}).encode()
+            order = json.dumps({"id": order_id, "env": env, "argv": argv, "cwd": os.getcwd()}).encode()
             socket.send_fds(self._sock, [order], [write_fd])
         except OSError as exc:
             os.close(read_fd)
@@ -180,11 +217,10 @@ class Zygote:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        try:
-            os.killpg(self._popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._popen.wait()
+        if self._pid:
+            _kill_group(self._pid)  # (a pool's zygote runs in its own session; the pool reaps it)
+        if self._popen is not None:
+            self._popen.wait()
         self._reader.join(timeout=1.0)
         self._sock.close()
 
@@ -192,7 +228,7 @@ class Zygote:
         if not self.unusable:
             self.unusable = why
             log.warning("unbroken agent: the zygote (pid %d) forks no more ranks (%s): they start as their "
-                        "own processes", self._popen.pid, why)
+                        "own processes", self._pid, why)
 
     def _read(self) -> None:
         while True:
@@ -206,6 +242,7 @@ class Zygote:
             with self._cond:
                 if "ready" in msg:
                     self._ready = True
+                    self._pid = self._pid or int(msg.get("pid", 0))
                 elif "exited" in msg:
                     self._codes[int(msg["exited"])] = int(msg["code"])
                 elif msg.get("id") in self._abandoned:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, TextIO
 
 from unbroken.agent.agent import Agent
 from unbroken.agent.forks import Zygote
+from unbroken.agent.pool import default_socket as default_pool_socket
 from unbroken.config import LaunchConfig
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.machine import Failure
@@ -134,7 +135,7 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     ``graceful`` gets the agent while it serves (SIGTERM: see the module docstring)."""
     _prepare_run_dir(cfg)
     # First of all: the zygote's imports (seconds of CPU) overlap the controller's start and the rendezvous.
-    zygote = Zygote.start(cfg.omp_num_threads, str(cfg.run_dir)) if cfg.fork_ranks else None
+    zygote = _zygote(cfg)
     try:
         if cfg.controller_store:
             return _run_with_seat(cfg, output=output, on_controller=on_controller, graceful=graceful, zygote=zygote)
@@ -142,6 +143,18 @@ def run_job(cfg: LaunchConfig, *, output: TextIO | None = None,
     finally:
         if zygote is not None:
             zygote.close()  # (the agent closed it already, after its ranks stopped, unless it never ran)
+
+
+def _zygote(cfg: LaunchConfig) -> Zygote | None:
+    """The node's zygote: from the pool (agent/pool.py) when one listens on the pool socket, else its own."""
+    if not cfg.fork_ranks:
+        return None
+    socket_path = Path(cfg.pool_socket) if cfg.pool_socket else default_pool_socket()
+    if cfg.pool_socket or socket_path.exists():
+        zygote = Zygote.connect(socket_path)
+        if zygote is not None:
+            return zygote
+    return Zygote.start(cfg.omp_num_threads, str(cfg.run_dir))
 
 
 def _run_here(cfg: LaunchConfig, *, output: TextIO | None, on_controller: Callable[[Controller], None] | None,

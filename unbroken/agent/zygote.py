@@ -8,11 +8,12 @@ its one argument). The agent's side is agent/forks.py.
 
 Messages, JSON, one per packet:
 
-* agent -> zygote ``{"id": n, "env": {...}, "argv": [...]}`` with one fd attached: the write
+* agent -> zygote ``{"id": n, "env": {...}, "argv": [...], "cwd": dir}`` with one fd attached: the write
   end of the rank's output pipe. The zygote forks; the child becomes the rank (below).
 * agent -> zygote ``{"imports": [name, ...]}``: the modules the job's script imported, imported
   here too (as a warm spare does: agent/spare.py), so a rank forked later finds them.
-* zygote -> agent ``{"ready": true}`` once, after its imports; ``{"id": n, "pid": p}``, or ``{"id": n, "refused": why}`` (the agent starts
+* zygote -> agent ``{"ready": true, "pid": p, "build": {...}}`` once, after its imports (``build``: what
+  its ranks run on, :func:`build`); ``{"id": n, "pid": p}``, or ``{"id": n, "refused": why}`` (the agent starts
   that rank the usual way); ``{"exited": p, "code": c}`` when a child ends (``c`` as
   ``Popen.returncode``: negative for a signal).
 
@@ -30,12 +31,14 @@ then the script as ``__main__`` as a warm spare runs it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import select
 import signal
 import socket
 import sys
+from typing import NoReturn
 
 from unbroken.agent.processes import die_with_parent
 from unbroken.agent.spare import pre_import, run_as_main, warm_up
@@ -45,6 +48,14 @@ MAX_ORDER_BYTES = 1 << 20  # an order is an environment and an argv: far below t
 
 
 def main() -> None:
+    load()
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    order, out_fd = serve(sock)  # returns only in a forked child
+    become_rank(order, out_fd)
+
+
+def load() -> None:
+    """What makes forking worth it: torch, the modules the first step needs, the spare's warm-up."""
     import torch  # noqa: F401  - the point of the zygote
     import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -53,15 +64,25 @@ def main() -> None:
     import unbroken.worker.entry  # noqa: F401  - what unbroken.init() imports
 
     warm_up()
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    _send(sock, {"ready": True})
-    order, out_fd = serve(sock)  # returns only in a forked child
-    become_rank(order, out_fd)
+
+
+def build() -> dict[str, str]:
+    """What a rank forked here runs on: the interpreter, unbroken's source, torch's version and the
+    import path. An agent uses a pool (agent/pool.py) only where these equal its own."""
+    import unbroken
+
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = ""
+    return {"python": os.path.realpath(sys.executable), "prefix": sys.prefix, "unbroken": os.path.dirname(os.path.abspath(unbroken.__file__)),
+            "torch": torch_version, "pythonpath": os.environ.get("PYTHONPATH", "")}
 
 
 def serve(sock: socket.socket) -> tuple[dict, int]:
     """The zygote's loop: fork on each order, report each child's exit. Returns in a child only;
     in the zygote it exits when the agent closes the socket (its children then die with it)."""
+    _send(sock, {"ready": True, "pid": os.getpid(), "build": build()})
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -83,7 +104,7 @@ def serve(sock: socket.socket) -> tuple[dict, int]:
                 os.close(fd)
             pre_import(spare_import_names(order["imports"]))  # a thread one starts: no fork after (below)
             continue
-        refused = refused or _threads_started()
+        refused = refused or threads_started()
         if refused or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -99,6 +120,19 @@ def serve(sock: socket.socket) -> tuple[dict, int]:
             return order, fds[0]
         os.close(fds[0])
         _send(sock, {"id": order["id"], "pid": pid})
+
+
+def run_rank(order: dict, out_fd: int) -> NoReturn:
+    """:func:`become_rank`, ended as the interpreter ends a script, whatever frames lie below this one
+    (a pool's command line): SystemExit passes, another exception is printed and exits with 1."""
+    try:
+        become_rank(order, out_fd)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - as `python script.py` reports an uncaught exception
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        raise SystemExit(130 if isinstance(exc, KeyboardInterrupt) else 1) from None
+    raise SystemExit(0)
 
 
 def become_rank(order: dict, out_fd: int) -> None:
@@ -117,11 +151,23 @@ def become_rank(order: dict, out_fd: int) -> None:
     os.close(out_fd)
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in order["env"].items()})
+    if order.get("cwd"):
+        os.chdir(order["cwd"])  # the agent's (a pool was started elsewhere)
+    _threads_as_ordered()
     _name_process(f"unbroken-r{os.environ.get('RANK', '')}")  # its cmdline is the zygote's: name it for ps/top
     # `random` reseeds itself in a forked child (os.register_at_fork); numpy's global RNG does not.
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
     run_as_main([str(a) for a in order["argv"]])
+
+
+def _threads_as_ordered() -> None:
+    """torch read OMP_NUM_THREADS when the zygote imported it: set the order's, if it differs."""
+    import torch
+
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if wanted.isdigit() and int(wanted) >= 1 and torch.get_num_threads() != int(wanted):
+        torch.set_num_threads(int(wanted))
 
 
 def _name_process(name: str) -> None:
@@ -133,7 +179,7 @@ def _name_process(name: str) -> None:
         pass
 
 
-def _threads_started() -> str:
+def threads_started() -> str:
     """Why forking is unsafe now ("" when it is safe): more than this one thread."""
     try:
         n = len(os.listdir("/proc/self/task"))

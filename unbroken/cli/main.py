@@ -137,6 +137,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     flag("no-fork-ranks", action="store_true",
          help="start every rank as its own `python script` process instead of forking it from the node's "
               "zygote, a process that imported torch once (see docs/recovery.md)")
+    flag("pool-socket", default="", metavar="PATH",
+         help="fork the ranks from the pool listening on PATH (`unbroken pool`: torch imported before the launch); "
+              "default: the default pool socket, used when a pool listens there (see docs/recovery.md)")
     flag("prerun-spares", action="store_true",
          help="spares run the script up to its first rank-dependent read before a rank is lost (see docs/recovery.md)")
     _add_worker_settings(flag)
@@ -201,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--script", choices=["gpt", "ddp"], default="gpt",
                       help="gpt: examples/train_gpt.py (kill, memory fault, NaN, hang); ddp: examples/train_ddp.py, "
                            "stock DistributedDataParallel (kill in the all-reduce, kill of rank 0, hang)")
+    pool = sub.add_parser("pool", help="keep torch imported for this user's next launches (ranks fork from it)")
+    pool.add_argument("--socket", default=None, metavar="PATH",
+                      help="where to listen (default: $XDG_RUNTIME_DIR/unbroken/pool.sock, else /tmp/unbroken-<uid>/)")
     from unbroken.cli.ops import add_ops_commands
 
     add_ops_commands(sub)
@@ -241,6 +247,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
         standby=args.standby,
         prerun_spares=args.prerun_spares,
         fork_ranks=not args.no_fork_ranks,
+        pool_socket=args.pool_socket,
         straggler_factor=args.straggler_factor,
         metrics_port=args.metrics_port,
         sigterm_dump_timeout_s=args.sigterm_dump_timeout_s,
@@ -330,6 +337,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     script=args.script)
 
 
+def cmd_pool(args: argparse.Namespace) -> int:
+    from unbroken.agent import pool
+
+    path = Path(args.socket) if args.socket else pool.default_socket()
+    pool.serve(path, on_ready=lambda p: print(f"unbroken: pool ready at {p} (stop it with Ctrl-C or SIGTERM)",
+                                              flush=True))
+    print("unbroken: pool stopped", flush=True)
+    return 0
+
+
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from unbroken.cli.ckpt import run_ckpt
 
@@ -345,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="unbroken: %(message)s")
     from unbroken.cli.ops import cmd_report, cmd_status
 
-    commands = {"run": cmd_run, "demo": cmd_demo, "ckpt": cmd_ckpt, "status": cmd_status, "report": cmd_report}
+    commands = {"run": cmd_run, "demo": cmd_demo, "ckpt": cmd_ckpt, "pool": cmd_pool, "status": cmd_status, "report": cmd_report}
     try:
         return commands[args.command](args)
     except ConfigError as exc:

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from unbroken.controller import elastic, machine as sm, rendezvous
 from unbroken.controller.hub import Hub, Reply, TellAgents
@@ -28,9 +28,6 @@ from unbroken.names import LIVE_WORKER_STATES, Rung
 from unbroken.protocol import messages as m
 from unbroken.protocol.framing import MAX_FRAME_BYTES
 from unbroken.protocol.wire import pack_frame
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +41,7 @@ class Executor:
 
     def __init__(self, hub: Hub) -> None:
         self._hub = hub
-        self.store: dist.TCPStore | None = None
+        self.store: rendezvous.PlainStore | None = None
         self.store_prefix = ""  # the current attempt's rendezvous key prefix (rendezvous.py)
         self._table: dict[type, Callable[[Any], None]] = {
             sm.StartAttempt: self._start_attempt, sm.StopAttempt: self._stop_attempt, sm.KillRank: self._kill,
@@ -63,6 +60,8 @@ class Executor:
             self._table[type(action)](action)
 
     def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
         self.store = None
 
     # -- sending -----------------------------------------------------------------------------
@@ -124,7 +123,9 @@ class Executor:
         # previous attempt's stores go: all its workers are dead. Managed workers use the
         # authenticated store service, under a prefix only the control plane hands out.
         hub.store_service.open_attempt(action.attempt)
-        self.store, self.store_prefix = rendezvous.open_store(hub.host), rendezvous.new_prefix()
+        if self.store is not None:
+            self.store.close()
+        self.store, self.store_prefix = rendezvous.PlainStore(hub.host), rendezvous.new_prefix()
         hub.board.attempt_started()
         hub.events.emit("attempt_started", attempt=action.attempt, store_port=self.store.port)
         self._send_peer_book()  # first: an agent fetches its moved ranks' peer copies before it starts them

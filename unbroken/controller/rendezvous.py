@@ -13,7 +13,7 @@ rendezvous with it):
 - **a plain torchrun script** (``dist.init_process_group()`` with env://, no unbroken API)
   reaches ``MASTER_ADDR:MASTER_PORT`` with torch's TCPStore client, which cannot
   authenticate. For it the controller keeps a TCPStore per attempt, listening on the job's
-  address only (:func:`open_store`). Limit: a local process that reaches that port can read
+  address only (:class:`PlainStore`). Limit: a local process that reaches that port can read
   and write a plain script's keys (docs/security.md); the managed path reads
   nothing from it.
 
@@ -26,6 +26,8 @@ first step: the two run side by side instead of one after the other).
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import secrets
 import socket
 import threading
@@ -35,6 +37,8 @@ from unbroken.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 #: Random bytes of a per-attempt key prefix (hex: twice as many characters).
 PREFIX_BYTES = 16
@@ -46,32 +50,54 @@ def new_prefix() -> str:
 
 
 def preload() -> threading.Thread:
-    """Import torch.distributed in a daemon thread (what :func:`open_store` needs at the first attempt)."""
+    """Import torch.distributed in a daemon thread (what :class:`PlainStore` needs at the first attempt)."""
     thread = threading.Thread(target=importlib.import_module, args=("torch.distributed",),
                               name="unbroken-import-torch", daemon=True)
     thread.start()
     return thread
 
 
-def open_store(host: str) -> dist.TCPStore:
-    """A master TCPStore on a free port of ``host`` only (not every interface).
+class PlainStore:
+    """One attempt's TCPStore for plain scripts, on a free port of ``host`` only (not every interface).
 
-    TCPStore binds every interface itself; given a socket already bound to ``host``
-    (``master_listen_fd``) it listens on that one instead, and owns (closes) it.
+    Its port is known at once: the socket is bound and listening here, so the attempt's start orders
+    can go out while torch is still being imported (:func:`preload`); the TCPStore itself is made in
+    a background thread once the import is done, and takes over the socket (``master_listen_fd``:
+    TCPStore would otherwise bind every interface itself). A plain script that connects before then
+    waits in the socket's backlog.
     """
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ConfigError(f"rendezvous store cannot listen on {host!r}: {exc} (check --master-addr)") from None
-    try:
-        sock.bind(addr)
-        sock.listen(1024)
-        port = sock.getsockname()[1]
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"rendezvous store cannot listen on {host!r}: {exc} (check --master-addr)") from None
-    import torch.distributed as dist  # noqa: PLC0415  (seconds: preload() has usually done it)
 
-    fd = sock.detach()  # from here on the store owns (and closes) the listening socket
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True, master_listen_fd=fd)
+    def __init__(self, host: str) -> None:
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise ConfigError(f"rendezvous store cannot listen on {host!r}: {exc} (check --master-addr)") from None
+        try:
+            sock.bind(addr)
+            sock.listen(1024)
+            self.port: int = sock.getsockname()[1]
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"rendezvous store cannot listen on {host!r}: {exc} (check --master-addr)") from None
+        self._host, self._sock = host, sock
+        self._store: dist.TCPStore | None = None
+        self._thread = threading.Thread(target=self._open, name="unbroken-tcpstore", daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        import torch.distributed as dist  # noqa: PLC0415  (seconds: preload() has usually done it)
+
+        fd = self._sock.detach()  # from here on the store owns (and closes) the listening socket
+        try:
+            self._store = dist.TCPStore(self._host, self.port, is_master=True, wait_for_workers=False,
+                                        use_libuv=True, master_listen_fd=fd)
+        except Exception as exc:  # noqa: BLE001 - only plain scripts use it; they fail their rendezvous
+            log.warning("controller: the TCPStore for plain scripts could not start on %s:%d: %s", self._host,
+                        self.port, exc)
+            os.close(fd)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Drop the store (its destructor closes it), after its start if that is still under way."""
+        self._thread.join(timeout_s)
+        self._store = None

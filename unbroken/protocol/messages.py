@@ -62,6 +62,7 @@ class RankStarted(Message):
     rank: int
     pid: int
     attempt: int
+    how: str = ""  # forked by a pool's zygote ("pool") or the node's ("zygote"), "spare", "prerun", "process"
 
 
 @message("rank_exited")

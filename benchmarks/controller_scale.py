@@ -24,11 +24,13 @@ real code and no sockets (the per-message wire cost, ~10-50 us, comes on top; do
              then the commit encoded for each rank; the sockets' own cost is left out
   handlers_relayed  the same step with --node-reports: each node's 8 ranks' reports in one
              NodeReports (agent/relay.py), the commit sent once per node
+  step       the controller's CPU for one steady step, the cheapest way it runs today (handlers_relayed);
+             its JSON record carries ``controller_cpu_per_step_s`` (issue 30's target: 5 ms at 16,384 ranks)
 
 Each row is timed in a fresh subprocess per tree (PYTHONPATH = the tree), medians of --repeats,
 as the process's CPU time (time.process_time: what a loaded machine's other processes take is not counted);
 "before" runs the same driver against --before-src. Printed: seconds per row and tree, per
-rank, and before / ours. ``handlers`` and ``handlers_relayed`` are not in the default rows (a heavier
+rank, and before / ours. ``handlers``, ``handlers_relayed`` and ``step`` are not in the default rows (a heavier
 setup); name them. A benchmark never asserts a time.
 """
 
@@ -43,7 +45,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers", "handlers_relayed")
+ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers", "handlers_relayed", "step")
+STEP_TARGET_S = 5e-3  # issue 30: controller CPU per step at 16,384 ranks
 MESH_MAX_N = 1024
 
 DRIVER = r'''
@@ -200,7 +203,7 @@ def run_once():
         return start(n)
     if row == "handlers":
         return handlers(n)
-    if row == "handlers_relayed":
+    if row in ("handlers_relayed", "step"):
         return handlers(n, relayed=True)
     if row == "store":
         return store(n, lambda r: [(r - 1) % n, (r + 1) % n])
@@ -235,7 +238,7 @@ def fmt(s: float | None) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nprocs", default="1024,2048,4096,8192,16384", help="world sizes, comma-separated")
-    p.add_argument("--rows", default=",".join(ROWS[:-2]), help=f"comma-separated: {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(ROWS[:-3]), help=f"comma-separated: {', '.join(ROWS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--before-src", default="", help="also time this source tree (e.g. a git archive of main)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per row, tree and N")
@@ -254,6 +257,8 @@ def main() -> int:
             rec = {"row": row, "n": n}
             for name, src in trees:
                 rec[name] = measure(src, row, n, args.repeats, args.timeout_s)
+            if row == "step":
+                rec["controller_cpu_per_step_s"] = rec["ours"]
             results.append(rec)
             print(f"  {row} N={n}: " + ", ".join(f"{name} {fmt(rec[name])}" for name, _ in trees), file=sys.stderr)
     head = "| row | N ranks | ours | ours per rank |" + (" before | before / ours |" if args.before_src else "")
@@ -267,6 +272,11 @@ def main() -> int:
             ratio = f"{before / ours:.1f}x" if ours and before else "-"
             line += f" {fmt(before)} | {ratio} |"
         print(line)
+    for rec in results:
+        if rec["row"] == "step" and rec["ours"] is not None:
+            met = "met" if rec["ours"] <= STEP_TARGET_S else "NOT met"
+            print(f"\nstep at N={rec['n']}: controller CPU {fmt(rec['ours'])} per step "
+                  f"(target {fmt(STEP_TARGET_S)} at 16384 ranks: {met} at this N)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

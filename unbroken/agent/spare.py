@@ -25,6 +25,7 @@ set, so a replacement runs with the thread settings of the process it replaces.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -45,6 +46,7 @@ def main() -> None:
     from unbroken.protocol.messages import spare_import_names
 
     warm_up()
+    gc.freeze()  # as the zygote does (agent/zygote.py load): the collector skips what the imports made
     if sys.argv[1:2] == ["--prerun"]:
         run_as_main(sys.argv[2:])
         return

@@ -27,13 +27,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from runlib import REPO, clean_shm, launch, read_events, unbroken_cmd
+
+from unbroken.agent import pool
 
 MARKS = (("controller_s", "controller_started"), ("agent_joined_s", "agent_joined"),
          ("ranks_started_s", "rank_started"), ("first_step_s", "step"))
@@ -79,24 +80,16 @@ def one(row: str, args: argparse.Namespace, work: Path) -> dict | None:
 
 
 @contextlib.contextmanager
-def pool(work: Path, wanted: bool):
+def pool_for(work: Path, wanted: bool):
     """`unbroken pool` on a socket of this run, ready before the first launch; stopped after the last."""
     if not wanted:
         yield
         return
     (work / "pool").mkdir(mode=0o700)
-    sock = work / "pool" / "pool.sock"
-    popen = subprocess.Popen(unbroken_cmd() + ["pool", "--socket", str(sock)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        assert popen.stdout is not None
-        line = popen.stdout.readline().decode()
-        if "ready" not in line:
-            raise SystemExit(f"the pool did not start: {line!r}")
+    with pool.running(work / "pool" / "pool.sock") as sock:
+        if sock is None:
+            raise SystemExit("the pool did not start")
         yield
-    finally:
-        popen.terminate()
-        popen.wait(timeout=30)
 
 
 def main() -> int:
@@ -105,7 +98,7 @@ def main() -> int:
     if args.before_src is not None:
         rows.append("before")
     results: dict[str, list[dict]] = {r: [] for r in rows}
-    with tempfile.TemporaryDirectory(prefix="unbroken-startup-") as tmp, pool(Path(tmp), "pool" in rows):
+    with tempfile.TemporaryDirectory(prefix="unbroken-startup-") as tmp, pool_for(Path(tmp), "pool" in rows):
         for i in range(args.repeats):
             for row in rows:
                 got = one(row, args, Path(tmp))

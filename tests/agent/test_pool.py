@@ -124,9 +124,11 @@ def test_the_pool_is_for_its_user_and_its_build_only(tmp_path, monkeypatch):
 def test_a_job_launched_with_a_pool(tmp_path):
     """`unbroken run --pool-socket`: the ranks fork from the pool's zygote for this agent; the job ends
     as any job does, and the pool is left as it was (no child of it remains)."""
-    sock = tmp_path / "pool" / "pool.sock"
-    popen = start_pool(sock)
-    try:
+    sock_dir = tmp_path / "pool"
+    sock_dir.mkdir(mode=0o700)
+    with pool.running(sock_dir / "pool.sock") as sock:  # as the demo runs its two jobs
+        assert sock == sock_dir / "pool.sock"
+        pool_pid = next(p.pid for p in psutil.Process().children() if "pool" in p.cmdline())
         res = run_cli(["run", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "run"), "--pool-socket", str(sock),
                        str(REPO / "examples" / "train_gpt.py"), "--steps", "3"], timeout_s=200)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -136,8 +138,7 @@ def test_a_job_launched_with_a_pool(tmp_path):
                    if '"rank_started"' in line]
         assert sorted(e["rank"] for e in started) == [0, 1, 2, 3] and {e["how"] for e in started} == {"pool"}
         deadline = time.monotonic() + 10
-        while psutil.Process(popen.pid).children() and time.monotonic() < deadline:
+        while psutil.Process(pool_pid).children() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert psutil.Process(popen.pid).children() == []
-    finally:
-        stop_pool(popen, sock)
+        assert psutil.Process(pool_pid).children() == []
+    assert not psutil.pid_exists(pool_pid) and not (sock_dir / "pool.sock").exists()

@@ -24,12 +24,16 @@ Single-threaded throughout: it forks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import stat
 import struct
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from unbroken.errors import ConfigError
@@ -37,6 +41,8 @@ from unbroken.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "pool.sock"
+#: How long :func:`running` waits for a new pool's imports (seconds of CPU; a minute on a loaded machine).
+READY_TIMEOUT_S = 120.0
 
 
 def default_socket() -> Path:
@@ -188,3 +194,31 @@ def _reap() -> None:
             return
         if pid == 0:
             return
+
+
+@contextlib.contextmanager
+def running(path: Path, timeout_s: float = READY_TIMEOUT_S) -> Iterator[Path | None]:
+    """A pool process (`unbroken pool --socket path`) for the duration of the block: yields ``path``
+    once it is ready, None where it could not start (launches then start their own zygote). For a
+    caller that runs several jobs in a row (the demo, a benchmark); stopped with SIGTERM at the end."""
+    import subprocess
+
+    popen = subprocess.Popen([sys.executable, "-m", "unbroken.cli.main", "pool", "--socket", str(path)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    assert popen.stdout is not None
+    try:
+        ready, _, _ = select.select([popen.stdout], [], [], timeout_s)
+        line = popen.stdout.readline().decode(errors="replace") if ready else ""
+        if "ready" not in line:
+            log.warning("unbroken: the pool did not start (%s): launches start their own zygote",
+                        line.strip() or f"not ready within {timeout_s:.0f} s")
+        yield path if "ready" in line else None
+    finally:
+        popen.terminate()
+        try:
+            popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+        popen.stdout.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from unbroken.agent import pool
 from unbroken.agent.launcher import JobResult, resolve, run_job
 from unbroken.config import LaunchConfig
 from unbroken.controller.eventlog import read_events
@@ -165,6 +167,15 @@ def run_demo(*, steps: int = 60, nproc: int = 4, run_dir: str | None = None, liv
     args = ("--steps", str(steps), "--step-sleep-s", "0.02")
     console.rule("[bold]unbroken demo")
     console.print(f"{nproc} ranks, example GPT ({SCRIPTS[script]}), {steps} steps. Run directory: {escape(str(root))}")
+    with tempfile.TemporaryDirectory(prefix="unbroken-demo-pool-") as pool_dir, \
+            pool.running(Path(pool_dir) / pool.SOCKET_NAME) as pool_socket:
+        # Both runs fork their ranks from one pool: torch is imported once, before the first launch.
+        common["pool_socket"] = str(pool_socket or "")
+        return _demo(console, root, common, args, steps, nproc, script, live)
+
+
+def _demo(console: Console, root: Path, common: dict[str, Any], args: tuple[str, ...], steps: int, nproc: int,
+          script: str, live: bool) -> int:
     ref = resolve(LaunchConfig(**common, script_args=args + ("--out", str(root / "reference.safetensors")),
                                run_dir=root / "reference"))
     ref_result, _ = _run(console, "reference run (no faults)", ref, live)

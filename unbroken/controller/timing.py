@@ -84,6 +84,11 @@ class RecoveryTiming:
         self._restore_s = []
         return fields
 
+    @property
+    def pending(self) -> bool:
+        """A fault is being timed: its recovery has not been logged yet."""
+        return self.fault_t is not None
+
     def check_recovered(self, workers: Iterable[RankView], attempt: int, now: float
                         ) -> tuple[str, dict[str, Any]] | None:
         """Once every rank is back at the step the fault hit: the event's name (``recovered``, or

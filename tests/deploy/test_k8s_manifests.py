@@ -28,6 +28,7 @@ kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client val
 yaml = pytest.importorskip("yaml", reason="PyYAML reads the values and writes the manifests: pip install pyyaml")
 
 RENDER = REPO / "deploy" / "k8s" / "render.py"
+VALUES = REPO / "deploy" / "k8s" / "k8s_values.py"
 SCHEMA = json.loads((Path(__file__).parent / "jobset_v1alpha2_spec_schema.json").read_text())["spec"]
 # JobSet's FailurePolicyRule.name rule and the Job failure reasons its CEL rule allows.
 RULE_NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
@@ -38,18 +39,23 @@ JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexe
                        "PodFailurePolicy"}
 
 
-def _load_renderer():
-    spec = importlib.util.spec_from_file_location("unbroken_k8s_render", RENDER)
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-render = _load_renderer()
+# k8s_values first, under its own name: render.py's `import k8s_values` then finds this module
+# rather than loading a second copy (with a second RenderError).
+k8s_values = _load("k8s_values", VALUES)
+render = _load("unbroken_k8s_render", RENDER)
 
 
 def _values(**sets: object) -> dict:
-    return render.load_values([], [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sets.items()])
+    pairs = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sets.items()]
+    return k8s_values.load_values([], pairs)
 
 
 def _manifests(**sets: object) -> dict[str, dict]:
@@ -191,7 +197,7 @@ def test_controller_failover_renders_a_3_member_etcd_and_every_agent_lists_its_m
 
     sets = ["controllerFailover.enabled=true", "standbyNodes=1", "controllerFailover.etcd.clientPort=12379",
             "controllerFailover.etcd.image=registry.example.com/etcd:3.5", "namespace=train"]
-    manifests = render.render(render.load_values([], sets), warn=lambda _: None)
+    manifests = render.render(k8s_values.load_values([], sets), warn=lambda _: None)
     assert [m["kind"] for m in manifests] == ["ConfigMap", "Service", "Service", "StatefulSet", "JobSet"]
     _, _, service, statefulset, jobset = manifests
     _check_model(service, "V1Service")
@@ -216,7 +222,7 @@ def test_controller_failover_renders_a_3_member_etcd_and_every_agent_lists_its_m
         cfg = launch_config(build_parser().parse_args(args[1:]))
         assert parse_endpoints(cfg.controller_store) == [(h, 12379) for h in hosts]
         assert cfg.controller_lease_s == 2
-    assert not [m for m in render.render(render.load_values([], []), warn=lambda _: None)
+    assert not [m for m in render.render(k8s_values.load_values([], []), warn=lambda _: None)
                 if m["kind"] == "StatefulSet"]  # off by default
 
 
@@ -237,10 +243,10 @@ def test_shm_size_fits_the_memory_tier_and_is_not_oversized(tmp_path, state, npr
     from unbroken.errors import ShmCapacityError
 
     values = _values(procPerNode=nproc, **{"memoryTier.stateBytesPerRank": state, "memoryTier.extraBytes": "0"})
-    size = render.shm_size_bytes(values)
+    size = k8s_values.shm_size_bytes(values)
     limit = _pod(_manifests(procPerNode=nproc, **{"memoryTier.stateBytesPerRank": state}))["spec"]["volumes"][0]
     assert limit["emptyDir"]["sizeLimit"] == f"{(size >> 20) + 512}Mi"  # + the default extraBytes
-    snapshot = render.parse_quantity("state", state)
+    snapshot = k8s_values.parse_quantity("state", state)
     with mounted_tmpfs(tmp_path / "fits", f"{size >> 20}m") as shm:
         check_shm_capacity(shm, "k8sfit", rank=0, snapshot_bytes=snapshot, local_world_size=nproc)
     with mounted_tmpfs(tmp_path / "short", f"{(size >> 20) - 16}m") as shm:
@@ -315,7 +321,7 @@ def test_the_sigterm_dump_fits_in_the_pods_grace_period_and_new_pods_resume_from
     args = pod["spec"]["containers"][0]["args"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == grace_s
     assert float(args[args.index("--sigterm-dump-timeout-s") + 1]) == dump_s
-    assert dump_s + render.STOP_AFTER_DUMP_S <= grace_s or dump_s == 0
+    assert dump_s + k8s_values.STOP_AFTER_DUMP_S <= grace_s or dump_s == 0
     assert args[args.index("--load") + 1] == args[args.index("--save") + 1]  # a restarted JobSet resumes
 
 

@@ -18,17 +18,17 @@ rendezvous with it):
   nothing from it.
 
 Runs in the controller's thread that starts an attempt. Importing torch costs seconds of CPU
-(FACTS.md), and nothing else in the controller needs it: :func:`preload` imports it in the
-background when the controller starts, while the node's zygote imports its own (launch to
-first step: the two run side by side instead of one after the other).
+(FACTS.md), and nothing else in the controller needs it: the TCPStore, and the import, come only
+when a plain script first connects (:class:`PlainStore`); a job of managed ranks never pays it on
+node 0, where it would compete with the ranks' own start.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import secrets
+import select
 import socket
 import threading
 from typing import TYPE_CHECKING
@@ -49,22 +49,14 @@ def new_prefix() -> str:
     return "rdzv-" + secrets.token_hex(PREFIX_BYTES)
 
 
-def preload() -> threading.Thread:
-    """Import torch.distributed in a daemon thread (what :class:`PlainStore` needs at the first attempt)."""
-    thread = threading.Thread(target=importlib.import_module, args=("torch.distributed",),
-                              name="unbroken-import-torch", daemon=True)
-    thread.start()
-    return thread
-
-
 class PlainStore:
     """One attempt's TCPStore for plain scripts, on a free port of ``host`` only (not every interface).
 
     Its port is known at once: the socket is bound and listening here, so the attempt's start orders
-    can go out while torch is still being imported (:func:`preload`); the TCPStore itself is made in
-    a background thread once the import is done, and takes over the socket (``master_listen_fd``:
-    TCPStore would otherwise bind every interface itself). A plain script that connects before then
-    waits in the socket's backlog.
+    go out without waiting for anything. A thread waits until a client connects (a plain script's
+    rendezvous: its connection waits in the socket's backlog meanwhile), then imports torch and
+    makes the TCPStore, which takes over the socket (``master_listen_fd``: TCPStore would otherwise
+    bind every interface itself). Managed ranks never connect: their attempt never imports torch here.
     """
 
     def __init__(self, host: str) -> None:
@@ -82,12 +74,21 @@ class PlainStore:
             raise ConfigError(f"rendezvous store cannot listen on {host!r}: {exc} (check --master-addr)") from None
         self._host, self._sock = host, sock
         self._store: dist.TCPStore | None = None
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._open, name="unbroken-tcpstore", daemon=True)
         self._thread.start()
 
     def _open(self) -> None:
-        import torch.distributed as dist  # noqa: PLC0415  (seconds: preload() has usually done it)
+        ready, _, _ = select.select([self._sock, self._wake_r], [], [])
+        if self._closed or self._wake_r in ready:
+            self._sock.close()
+            return
+        import torch.distributed as dist  # noqa: PLC0415  (seconds, paid only by a job with a plain script)
 
+        if self._closed:
+            self._sock.close()
+            return
         fd = self._sock.detach()  # from here on the store owns (and closes) the listening socket
         try:
             self._store = dist.TCPStore(self._host, self.port, is_master=True, wait_for_workers=False,
@@ -98,6 +99,15 @@ class PlainStore:
             os.close(fd)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Drop the store (its destructor closes it), after its start if that is still under way."""
+        """Drop the store (its destructor closes it), after its start if one is under way; idempotent."""
+        if not self._closed:
+            self._closed = True
+            os.write(self._wake_w, b"x")
         self._thread.join(timeout_s)
         self._store = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1

@@ -35,7 +35,7 @@ from typing import Any
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import LaunchConfig
-from unbroken.controller import machine as sm, rendezvous
+from unbroken.controller import machine as sm
 from unbroken.controller.board import Board
 from unbroken.controller.connections import Connections
 from unbroken.controller.eventlog import EventLog
@@ -154,7 +154,6 @@ class Controller:
         return f"{self.host}:{self.port}"
 
     def start(self) -> None:
-        rendezvous.preload()  # the first attempt's TCPStore needs torch: import it while the agents get ready
         self._server.start()
         self._watch_thread.start()
         self.events.emit("controller_started", address=self.address, world_size=self.cfg.world_size,

@@ -87,7 +87,7 @@ def serve(path: Path, on_ready=None) -> None:
 
     signal.signal(signal.SIGTERM, ask_stop)
     signal.signal(signal.SIGINT, ask_stop)
-    signal.signal(signal.SIGCHLD, lambda *_: _reap())
+    signal.signal(signal.SIGCHLD, lambda *_: zygote.reap())  # the agents' zygotes, once they end
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch reads it; each rank sets its job's
         zygote.load()
@@ -184,16 +184,6 @@ def _refuse(conn: socket.socket, why: str) -> None:
     except OSError:
         pass
     conn.close()
-
-
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ import select
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 from unbroken.agent.processes import die_with_parent
@@ -97,7 +98,7 @@ def serve(sock: socket.socket) -> tuple[dict, int]:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
-            _reap(sock)
+            reap(lambda pid, code: _send(sock, {"exited": pid, "code": code}))
         if sock not in ready:
             continue
         data, fds, _, _ = socket.recv_fds(sock, MAX_ORDER_BYTES, 1)
@@ -193,7 +194,9 @@ def threads_started() -> str:
     return "" if n == 1 else f"the zygote has {n} threads (a fork would copy locks held by the others)"
 
 
-def _reap(sock: socket.socket) -> None:
+def reap(report: Callable[[int, int], None] | None = None) -> None:
+    """Collect every child that ended, without blocking; ``report(pid, exit_code)`` for each (the
+    code as ``Popen.returncode``: negative for a signal)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -201,7 +204,8 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        if report is not None:
+            report(pid, os.waitstatus_to_exitcode(status))
 
 
 def _send(sock: socket.socket, msg: dict) -> None:

@@ -190,7 +190,10 @@ def test_a_local_client_without_the_secret_can_neither_read_nor_write_the_rendez
     prefixes: set[str] = set()
     with ForeignClient(run_dir) as attacker, _sampling(lambda: prefixes.update(_job_prefixes(run_dir))):
         result, out, _ = train(tmp_path, "attacked", steps=STEPS, nproc=2, timeout_s=180,
-                               flags=["--inject", "kill:rank=1:step=5"], train_args=["--step-sleep-s", "0.05"])
+                               # --no-fork-ranks: the prefix is read from each rank's /proc environ, which a
+                               # rank forked from the zygote does not update (agent/zygote.py)
+                               flags=["--inject", "kill:rank=1:step=5", "--no-fork-ranks"],
+                               train_args=["--step-sleep-s", "0.05"])
     assert attacker.writes > 0, "the foreign client never reached the TCPStore"
     assert attacker.refused and all("wrong job secret" in why for why in attacker.refused), attacker.refused
     assert prefixes, "the test never saw the job's prefix"

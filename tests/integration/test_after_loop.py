@@ -52,7 +52,8 @@ def _run_and_stop(tmp_path: Path, name: str, *, point: str | None, rank: int, np
            "--out", str(out)]
     if point is not None:
         cmd += ["--wait-at", point, "--wait-rank", str(rank)]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (test_checkpoint_tiers)
     lines: list[str] = []
     stopped = 0
     try:

@@ -42,7 +42,10 @@ def test_ctrl_c_stops_the_workers_and_releases_shared_memory(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nproc-per-node", "2", "--run-dir", str(run_dir),
            "--save", str(tmp_path / "ckpt"), str(EXAMPLE), "--steps", "1000", "--step-sleep-s", "0.05", *TRAIN_ARGS]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # SIGINT as a terminal delivers it: a test run started in the background (`nohup pytest &`) passes its
+    # children SIGINT ignored, and an interpreter started so keeps ignoring it.
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not events(run_dir, "checkpoint_persisted"):  # snapshots exist, one step persisted

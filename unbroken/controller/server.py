@@ -307,8 +307,10 @@ class Controller:
 
     def check_recovered(self) -> None:
         """After a restart: once every rank is back at the step the fault hit, log the recovery."""
-        if self._state.phase is not sm.JobPhase.RUNNING or not self.timing.pending:
-            return  # (every rank's report comes here: nothing per rank unless a recovery is being timed)
+        if self._state.phase is not sm.JobPhase.RUNNING or not self.timing.pending or self._state.hung_ranks:
+            # (every rank's report comes here: nothing per rank unless a recovery is being timed; and a hang
+            # being handled has not been recovered from, whatever late step reports still come in)
+            return
         views = [w for w in self.board.views() if w.rank < self._state.world_size]  # (fewer after rung elastic)
         found = self.timing.check_recovered(views, self._state.attempt, time.monotonic())
         if found is not None:

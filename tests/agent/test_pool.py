@@ -94,6 +94,13 @@ def test_the_pool_is_for_its_user_and_its_build_only(tmp_path, monkeypatch):
         pool.serve(open_dir / "pool.sock")
     assert Zygote.connect(open_dir / "pool.sock") is None  # an agent refuses such a place too
 
+    not_a_socket = tmp_path / "private" / "notes.txt"
+    not_a_socket.parent.mkdir(mode=0o700)
+    not_a_socket.write_text("keep me")
+    with pytest.raises(ConfigError, match="is not a socket"):
+        pool.serve(not_a_socket)
+    assert not_a_socket.read_text() == "keep me"  # nothing deleted
+
     sock = tmp_path / "pool" / "pool.sock"
     popen = start_pool(sock)
     try:

@@ -79,7 +79,7 @@ def serve(path: Path, on_ready=None) -> None:
     from unbroken.agent import zygote
 
     listener = _listen(path)
-    stop = []
+    owner, stop = os.getpid(), []  # (the forked children must not remove the socket on their way out)
 
     def ask_stop(signum, _frame) -> None:
         stop.append(signum)
@@ -102,15 +102,12 @@ def serve(path: Path, on_ready=None) -> None:
         if not stop:
             raise
     finally:
-        if os.getpid() == _owner_pid[0]:
+        if os.getpid() == owner:
             listener.close()
             try:
                 path.unlink()
             except OSError:
                 pass
-
-
-_owner_pid = [0]  # the pool process (its forked children must not remove the socket on their way out)
 
 
 def _listen(path: Path) -> socket.socket:
@@ -123,6 +120,8 @@ def _listen(path: Path) -> socket.socket:
     if problem:
         raise ConfigError(f"the pool's socket cannot go there: {problem}")
     if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ConfigError(f"{path} exists and is not a socket: give another --socket (nothing was removed)")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             probe.connect(str(path))
@@ -138,7 +137,6 @@ def _listen(path: Path) -> socket.socket:
     finally:
         os.umask(old_umask)
     listener.listen(64)
-    _owner_pid[0] = os.getpid()
     return listener
 
 

@@ -4,9 +4,9 @@ worker processes; its spare process (warm or pre-run) is held by a :class:`~unbr
 It runs the controller's orders (start an attempt, stop it, kill one hung worker, shut down) received
 over its control connection, in the thread that calls :meth:`Agent.run`. A watcher thread notices a
 worker's exit within ``WATCH_INTERVAL_S`` and reports it with the exit code or signal and the last
-lines of its output. One reader thread per worker prefixes the worker's output lines with its rank. On the first SIGTERM
-(:meth:`Agent.request_stop`) a thread asks the controller to dump and stop the job, and stops
-this node on its own if no shutdown order comes in time.
+lines of its output. One reader thread per worker prefixes the worker's output lines with its rank.
+On the first SIGTERM (:meth:`Agent.request_stop`) a thread asks the controller to dump and stop the
+job, and stops this node on its own if no shutdown order comes in time.
 
 Worker states (``WorkerProc.state``): running -> exited (on its own) | stopped (by us).
 """

@@ -132,10 +132,10 @@ class Zygote:
             sock.close()
             log.warning("unbroken agent: not using the pool at %s (%s): starting a zygote", path, exc)
             return None
-        mine = zygote_build()
+        theirs = hello.get("build") if isinstance(hello.get("build"), dict) else {}
         why = hello.get("refused_pool") or ("" if hello.get("ready") else "it did not say ready")
-        why = why or "; ".join(f"its {k} is {hello['build'].get(k)!r}, this agent's {v!r}"
-                               for k, v in mine.items() if hello.get("build", {}).get(k) != v)
+        why = why or "; ".join(f"its {k} is {theirs.get(k)!r}, this agent's {v!r}"
+                               for k, v in zygote_build().items() if theirs.get(k) != v)
         if why:
             sock.close()
             log.warning("unbroken agent: not using the pool at %s: %s; starting a zygote", path, why)

@@ -25,6 +25,7 @@ Single-threaded throughout: it forks.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import select
@@ -32,6 +33,7 @@ import signal
 import socket
 import stat
 import struct
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,8 +177,6 @@ def _serve_one(conn: socket.socket, listener: socket.socket) -> tuple[dict, int]
 
 
 def _refuse(conn: socket.socket, why: str) -> None:
-    import json
-
     try:
         conn.send(json.dumps({"refused_pool": why}).encode())
     except OSError:
@@ -189,8 +189,6 @@ def running(path: Path, timeout_s: float = READY_TIMEOUT_S) -> Iterator[Path | N
     """A pool process (`unbroken pool --socket path`) for the duration of the block: yields ``path``
     once it is ready, None where it could not start (launches then start their own zygote). For a
     caller that runs several jobs in a row (the demo, a benchmark); stopped with SIGTERM at the end."""
-    import subprocess
-
     popen = subprocess.Popen([sys.executable, "-m", "unbroken.cli.main", "pool", "--socket", str(path)],
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)

@@ -13,8 +13,8 @@ Messages, JSON, one per packet:
 * agent -> zygote ``{"imports": [name, ...]}``: the modules the job's script imported, imported
   here too (as a warm spare does: agent/spare.py), so a rank forked later finds them.
 * zygote -> agent ``{"ready": true, "pid": p, "build": {...}}`` once, after its imports (``build``: what
-  its ranks run on, :func:`build`); ``{"id": n, "pid": p}``, or ``{"id": n, "refused": why}`` (the agent starts
-  that rank the usual way); ``{"exited": p, "code": c}`` when a child ends (``c`` as
+  its ranks run on, :func:`build`); ``{"id": n, "pid": p}``, or ``{"id": n, "refused": why}`` (the agent
+  starts that rank the usual way); ``{"exited": p, "code": c}`` when a child ends (``c`` as
   ``Popen.returncode``: negative for a signal).
 
 Fork safety: the zygote is single-threaded (no Python thread, and it checks /proc that torch
@@ -81,8 +81,9 @@ def build() -> dict[str, str]:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = ""
-    return {"python": os.path.realpath(sys.executable), "prefix": sys.prefix, "unbroken": os.path.dirname(os.path.abspath(unbroken.__file__)),
-            "torch": torch_version, "pythonpath": os.environ.get("PYTHONPATH", "")}
+    return {"python": os.path.realpath(sys.executable), "prefix": sys.prefix,
+            "unbroken": os.path.dirname(os.path.abspath(unbroken.__file__)), "torch": torch_version,
+            "pythonpath": os.environ.get("PYTHONPATH", "")}
 
 
 def serve(sock: socket.socket) -> tuple[dict, int]:

@@ -317,7 +317,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     graceful = GracefulStop()
     _stop_on_sigterm(graceful)
     result = run_job(cfg, output=sys.stdout, graceful=graceful)
-    gc.freeze()  # the job is over: the interpreter's last collection need not walk torch's heap (~1 s)
+    gc.freeze()  # the job is over: the last collection at exit need not walk torch's heap (imported when a
+    #              plain script used the attempt's TCPStore: ~1 s)
     if result.exit_code == 0:
         print(f"unbroken: job finished: {result.reason} (run dir {result.run_dir})")
     elif result.exit_code in (130, 143):
@@ -364,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="unbroken: %(message)s")
     from unbroken.cli.ops import cmd_report, cmd_status
 
-    commands = {"run": cmd_run, "demo": cmd_demo, "ckpt": cmd_ckpt, "pool": cmd_pool, "status": cmd_status, "report": cmd_report}
+    commands = {"run": cmd_run, "demo": cmd_demo, "ckpt": cmd_ckpt, "pool": cmd_pool, "status": cmd_status,
+                "report": cmd_report}
     try:
         return commands[args.command](args)
     except ConfigError as exc:

@@ -139,6 +139,38 @@ def test_a_lost_node_recovers_onto_a_standby_or_fails():
     assert actions[0].rung == "recover" and actions[2] == sm.RestartRanks(frozenset({2, 3}), 1, 2)
 
 
+def test_a_split_vote_rolls_forward_past_the_record_and_says_so():
+    """Rank 1 died inside the commit vote of step 5, before the controller had every StepSynced of 5:
+    rank 0 passed the vote (it updates), rank 2 is paused in it: step 5 commits, all resume at 6."""
+    state, _ = commit(start(), 4)
+    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
+    state, actions = run(state, sm.RankPaused(0, 0, 5, "update"), sm.RankPaused(2, 0, 5, "sync"),
+                         sm.RankPaused(3, 0, 6, "compute"), sm.ReplacementJoined(1, 0, 1))
+    (regroup,) = actions
+    assert (regroup.resume_step, regroup.voted, state.committed_step) == (6, True, 5)
+    state, actions = run(state, *(sm.RankResumed(r, 0, 1) for r in range(4)))
+    assert actions == [sm.Recovered(1, 6, frozenset({1}))]
+
+
+def test_a_recorded_commit_rolls_forward_without_a_vote_seen():
+    state, _ = commit(start(), 5)
+    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
+    state, actions = run(state, *(sm.RankPaused(r, 0, 5, "sync") for r in (0, 2, 3)), sm.ReplacementJoined(1, 0, 1))
+    assert (actions[0].resume_step, actions[0].voted) == (6, False)  # they were all in the vote of 5
+
+
+def test_a_refused_regroup_goes_on_down_the_ladder():
+    """The executor refuses a voted roll forward whose replaced rank's own state never arrived."""
+    state, _ = commit(start(), 4)
+    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
+    state, (regroup,) = run(state, sm.RankPaused(0, 0, 5, "update"), sm.RankPaused(2, 0, 5, "sync"),
+                            sm.RankPaused(3, 0, 5, "sync"), sm.ReplacementJoined(1, 0, 1))
+    state, actions = run(state, sm.RegroupRefused(regroup.gen, "no state"))
+    assert kinds(actions) == ["Decide", "Decide", "StopAttempt"] and actions[0].reason == "no state"
+    assert actions[1].rung == "exit" and state.phase is sm.JobPhase.STOPPING  # the job restarts from its snapshot
+    assert run(state, sm.RegroupRefused(regroup.gen - 1, "old"))[1] == []  # an older generation's: nothing
+
+
 def test_recovery_timeout_falls_to_exit():
     state = start()
     state, _ = run(state, sm.RankExited(2, 0, None, 9))

@@ -167,7 +167,7 @@ def test_a_compute_report_with_the_previous_steps_done_folded_in_counts_both():
     assert hub.rank_states.for_resume(0, 0, 1).state == b"s1"  # the step-start state of step 1 is kept
 
 
-def test_step_synced_puts_the_rank_in_sync_and_the_commit_moves_every_rank_to_update():
+def test_step_synced_puts_the_rank_in_sync_and_the_commit_record_moves_every_rank_to_update():
     hub = FakeHub(run_machine=True)
     hub.state = dataclasses.replace(hub.state, phase=sm.JobPhase.RUNNING)
     conns = {r: FakeConn() for r in hub.board.ranks()}
@@ -177,10 +177,10 @@ def test_step_synced_puts_the_rank_in_sync_and_the_commit_moves_every_rank_to_up
     assert (hub.board.view(0).phase, hub.board.view(1).phase) == (Phase.SYNC, Phase.COMPUTE)  # rank 1: still computing
     worker_msg(hub, 1, m.StepSynced(rank=1, attempt=0, gen=0, step=3))
     assert {w.phase for w in hub.board.views()} == {Phase.UPDATE}
-    assert all(c.sent == [m.CommitStep(gen=0, step=3)] for c in conns.values())
+    assert all(c.sent == [] for c in conns.values())  # the record only: the ranks commit by their own vote
     assert hub.commits == [(0, 3)]  # the commit log's entry, once
     assert hub.board.counts.received["StepSynced"] == 0  # counted by the serving loop, not the handlers
-    assert hub.board.counts.sent["CommitStep"] == 2
+    assert hub.board.counts.sent["CommitStep"] == 0
 
 
 def test_a_death_after_the_loop_is_no_fault_to_time():
@@ -252,8 +252,7 @@ def test_the_executor_turns_actions_into_the_messages_agents_and_workers_get():
     hub.executor.execute([sm.KillRank(1, "hung"), sm.CommitStep(gen=0, step=3),
                           sm.OrderRegroup(2, 3, frozenset({1, 0})), sm.AbortGeneration(2, "lost rank 1")])
     assert agent.sent == [m.KillRank(rank=1, pid=101, reason="hung")]
-    assert worker.sent == [m.CommitStep(gen=0, step=3),
-                           m.Regroup(gen=2, resume_step=3, replaced=[0, 1], fallback=[0, 1]),
+    assert worker.sent == [m.Regroup(gen=2, resume_step=3, replaced=[0, 1], fallback=[0, 1]),
                            m.Abort(gen=2, reason="lost rank 1")]
     assert hub.board.recovery_deadline[0] == 2
     assert hub.events.names() == ["kill_rank", "regroup", "per_rank_state", "per_rank_state", "abort_generation"]
@@ -277,6 +276,24 @@ def test_a_replaced_rank_gets_its_own_per_rank_state_in_its_regroup_order():
     assert conns[2].sent == [base]  # rank 2 reported nothing: it takes rank 0's copy
     sources = {f["rank"]: f["source"] for n, f in hub.events.lines if n == "per_rank_state"}
     assert sources[1] == "after compute of step 3" and sources[2].startswith("fallback: rank 0's copy")
+
+
+def test_a_roll_forward_on_a_vote_without_the_replaced_ranks_own_state_is_refused_not_sent():
+    """Rolled forward on a survivor's vote, a replaced rank whose state after that compute never reached the
+    controller would get another rank's copy (not exact): the executor sends nothing and refuses."""
+    hub = FakeHub(world_size=3)
+    conns = {r: FakeConn() for r in range(3)}
+    for r, conn in conns.items():
+        hub.connect(r, conn)
+    RANK_HANDLERS[m.StepSynced](hub.connections, 1, 0, conns[1], m.StepSynced(
+        rank=1, attempt=0, gen=0, step=3, state=b"after-3"))
+    hub.executor.execute([sm.OrderRegroup(2, 4, frozenset({2}), voted=True)])
+    assert all(c.sent == [] for c in conns.values())
+    (refused,) = [e for e in hub.applied if isinstance(e, sm.RegroupRefused)]
+    assert refused.gen == 2 and "rank(s) [2]" in refused.why
+    hub.executor.execute([sm.OrderRegroup(3, 4, frozenset({1}), voted=True)])  # rank 1's own state is kept
+    assert conns[0].sent == [m.Regroup(gen=3, resume_step=4, replaced=[1])]
+    assert conns[1].sent == [m.Regroup(gen=3, resume_step=4, replaced=[1], rank_state=b"after-3")]
 
 
 def test_the_executor_finishes_the_job_and_tells_every_agent():
@@ -398,7 +415,7 @@ def _node_reports(hub, msgs, pids=None) -> None:
     AGENT_HANDLERS[m.NodeReports](hub.connections, 0, m.NodeReports(entries=[m.encode(x) for x in msgs], pids=pids))
 
 
-def test_a_nodes_reports_count_for_each_of_its_ranks_and_the_commit_goes_once_to_its_agent():
+def test_a_nodes_reports_count_for_each_of_its_ranks_and_the_commit_is_recorded_once_all_reported():
     hub, conns, agent = _relayed_hub()
     _node_reports(hub, [m.Progress(rank=r, attempt=0, step=3, phase="compute", metrics={}, state=b"s%d" % r)
                         for r in (1, 2, 3)])
@@ -407,10 +424,9 @@ def test_a_nodes_reports_count_for_each_of_its_ranks_and_the_commit_goes_once_to
     assert agent.sent == [] and hub.state.committed_step == -1  # rank 0 has not reported: no commit
     worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=3))
     assert hub.state.committed_step == 3 and {w.phase for w in hub.board.views()} == {Phase.UPDATE}
-    assert agent.sent == [m.CommitStep(gen=0, step=3)]  # once for the node's three relayed ranks (it fans out)
-    assert conns[0].sent == [m.CommitStep(gen=0, step=3)] and all(conns[r].sent == [] for r in (1, 2, 3))
+    assert agent.sent == [] and all(c.sent == [] for c in conns.values())  # the ranks commit by their own vote
     counts = hub.board.counts
-    assert (counts.received["NodeReports"], counts.sent["CommitStep"]) == (2, 2)
+    assert (counts.received["NodeReports"], counts.sent["CommitStep"]) == (2, 0)
     assert (counts.relayed["Progress"], counts.relayed["StepSynced"]) == (3, 3)
 
 
@@ -421,7 +437,7 @@ def test_a_missing_rank_in_the_nodes_reports_holds_the_commit():
     assert hub.state.committed_step == -1 and agent.sent == []
     assert [hub.board.view(r).phase for r in range(4)] == [Phase.SYNC, Phase.SYNC, Phase.COMPUTE, Phase.SYNC]
     _node_reports(hub, [m.StepSynced(rank=2, attempt=0, gen=0, step=1)])
-    assert hub.state.committed_step == 1 and agent.sent == [m.CommitStep(gen=0, step=1)]
+    assert hub.state.committed_step == 1 and agent.sent == []
 
 
 def test_a_run_of_relayed_step_synced_is_one_transition_in_the_batch_order():
@@ -434,7 +450,7 @@ def test_a_run_of_relayed_step_synced_is_one_transition_in_the_batch_order():
                         m.StepSynced(rank=3, attempt=0, gen=0, step=1)])
     assert [type(e).__name__ for e in hub.applied] == ["StepSynced", "RanksSynced", "RankPaused", "RanksSynced"]
     assert (hub.applied[1].ranks, hub.applied[3].ranks) == ({1, 2}, {3})
-    assert hub.state.committed_step == 1 and agent.sent == [m.CommitStep(gen=0, step=1)]
+    assert hub.state.committed_step == 1 and agent.sent == []
     assert hub.board.counts.relayed["StepSynced"] == 3
 
 

@@ -171,8 +171,6 @@ class Agent:
             elif isinstance(msg, m.StopRanks):
                 self._stop_all(msg.attempt)
                 self._send(m.RanksStopped(node_rank=self.node_rank, attempt=msg.attempt))
-            elif isinstance(msg, m.CommitStep) and self._relay is not None:
-                self._relay.fan_out(msg)
             elif isinstance(msg, m.KillRank):
                 self._kill(msg.rank, msg.pid)
             elif isinstance(msg, m.RestartRank):

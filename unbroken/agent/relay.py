@@ -1,36 +1,34 @@
-"""Per-node aggregation of the per-step commit: the agent's relay of its ranks' step reports.
+"""Per-node aggregation of the step reports: the agent's relay of its ranks' reports.
 
 Without it every rank sends its step reports (a compute report, StepSynced, the rare in-step
-marks and RankPaused) to the controller and gets each commit from it: ~3 messages per rank per
-step at one controller. With it (setting ``node_reports``), each rank sends them to its
-node's agent over a local authenticated connection (role ``relay``, the job secret) and the
-agent forwards one :class:`~unbroken.protocol.messages.NodeReports` per batch; the controller
-sends each commit once per agent, which fans it out: ~3 messages per *node* per step.
+marks and RankPaused) to the controller: ~2 messages per rank per step at one controller.
+With it (setting ``node_reports``), each rank sends them to its node's agent over a local
+authenticated connection (role ``relay``, the job secret) and the agent forwards one
+:class:`~unbroken.protocol.messages.NodeReports` per batch: ~2 messages per *node* per step.
+Nothing comes back this way: a step commits by the ranks' own vote (recovery/consistency.py).
 
 What the controller must still know, and why the batching keeps it:
 
-* **The commit** (DESIGN.md section 4): the controller still commits a step only when every
-  rank's StepSynced is in, under its lock, atomically with fault handling: the relay changes
-  how the reports travel, not the rule. A batch of StepSynced is sent as soon as every rank
-  connected here has one in it, so holding it never delays a commit: the commit waits for the
-  slowest rank anyway, and a node's batch waits only for its own slowest.
+* **The commit record** (DESIGN.md section 4): the controller records a step committed once every
+  rank's StepSynced is in, and keeps each rank's state after compute from it (a roll forward
+  replaces a lost rank with it). A batch of StepSynced is sent as soon as every rank connected
+  here has one in it.
 * **Order**: one rank's relayed messages reach the controller in the order it sent them (one
   connection per rank, one ordered buffer per node), and the buffer is flushed before the
   agent reports a worker's exit (:meth:`NodeRelay.rank_gone`): a dead rank's last reports
   (its step-start state, its StepSynced) arrive before its death. RankPaused and any other
-  report travel at once. A commit that comes through the agent may arrive after a direct
-  abort order: the abort carries the committed step (``Abort.committed_step``).
+  report travel at once.
 * **Hang blame** (controller/hangs.py): an incomplete batch is sent after ``delay_s`` (0.5 s,
   like the in-step marks), so the controller knows every rank's phase within about a second,
   well inside any hang timeout (>= 5 s unless fixed lower).
 * **A dead agent** takes its workers with it (PR_SET_PDEATHSIG); its unsent batch is lost with
-  them, and no step they had not all reported can have committed. A worker whose relay
+  them; a step they had all voted on but not reported then cannot be rolled forward in flight
+  (the controller refuses it: recovery/consistency.py). A worker whose relay
   connection breaks treats it as a lost controller (worker/control.py).
 
 Owned by one :class:`~unbroken.agent.agent.Agent`. Threads: the relay's server runs one thread
 per local worker connection (``_serve``: appends, and flushes a complete batch); the agent's
-watcher thread calls :meth:`flush_due` and :meth:`rank_gone`; its command thread calls
-:meth:`fan_out`. One lock guards the buffer and is held while a batch is sent, so batches leave
+watcher thread calls :meth:`flush_due` and :meth:`rank_gone`. One lock guards the buffer and is held while a batch is sent, so batches leave
 in order.
 """
 
@@ -46,7 +44,7 @@ from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.names import Phase
 from unbroken.protocol import messages as m
 from unbroken.protocol.framing import MAX_FRAME_BYTES
-from unbroken.protocol.wire import Connection, Server, pack_frame
+from unbroken.protocol.wire import Connection, Server
 
 log = logging.getLogger(__name__)
 
@@ -163,21 +161,6 @@ class NodeRelay:
             while rank in self._conns and time.monotonic() < deadline:
                 self._lock.wait(0.01)
             self._flush_locked()
-
-    def fan_out(self, msg: m.CommitStep) -> None:
-        """The controller's commit, to every local rank connected here (the agent's command thread)."""
-        with self._lock:
-            conns = list(self._conns.values())
-        try:
-            data = pack_frame(m.encode(msg))  # encoded once for the node's ranks
-        except ProtocolError as exc:
-            log.error("relay: could not encode %s for the node's ranks: %s", type(msg).__name__, exc)
-            return
-        for conn in conns:
-            try:
-                conn.send_packed(data)
-            except (OSError, ProtocolError):
-                pass  # that worker is gone: its agent reports the exit
 
     # -- sending -------------------------------------------------------------------------------
     def _flush_locked(self) -> None:

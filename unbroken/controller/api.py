@@ -147,6 +147,9 @@ class OrderRegroup:
     replaced: frozenset[int]
     direction: str = ""
     reason: str = ""
+    # The decision rests on a commit vote the controller's record had not seen (a survivor passed it):
+    # each replaced rank must have its own state for resume_step, or the order is refused (RegroupRefused).
+    voted: bool = False
 
 
 @dataclass(frozen=True)

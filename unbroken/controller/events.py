@@ -162,6 +162,16 @@ class RecoveryTimeout:
 
 
 @dataclass(frozen=True)
+class RegroupRefused:
+    """The regroup order of ``gen`` cannot be carried out exactly (``why``): e.g. it rolls a step
+    forward on a survivor's vote, and a replaced rank's own state after that step's compute never
+    reached the controller (recovery/consistency.py)."""
+
+    gen: int
+    why: str
+
+
+@dataclass(frozen=True)
 class RestoreOffered:
     """At a (re)start, a rank offers the steps it can load in restore round ``round``."""
 
@@ -182,5 +192,5 @@ class StepPersisted:
 
 
 Event = (AgentJoined | RankExited | LoopFinished | RankHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
-         | RanksSynced | RankPaused | ReplacementJoined | RankResumed | RecoveryTimeout | RankDamaged | StepDumped
+         | RanksSynced | RankPaused | ReplacementJoined | RankResumed | RecoveryTimeout | RegroupRefused | RankDamaged | StepDumped
          | RankDegraded | RestoreOffered | StepPersisted | TerminateRequested | GraceExpired)

@@ -78,16 +78,6 @@ class Executor:
         for node in self._hub.board.agent_ids():
             self.send_to_agent(node, msg)
 
-    def send_commit(self, msg: m.CommitStep) -> None:
-        """A step's commit: once to each agent that relays for a live rank (it fans out), directly to the rest."""
-        hub = self._hub
-        live = [w for w in hub.board.views() if w.conn is not None and w.state in LIVE_WORKER_STATES]
-        self.send_to_workers(msg, {w.rank for w in live if not w.relayed})
-        for agent in sorted({hub.state.agent_of(w.rank) for w in live if w.relayed}):
-            if hub.board.agent_conn(agent) is not None:
-                self.send_to_agent(agent, msg)
-                hub.board.count_sent(type(msg).__name__, relayed=True)
-
     def send_to_workers(self, msg: m.Message, ranks: set[int] | None = None) -> None:
         """Send ``msg`` to every live worker (or those of ``ranks``) that has a connection (encoded once)."""
         try:
@@ -226,9 +216,10 @@ class Executor:
         log.warning("controller: %s", action.reason)
 
     def _commit_step(self, action: sm.CommitStep) -> None:
-        self._hub.step_committed(action.gen, action.step)  # the commit log, before the act is sent
+        """The record of a step every rank reported reduced: nothing is sent, each rank passes the
+        step's commit vote on its own (recovery/consistency.py)."""
+        self._hub.step_committed(action.gen, action.step)  # the commit log
         self._hub.board.committed()  # every rank reported StepSynced: each moves on to its update
-        self.send_commit(action)  # the action is the wire message
 
     def _abort(self, action: sm.AbortGeneration) -> None:
         hub = self._hub
@@ -246,8 +237,13 @@ class Executor:
                         replaced=sorted(action.replaced), direction=action.direction, reason=action.reason)
         replaced = sorted(action.replaced)
         found = self._own_states(replaced, action.resume_step)
-        order = m.Regroup(gen=action.gen, resume_step=action.resume_step, replaced=replaced,
-                          fallback=[r for r in replaced if found[r] is None])
+        missing = [r for r in replaced if found[r] is None]
+        if action.voted and missing:  # another rank's copy would not be exact: refuse, loudly
+            hub.apply(sm.RegroupRefused(action.gen, (
+                f"step {action.resume_step - 1} committed by the ranks' vote, but the state of rank(s) {missing} "
+                f"after its compute never reached the controller (lost with its node?): no exact in-flight recovery")))
+            return
+        order = m.Regroup(gen=action.gen, resume_step=action.resume_step, replaced=replaced, fallback=missing)
         self.send_to_workers(order, hub.board.ranks() - set(replaced))
         for r in replaced:  # each replaced rank's order carries its own per-rank state
             own = found[r]

@@ -41,7 +41,7 @@ from unbroken.controller.api import (  # noqa: F401  (the nouns, re-exported for
 from unbroken.controller.events import (  # noqa: F401  (the nouns, re-exported for callers)
     AgentJoined, RankExited, LoopFinished, RankHung, AgentStopped, AgentLost, StandbyJoined, SessionReady,
     StepSynced, RanksSynced, RankPaused, ReplacementJoined, RankResumed, RankDamaged, RankDegraded,
-    StepDumped, RecoveryTimeout, RestoreOffered, StepPersisted, Event, TerminateRequested, GraceExpired)
+    StepDumped, RecoveryTimeout, RegroupRefused, RestoreOffered, StepPersisted, Event, TerminateRequested, GraceExpired)
 from unbroken.errors import EXIT_FATAL
 from unbroken.recovery.replicas import Replicas, job_replicas
 from unbroken.recovery.consistency import InconsistentReports, Position, decide
@@ -104,7 +104,7 @@ def transition(state: JobState, event: Event) -> tuple[JobState, list[Action]]:
         return _on_step_dumped(state, event)
     if isinstance(event, RankDegraded):
         return _on_rank_degraded(state, event)
-    if isinstance(event, (RankPaused, ReplacementJoined, RankResumed, RecoveryTimeout)):
+    if isinstance(event, (RankPaused, ReplacementJoined, RankResumed, RecoveryTimeout, RegroupRefused)):
         return _on_recovery_event(state, event)
     raise TypeError(f"unknown event {event!r}")
 
@@ -373,6 +373,8 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
         state = _replace(state, recovery=Recovery(rec.rung, rec.gen, rec.replaced, state.policy.max_recovery_tries))
         return _recover(state, failure)
+    if isinstance(event, RegroupRefused):
+        return _refuse_in_flight(state, rec, event.why) if event.gen == rec.gen else (state, [])
     if isinstance(event, RankPaused) and event.rank not in rec.replaced:
         rec = replace(rec, paused=rec.paused.with_rank(event.rank),
                       positions=rec.positions.push((event.rank, event.step, event.phase)))
@@ -397,15 +399,21 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         try:
             decision = decide(state.committed_step, survivors)
         except (InconsistentReports, ValueError) as exc:  # a bug, never a normal fault: restart the job
-            failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
-            state = _replace(state, recovery=replace(rec, tries=state.policy.max_recovery_tries))
-            actions = [Decide(Rung.RECOVER_IN_PLACE, failure, f"inconsistent survivor reports: {exc}")]
-            state, more = _recover(state, failure)
-            return state, actions + more
+            return _refuse_in_flight(state, rec, f"inconsistent survivor reports: {exc}")
+        voted = decision.resume_step - 1 > state.committed_step  # a survivor passed a vote the record lacks
+        state = _replace(state, committed_step=decision.resume_step - 1)
         rec = replace(rec, regrouped=True)
         if rec.rung == Rung.DUMP:
             rec = replace(rec, dump_step=decision.resume_step)
             return _replace(state, recovery=rec), [DumpOrder(rec.gen, decision.resume_step, _writers(state, rec))]
         return _replace(state, recovery=rec), [OrderRegroup(rec.gen, decision.resume_step, rec.replaced,
-                                                       decision.direction.value, decision.reason)]
+                                                       decision.direction.value, decision.reason, voted)]
     return _replace(state, recovery=rec), []
+
+
+def _refuse_in_flight(state: JobState, rec: Recovery, why: str) -> tuple[JobState, list[Action]]:
+    """The in-flight recovery cannot be exact: no more tries in flight, the ladder goes on (a restart)."""
+    failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
+    state = _replace(state, recovery=replace(rec, tries=state.policy.max_recovery_tries))
+    state, more = _recover(state, failure)
+    return state, [Decide(Rung.RECOVER_IN_PLACE, failure, why), *more]

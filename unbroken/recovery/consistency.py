@@ -3,13 +3,26 @@
 Pure functions, no processes. The invariant they serve: training continues from a state
 that the fault-free run also had, so the final weights equal it bit for bit.
 
-How a step commits. Every rank reports entering ``update`` for step k only after its
-gradient reduction of step k completed, and then waits for the controller's commit of
-step k. The controller commits k when *every* rank has reported it, and it decides that
-under the same lock as it learns of faults, so "k committed" is atomic: either every
-survivor will apply update k (roll forward), or none has started it (roll back). No shard
-is ever left half-updated, whatever subset of ranks had finished the reduction, including
-the case where the dead rank was the only one that had.
+How a step commits. Every rank, once its gradient reduction of step k completed, reports it
+to the controller (StepSynced, with its own state after compute; not waited for) and joins
+the *commit vote* of step k: a 1-element all-reduce on the generation's group
+(:meth:`unbroken.worker.inflight.InFlight.commit_vote`). The vote completes on a rank only
+after every rank joined it, i.e. finished its reduction, so "a step's update begins only once
+every rank's reduction is done" holds without a controller round trip. The controller
+records k committed when it has every rank's StepSynced of k, and learns it at a recovery
+from the survivors' positions (:func:`voted_step`): a survivor in update k, or past it,
+passed the vote of k.
+
+A rank dying inside the vote can leave it completed on some survivors and not on others (a
+split vote). Those still waiting do not drop the step: they report themselves paused in the
+vote, position (k, ``sync``), their gradients whole, and wait for the decision. The decision
+is ``committed = max(record, newest step a survivor passed)``: if k committed, the survivors
+paused in its vote apply update k from their own gradients (roll forward), the others
+complete it; if not, nobody alive began update k and every rank redoes it from its start
+(roll back). A replaced rank rolled forward gets its own state after the compute of k, which
+it sent before it joined the vote; where the controller has none (its node was lost with the
+report), the recovery refuses in flight rather than hand it another rank's copy. No shard is
+ever left half-updated.
 
 Hence the rule: the job resumes at the first uncommitted step. A survivor in step
 ``committed + 1`` rolls back to its start (drops gradients, restores its step-start RNG);
@@ -59,28 +72,27 @@ class InconsistentReports(ValueError):
 def decide(committed_step: int, survivors: Mapping[int, Position]) -> Decision:
     """The step everyone resumes at, from the commit record and the survivors' positions.
 
-    ``committed_step`` is the newest step the controller committed (-1: none yet).
-    A survivor's ``Position.step`` is its step in flight; a survivor that finished step
-    k and has not begun k+1 reports (k + 1, "compute").
+    ``committed_step`` is the newest step the controller recorded committed (-1: none yet); the
+    survivors may show a newer one (:func:`voted_step`). A survivor's ``Position.step`` is its
+    step in flight; a survivor that finished step k and has not begun k+1 reports (k + 1,
+    "compute"); one paused in the commit vote of k reports (k, "sync").
     """
     if not survivors:
         raise ValueError("no survivors: in-flight recovery needs at least one")
-    resume = committed_step + 1
+    committed = voted_step(committed_step, survivors)
+    resume = committed + 1
     for rank, pos in sorted(survivors.items()):
-        # A survivor can be at most the step after the newest commit (k+1 needs commit k to
-        # start), and not before the committed step itself (commit k needs every rank in k).
-        if not committed_step <= pos.step <= resume:
+        # A survivor can be at most the step after the newest commit (k+1 needs the vote of k), and
+        # not before the committed step itself (the vote of k needs every rank's reduction of k).
+        if not committed <= pos.step <= resume:
             raise InconsistentReports(
-                f"rank {rank} reports step {pos.step} but the newest committed step is {committed_step}")
-        if pos.step == resume and pos.phase in (Phase.UPDATE, Phase.DONE):
-            raise InconsistentReports(
-                f"rank {rank} reports phase {pos.phase!r} of uncommitted step {pos.step}")
-        if pos.step == committed_step and pos.phase in (Phase.COMPUTE, Phase.SYNC):
+                f"rank {rank} reports step {pos.step} but the newest committed step is {committed}")
+        if pos.step == committed and pos.phase == Phase.COMPUTE:
             raise InconsistentReports(
                 f"rank {rank} reports phase {pos.phase!r} of step {pos.step}, which committed only after "
                 "every rank finished its reduction")
     in_flight = max(pos.step for pos in survivors.values())
-    if in_flight == committed_step:
+    if in_flight == committed:
         return Decision(Direction.ROLL_FORWARD, in_flight, resume,
                         f"step {in_flight} was committed (every rank finished its gradient reduction): "
                         f"survivors complete it, the job resumes at step {resume}")
@@ -88,3 +100,10 @@ def decide(committed_step: int, survivors: Mapping[int, Position]) -> Decision:
     return Decision(Direction.ROLL_BACK, in_flight, resume,
                     f"step {in_flight} was not committed (survivors in {', '.join(phases)}): "
                     f"every rank redoes it from its start")
+
+
+def voted_step(committed_step: int, survivors: Mapping[int, Position]) -> int:
+    """The newest step known committed: the controller's record, or the newest step a survivor
+    began updating or left (it passed that step's commit vote, which needs every rank's reduction)."""
+    passed = (pos.step if pos.phase in (Phase.UPDATE, Phase.DONE) else pos.step - 1 for pos in survivors.values())
+    return max(committed_step, *passed)

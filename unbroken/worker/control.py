@@ -3,8 +3,9 @@
 Owned by one worker session. A reader thread receives the controller's answers and
 commands; a heartbeat thread proves the *process* is alive (the controller judges the
 *training loop* by step progress, never by heartbeats). Sends are thread-safe. With a relay
-(setting ``node_reports``: agent/relay.py) the step reports go to the node's agent instead,
-and the commits come back from it, read by a second reader thread.
+(setting ``node_reports``: agent/relay.py) the step reports go to the node's agent instead; a
+second reader thread watches that connection's end. No commit comes from the controller: a step
+commits by the ranks' vote (recovery/consistency.py).
 """
 
 from __future__ import annotations
@@ -66,8 +67,7 @@ class ControlClient:
         # Called from the reader thread with (abort_gen, reason) on each abort order (and when the
         # controller is lost): the session fires its surviving groups' abort signal there.
         self.on_abort: Callable[[int, str], None] | None = None
-        self._commit = threading.Condition()
-        self.committed_step = -1
+        self.committed_step = -1  # the newest step the controller recorded committed, as its abort order said
         self._restore_at: dict[int, int] = {}  # restore round -> decided step, set by the reader thread
         self._restore_cv = threading.Condition()
         # progress, StepSynced, RankPaused: to the controller, or through the agent's relay
@@ -87,14 +87,10 @@ class ControlClient:
                 msg = self._conn.recv()
             except (ConnectionClosed, ProtocolError, OSError):
                 break
-            if isinstance(msg, m.Abort):
-                with self._commit:  # the commit first: one still on its way through the relay is decided
-                    self.committed_step = max(self.committed_step, msg.committed_step)
-                    self.abort_gen, self.abort_reason = max(self.abort_gen, msg.gen), msg.reason
-                    self._commit.notify_all()
+            if isinstance(msg, m.Abort):  # the committed step first: a rank in a commit vote reads it after the abort
+                self.committed_step = max(self.committed_step, msg.committed_step)
+                self.abort_gen, self.abort_reason = max(self.abort_gen, msg.gen), msg.reason
                 self._tell_abort()
-            elif isinstance(msg, m.CommitStep):
-                self._committed(msg.step)
             elif isinstance(msg, m.RestoreAt):
                 if msg.attempt == self.attempt:
                     with self._restore_cv:
@@ -105,29 +101,20 @@ class ControlClient:
         self._lost("the controller connection was lost")
 
     def _read_relay(self) -> None:
-        """The relay's reader thread: the commits the agent fans out (nothing else comes that way)."""
+        """The relay's reader thread: it watches for the agent's end (nothing is sent this way)."""
         assert self._relay is not None
         while not self._closed.is_set():
             try:
-                msg = self._relay.recv()
+                self._relay.recv()
             except (ConnectionClosed, ProtocolError, OSError):
                 break
-            if isinstance(msg, m.CommitStep):
-                self._committed(msg.step)
-        if not self._closed.is_set():  # the agent is gone: no commit can reach this rank any more
+        if not self._closed.is_set():  # the agent is gone: its relay loses this rank's reports
             self._lost("the connection to this node's agent (its relay of step reports) was lost")
-
-    def _committed(self, step: int) -> None:
-        with self._commit:
-            self.committed_step = max(self.committed_step, step)
-            self._commit.notify_all()
 
     def _lost(self, reason: str) -> None:
         self._closed.set()
-        self.abort_gen = LOST_CONTROLLER_GEN  # without the controller nothing commits: leave any wait
+        self.abort_gen = LOST_CONTROLLER_GEN  # without the controller no recovery can be ordered: leave any wait
         self.abort_reason = self.abort_reason or reason
-        with self._commit:
-            self._commit.notify_all()
         self._tell_abort()
 
     def _tell_abort(self) -> None:
@@ -183,18 +170,11 @@ class ControlClient:
                                   mesh_sizes=[s for _, s in mesh], mesh_replicate=mesh_replicate,
                                   not_exact=not_exact))
 
-    def wait_commit(self, gen: int, step: int, poll_s: float = 0.05, state: bytes = b"",
-                    state_same: bool = False) -> bool:
-        """Report the reduction of ``step`` done (with this rank's own state after its compute, or
-        ``state_same``: the one it last sent) and wait for its commit; False on an abort order."""
+    def synced(self, gen: int, step: int, state: bytes = b"", state_same: bool = False) -> None:
+        """Report the reduction of ``step`` done, with this rank's own state after its compute (or
+        ``state_same``: the one it last sent), before the step's commit vote (recovery/consistency.py)."""
         self.reports.send_now(m.StepSynced(rank=self.rank, attempt=self.attempt, gen=gen, step=step, state=state,
                                            state_same=state_same))
-        with self._commit:
-            while self.committed_step < step:
-                if self.abort_gen > gen:
-                    return False
-                self._commit.wait(poll_s)
-        return True
 
     def dumped(self, step: int, ranks: list[int], error: str) -> None:
         self._send(m.Dumped(rank=self.rank, attempt=self.attempt, step=step, ranks=ranks, error=error))

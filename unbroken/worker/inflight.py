@@ -43,7 +43,7 @@ import torch.distributed as dist
 from unbroken.comm import generation_group, movers, wait_all
 from unbroken.comm.wait import AbortWatch
 from unbroken.comm.p2p import exchange_states
-from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
+from unbroken.errors import CheckpointError, CollectiveAborted, FatalError, JobFailed, StateDamaged
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
 from unbroken.parallel import ddp as ddp_generations
@@ -95,6 +95,7 @@ class InFlight:
         self.fault_noted = False  # a fault inside a step: recover before the next one
         self._paused_step = 0
         self._order: Regroup | None = None
+        self._held: Regroup | Dump | None = None  # an order received while paused in a commit vote
         self._joined_t: float | None = None  # a replacement: when it joined its generation (in init())
         self.replica_map: MeshReplicaMap | None = None  # the job's mesh (job.mesh): who holds whose objects
         self.after_transfer: list[Callable[[], None]] = []  # run by every rank last in each transfer
@@ -146,6 +147,49 @@ class InFlight:
         self.fault_noted = True
         return True
 
+    # -- the commit vote (unbroken.recovery.consistency) -------------------------------------
+    def commit_vote(self, step: int) -> bool:
+        """Step ``step``'s commit vote: an all-reduce (MAX of ``step`` and ``-step``) on the generation's
+        group that completes once every rank finished its reduction. True: passed here, the update
+        may begin. False: an abort order or a peer's loss came first (it may have passed elsewhere:
+        see :meth:`pause_in_vote`). Ranks voting on different steps are a desynchronised job: fatal."""
+        if self.group is None or self._cfg.world_size == 1:
+            return True
+        votes = torch.tensor([step, -step], dtype=torch.int64, device=self._device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        try:
+            wait_all([self.group.allreduce([votes], opts)], self.should_abort, self.graveyard,
+                     f"commit vote of step {step}")
+        except Exception as exc:  # noqa: BLE001 - aborted, or gloo's error on a lost peer
+            if not self.is_recoverable(exc) and not isinstance(exc, RuntimeError):
+                raise
+            return False
+        newest, oldest = votes.tolist()[0], -votes.tolist()[1]
+        if newest != step or oldest != step:
+            raise FatalError(f"rank {self._cfg.rank}: the commit vote of step {step} saw steps {oldest}..{newest}: "
+                             "the ranks' training loops are not in step (a rank ran more or fewer steps)")
+        return True
+
+    def pause_in_vote(self, step: int) -> bool:
+        """The vote of ``step`` did not pass here: report this rank paused in it (its gradients whole)
+        and wait for the decision. True: the step committed (the controller's record, or another
+        rank passed the vote), so its update goes on from this rank's own gradients, and the order
+        waits for the step's end (:meth:`survive`). False: the step is dropped, as any aborted step."""
+        control = self._control
+        if control.committed_step >= step:  # the abort order said so: every rank reported its reduction
+            return True
+        self._paused_step, self.pause_phase = step, Phase.SYNC
+        reported = control.abort_gen
+        self._announce(reported)
+        timeout_s = self._cfg.worker.recovery_timeout_s
+        order = control.wait_regroup(timeout_s, self._announce, reported)
+        if order is None:
+            raise JobFailed(f"rank {self._cfg.rank}: no order from the controller within {timeout_s:.0f} s "
+                            f"(--recovery-timeout-s) while paused in the commit vote of step {step}; giving up")
+        self._held = order
+        return order.step > step if isinstance(order, Dump) else order.resume_step > step
+
     def barrier_before_teardown(self) -> None:
         """At the end of a job that went through a regroup on surviving groups: wait until every rank
         got here (its script is done) before any rank tears its groups down. Why: a rank holding an
@@ -191,7 +235,9 @@ class InFlight:
         self._paused_step, self.pause_phase = step, phase
         control = self._control
         reported = control.abort_gen
-        if self.damaged is not None:  # rung `retry`: this process stays; its state comes from replicas
+        if self._held is not None:  # paused in the commit vote: its order came then
+            pass
+        elif self.damaged is not None:  # rung `retry`: this process stays; its state comes from replicas
             control.damaged(str(self.damaged), self.damaged.kind)
             self.damaged, self.needs_state, self._keeps_own = None, True, True
         else:
@@ -256,7 +302,12 @@ class InFlight:
         """The next regroup order; with ``adopt`` its group is joined at once (a replacement, in
         ``init()``), otherwise in :meth:`_transfer` (a survivor in no move joins after the movers)."""
         timeout_s = self._cfg.worker.recovery_timeout_s
-        order = self._control.wait_regroup(timeout_s, self._announce, reported)
+        order, self._held = self._held, None
+        if order is not None and order.gen < self._control.abort_gen:  # a newer abort replaced the held order
+            order, reported = None, self._control.abort_gen
+            self._announce(reported)
+        if order is None:
+            order = self._control.wait_regroup(timeout_s, self._announce, reported)
         if order is None:
             raise JobFailed(f"rank {self._cfg.rank}: no regroup order from the controller within "
                             f"{timeout_s:.0f} s (--recovery-timeout-s); giving up")

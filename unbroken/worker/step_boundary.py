@@ -7,8 +7,8 @@ steps), its phase, whether it committed and whether it completed. In order, it c
   dropped step is redone from (:class:`~unbroken.worker.rollback.StepStates`);
 * at each phase (:meth:`StepBoundary.enter`): the progress report (``compute`` carries this
   rank's own step-start state), the NaN/Inf check entering ``sync``, the injected faults
-  planned for it; entering ``update``, first the wait for the controller's commit of the step,
-  before anything changes (the commit report carries the state after compute);
+  planned for it; entering ``update``, first the step's commit vote among the ranks, before
+  anything changes (the report sent before it carries the state after compute);
 * at the end (:meth:`StepBoundary.end`): ``done``, the ready announcement after the first
   committed step, the step's time; then (:meth:`StepBoundary.report_progress`) the step report
   with its metrics;
@@ -42,11 +42,13 @@ class StepBoundary:
     """
 
     def __init__(self, rank: int, *, finite_check: bool, control: Callable[[], ControlClient | None],
-                 generation: Callable[[], int], ready_fields: Callable[[], dict[str, Any]],
+                 generation: Callable[[], int], vote: Callable[[int], bool], pause_in_vote: Callable[[int], bool],
+                 ready_fields: Callable[[], dict[str, Any]],
                  tracked: TrackedState, injector: FaultInjector, ckpt: Checkpointer,
                  metrics: dict[str, Any]) -> None:
         self.rank, self._finite_check = rank, finite_check
         self._control, self._generation, self._ready_fields = control, generation, ready_fields
+        self._vote, self._pause_in_vote = vote, pause_in_vote  # the step's commit vote (InFlight)
         self._tracked, self._injector, self._ckpt, self._metrics = tracked, injector, ckpt, metrics
         self.step, self.phase = 0, Phase.DONE  # the step in flight (== number of completed steps), its phase
         self.in_step = False
@@ -91,15 +93,19 @@ class StepBoundary:
             self.enter(name)
 
     def _commit(self) -> None:
-        """Entering ``update``: the reduction is done; wait until the controller commits the step."""
+        """Entering ``update``: the reduction is done; report it, then pass the step's commit vote
+        (recovery/consistency.py). Not passed here: paused in the vote until the controller decides;
+        CollectiveAborted unless the step committed."""
         control = self._control()
         if control is None or self._committed:
             return
         own = self._states.after_compute(self._tracked.per_rank_tree())  # a roll forward resumes here
-        if not control.wait_commit(self._generation(), self.step, state=own.state, state_same=own.same):
+        control.synced(self._generation(), self.step, state=own.state, state_same=own.same)
+        if not self._vote(self.step) and not self._pause_in_vote(self.step):
             raise CollectiveAborted(f"rank {self.rank}: step {self.step} was not committed (abort order for "
                                     f"generation {control.abort_gen}: {control.abort_reason})")
         self._committed = True
+        self.phase = Phase.UPDATE  # past the vote: a pause from here on reports update (consistency.voted_step)
         self._metrics["snapshot_wait_s"] = self._ckpt.settle()  # the update may change what it still copies
 
     def drop(self) -> str:

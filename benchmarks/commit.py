@@ -1,18 +1,19 @@
-"""Commit benchmark: what the per-step commit round trip to the controller costs, by world size.
+"""Commit benchmark: what the per-step commit costs, by world size.
 
     python benchmarks/commit.py                        # N = 4, 16, 32 ranks, 60 steps each
     python benchmarks/commit.py --nprocs 4,16 --steps 40 --json commit.json
     python benchmarks/commit.py --nprocs 16 --ranks-per-node 8 --rows before,direct,nodes,torchrun --before-src DIR
 
-Every step of a managed job waits, before its optimizer update, for the controller's commit
-of the step (worker/session.py `_commit`: the rank sends StepSynced and waits until the
-controller, having heard from every rank, sends the commit back). This script runs a tiny
-model (one all-reduce of a 64-float gradient per step, SGD) on N ranks in each row, interleaved:
+Every step of a managed job commits before its optimizer update (worker/step_boundary.py
+`_commit`): the rank reports its reduction done (StepSynced, to the controller or its agent, not
+waited for) and joins the step's commit vote, a one-element all-reduce among the ranks
+(recovery/consistency.py); before 2026-12-06 it waited for the controller's commit instead, a round
+trip (the ``before`` row of an older tree shows it). This script runs a tiny model (one all-reduce
+of a 64-float gradient per step, SGD) on N ranks in each row, interleaved:
 
   direct     `unbroken run`, setting node_reports off: every rank sends its step reports to the
-             controller and gets each commit from it; `opt.step()` includes the commit wait
-  nodes      `unbroken run`, setting node_reports on: each agent batches its ranks' reports and gets
-             each commit once, which it fans out (agent/relay.py)
+             controller; `opt.step()` includes the commit (the vote)
+  nodes      `unbroken run`, setting node_reports on: each agent batches its ranks' reports (agent/relay.py)
   before     `unbroken run` from another source tree (--before-src, e.g. a `git archive` of main)
   torchrun   `python -m torch.distributed.run`: the same script, no controller, no commit
 
@@ -21,7 +22,7 @@ would have (default: one agent for all). Per N and row: the median over ranks of
 median `opt.step()` time and whole step time; commit_s = a row's opt_step_s - torchrun's.
 Messages per step at the controller: counted by the controller (its job-end event
 ``control_messages``: every worker message in and out, heartbeats left out, and the agents'
-batches and the commits sent to them), divided by the steps. This machine has 2 cores: at 16
+batches), divided by the steps. This machine has 2 cores: at 16
 and 32 ranks every process waits for a core, so absolute figures are mostly scheduling;
 compare the rows of one run.
 A benchmark never asserts a time.
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def worker(args: argparse.Namespace) -> int:
-    """One rank: the tiny training loop, timing opt.step() (which waits for the commit)."""
+    """One rank: the tiny training loop, timing opt.step() (which includes the commit)."""
     import torch
 
     import unbroken
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             if row["nproc"] == nproc and row["row"] != "torchrun" and None not in (row["opt_step_s"],
                                                                                   base["opt_step_s"]):
                 row["commit_s"] = row["opt_step_s"] - base["opt_step_s"]
-    print(f"\ncommit round trip, tiny model, {args.steps} steps, median over ranks of per-rank medians "
+    print(f"\nthe commit per step, tiny model, {args.steps} steps, median over ranks of per-rank medians "
           f"(first quarter of steps left out), ranks per agent: {args.ranks_per_node or 'all'}; load "
           f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus: N ranks share the cores, "
           "figures at N >> cpus are mostly scheduling")

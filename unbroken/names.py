@@ -40,7 +40,8 @@ class Phase(enum.StrEnum):
     """Where a rank is, as it reports it: the phases of a step and what surrounds them.
 
     A step runs ``compute`` -> ``sync`` -> ``update`` -> ``done``; ``checkpoint`` and
-    ``restore`` are the points where checkpoint/restore faults fire; ``starting`` is a rank
+    ``restore`` are the points where checkpoint/restore faults fire, ``vote`` the one inside a
+    step's commit vote (the rank joined it; it has not completed here: reported as ``sync``); ``starting`` is a rank
     that has not reported yet and ``finished`` one past its step loop.
     """
 
@@ -51,13 +52,15 @@ class Phase(enum.StrEnum):
     DONE = "done"
     CHECKPOINT = "checkpoint"
     RESTORE = "restore"
+    VOTE = "vote"
     FINISHED = "finished"
 
 
 #: The phases of one step, in order (the consistency rule reasons over these).
 STEP_PHASES: tuple[Phase, ...] = (Phase.COMPUTE, Phase.SYNC, Phase.UPDATE, Phase.DONE)
 #: The phases a planned fault may fire at (``--inject ...:at=PHASE``).
-FAULT_PHASES: tuple[Phase, ...] = (Phase.COMPUTE, Phase.SYNC, Phase.UPDATE, Phase.CHECKPOINT, Phase.RESTORE)
+FAULT_PHASES: tuple[Phase, ...] = (Phase.COMPUTE, Phase.SYNC, Phase.VOTE, Phase.UPDATE, Phase.CHECKPOINT,
+                                   Phase.RESTORE)
 
 
 class WorkerState(enum.StrEnum):

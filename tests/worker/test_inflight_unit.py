@@ -23,6 +23,7 @@ class FakeControl:
 
     def __init__(self, *orders) -> None:
         self.abort_gen = 0
+        self.committed_step = -1  # as the last abort order said
         self.orders = list(orders)
         self.calls: list[tuple] = []
 
@@ -69,6 +70,33 @@ def test_a_noted_fault_makes_a_recovery_pending_and_survive_moves_to_the_next_ge
     assert fields["role"] == "survivor" and fields["gen"] == 1
     assert {"restore_s", "recoverable_s", "exchange_s", "load_s", "realign_s"} <= set(fields)
     assert "script_s" not in fields
+
+
+@pytest.mark.parametrize("resume, committed", [(6, True), (5, False)], ids=["rolled-forward", "rolled-back"])
+def test_a_rank_paused_in_the_commit_vote_learns_the_decision_and_keeps_the_order_for_the_step_end(resume, committed):
+    control = FakeControl(m.Regroup(gen=1, resume_step=resume, replaced=[]))
+    control.abort_gen = 1
+    inflight = make(control)
+    assert inflight.pause_in_vote(5) is committed  # True: the update goes on from its own gradients
+    assert control.calls[0] == ("paused", 1, 5, "sync")
+    assert inflight.survive(resume, "update" if committed else "sync") == resume  # the held order: no second pause
+    assert [c[0] for c in control.calls] == ["paused", "paused", "resumed"] and inflight.gen == 1
+
+
+def test_an_abort_order_that_says_the_step_was_recorded_committed_needs_no_pause():
+    control = FakeControl()
+    control.abort_gen, control.committed_step = 1, 5
+    assert make(control).pause_in_vote(5) is True and control.calls == []
+
+
+def test_a_held_order_that_a_newer_abort_replaced_is_not_used():
+    control = FakeControl(m.Regroup(gen=1, resume_step=6, replaced=[]), m.Regroup(gen=2, resume_step=6, replaced=[]))
+    control.abort_gen = 1
+    inflight = make(control)
+    assert inflight.pause_in_vote(5)
+    control.abort_gen = 2  # a second fault while this rank finished update 5
+    assert inflight.survive(6, "compute") == 6 and inflight.gen == 2
+    assert ("paused", 2, 6, "compute") in control.calls
 
 
 def test_the_old_group_goes_to_the_graveyard_never_dropped():

@@ -158,9 +158,10 @@ class InFlight:
         votes = torch.tensor([step, -step], dtype=torch.int64, device=self._device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
+        work = self.group.allreduce([votes], opts)
+        self._injector.at(step, Phase.VOTE)  # a fault planned inside the vote fires here
         try:
-            wait_all([self.group.allreduce([votes], opts)], self.should_abort, self.graveyard,
-                     f"commit vote of step {step}")
+            wait_all([work], self.should_abort, self.graveyard, f"commit vote of step {step}")
         except Exception as exc:  # noqa: BLE001 - aborted, or gloo's error on a lost peer
             if not self.is_recoverable(exc) and not isinstance(exc, RuntimeError):
                 raise

@@ -40,8 +40,8 @@ class Phase(enum.StrEnum):
     """Where a rank is, as it reports it: the phases of a step and what surrounds them.
 
     A step runs ``compute`` -> ``sync`` -> ``update`` -> ``done``; ``checkpoint`` and
-    ``restore`` are the points where checkpoint/restore faults fire, ``vote`` the one inside a
-    step's commit vote (the rank joined it; it has not completed here: reported as ``sync``); ``starting`` is a rank
+    ``restore`` are the points where checkpoint/restore faults fire, ``vote`` a rank waiting in
+    a step's commit vote (its reduction done; a fault ``at=vote`` fires just before it joins); ``starting`` is a rank
     that has not reported yet and ``finished`` one past its step loop.
     """
 

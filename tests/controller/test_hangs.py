@@ -57,3 +57,22 @@ def test_during_a_recovery_a_paused_or_replaced_rank_is_not_hung():
     state, _ = run(state, sm.RankExited(2, 0, None, 9, step=4), sm.RankPaused(0, 0, 4, "sync"))
     assert run(state, sm.RankHung(0, 0, 3, 9.0))[1] == []
     assert run(state, sm.RankHung(2, 0, 3, 9.0))[1] == []
+
+
+def test_a_rank_that_reported_its_reduction_but_never_joined_the_vote_is_behind_the_voters():
+    # rank 2 hung after its reduction of step 7, before the commit vote: the others joined the vote
+    ranks = [RankProgress(0, "vote", 5.4, 5.0, step=7), RankProgress(1, "vote", 5.3, 5.0, step=7),
+             RankProgress(2, "sync", 5.0, 5.0, step=7), RankProgress(3, "vote", 5.5, 5.0, step=7)]
+    blamed = blame_hang(ranks)
+    assert blamed.rank == 2
+    assert why(blamed, ranks) == ("it never reached the collective (phase sync of step 7) while ranks [0, 1, 3] "
+                                  "wait in vote of step 7")
+
+
+def test_a_rank_stuck_in_a_vote_the_others_passed_is_behind_them():
+    # rank 1 joined the vote of step 7 and hung there; the vote passed on the others, which now wait
+    # in step 8's reduction: the rank still "in a collective" is the one behind
+    ranks = [RankProgress(0, "sync", 5.2, 5.0, step=8), RankProgress(1, "vote", 5.9, 5.0, step=7),
+             RankProgress(2, "sync", 5.3, 5.0, step=8), RankProgress(3, "sync", 5.1, 5.0, step=8)]
+    assert blame_hang(ranks).rank == 1
+    assert "wait in sync of step 8" in why(blame_hang(ranks), ranks)

@@ -167,16 +167,16 @@ def test_a_compute_report_with_the_previous_steps_done_folded_in_counts_both():
     assert hub.rank_states.for_resume(0, 0, 1).state == b"s1"  # the step-start state of step 1 is kept
 
 
-def test_step_synced_puts_the_rank_in_sync_and_the_commit_record_moves_every_rank_to_update():
+def test_step_synced_puts_the_rank_in_the_vote_and_the_commit_record_sends_nothing():
     hub = FakeHub(run_machine=True)
     hub.state = dataclasses.replace(hub.state, phase=sm.JobPhase.RUNNING)
     conns = {r: FakeConn() for r in hub.board.ranks()}
     for r in hub.board.ranks():
         hub.connect(r, conns[r], phase=Phase.COMPUTE)  # no 'sync' report came
     worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=3))
-    assert (hub.board.view(0).phase, hub.board.view(1).phase) == (Phase.SYNC, Phase.COMPUTE)  # rank 1: still computing
+    assert (hub.board.view(0).phase, hub.board.view(1).phase) == (Phase.VOTE, Phase.COMPUTE)  # rank 1: still computing
     worker_msg(hub, 1, m.StepSynced(rank=1, attempt=0, gen=0, step=3))
-    assert {w.phase for w in hub.board.views()} == {Phase.UPDATE}
+    assert {w.phase for w in hub.board.views()} == {Phase.VOTE}  # until each reports its next step
     assert all(c.sent == [] for c in conns.values())  # the record only: the ranks commit by their own vote
     assert hub.commits == [(0, 3)]  # the commit log's entry, once
     assert hub.board.counts.received["StepSynced"] == 0  # counted by the serving loop, not the handlers
@@ -423,7 +423,7 @@ def test_a_nodes_reports_count_for_each_of_its_ranks_and_the_commit_is_recorded_
     _node_reports(hub, [m.StepSynced(rank=r, attempt=0, gen=0, step=3) for r in (1, 2, 3)])
     assert agent.sent == [] and hub.state.committed_step == -1  # rank 0 has not reported: no commit
     worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=3))
-    assert hub.state.committed_step == 3 and {w.phase for w in hub.board.views()} == {Phase.UPDATE}
+    assert hub.state.committed_step == 3 and {w.phase for w in hub.board.views()} == {Phase.VOTE}
     assert agent.sent == [] and all(c.sent == [] for c in conns.values())  # the ranks commit by their own vote
     counts = hub.board.counts
     assert (counts.received["NodeReports"], counts.sent["CommitStep"]) == (2, 0)
@@ -435,7 +435,7 @@ def test_a_missing_rank_in_the_nodes_reports_holds_the_commit():
     worker_msg(hub, 0, m.StepSynced(rank=0, attempt=0, gen=0, step=1))
     _node_reports(hub, [m.StepSynced(rank=r, attempt=0, gen=0, step=1) for r in (1, 3)])
     assert hub.state.committed_step == -1 and agent.sent == []
-    assert [hub.board.view(r).phase for r in range(4)] == [Phase.SYNC, Phase.SYNC, Phase.COMPUTE, Phase.SYNC]
+    assert [hub.board.view(r).phase for r in range(4)] == [Phase.VOTE, Phase.VOTE, Phase.COMPUTE, Phase.VOTE]
     _node_reports(hub, [m.StepSynced(rank=2, attempt=0, gen=0, step=1)])
     assert hub.state.committed_step == 1 and agent.sent == []
 

@@ -51,11 +51,12 @@ def test_ddp_rank_killed_mid_all_reduce_recovers_in_flight_bit_exact(tmp_path, r
 
 
 @pytest.mark.timeout(600)
-def test_ddp_rank_killed_inside_the_commit_vote_recovers_in_flight_bit_exact(tmp_path, reference):
-    """Killed right after it joined step 5's commit vote: the vote may have completed on some survivors
-    and not on others (a split vote); either way every rank ends on the fault-free weights."""
+def test_ddp_rank_killed_before_the_commit_vote_leaves_the_survivors_paused_in_it(tmp_path, reference):
+    """Killed with its reduction of step 5 done, just before it joined the commit vote: every survivor
+    waits in the vote, pauses there with its gradients whole and learns the decision (nobody passed
+    the vote: step 5 is redone); every rank ends on the fault-free weights."""
     done = _kill_case(tmp_path, reference, "kill:rank=1:step=5:at=vote", {1})
-    assert done["resume_step"] in (5, 6)  # 6: a survivor passed the vote, those still in it rolled forward
+    assert done["resume_step"] == 5
 
 
 @pytest.mark.slow
@@ -63,7 +64,7 @@ def test_ddp_rank_killed_inside_the_commit_vote_recovers_in_flight_bit_exact(tmp
 @pytest.mark.parametrize("inject,replaced,resume_step", [
     pytest.param("kill:rank=1:step=4", {1}, 4, id="compute"),
     pytest.param("kill:rank=3:step=6:at=update", {3}, 7, id="update"),  # committed: rolls forward
-    pytest.param("hang:rank=2:step=6:at=vote", {2}, None, id="hung-in-vote"),  # blamed, killed, replaced
+    pytest.param("hang:rank=2:step=6:at=vote", {2}, 6, id="hung-before-vote"),  # behind the voters: blamed
     pytest.param("kill:rank=0:step=3:at=vote,kill:rank=3:step=7:at=vote", {0, 3}, None, id="two-votes"),
     pytest.param("kill:rank=0:step=5:at=sync", {0}, 5, id="rank0"),
     pytest.param("kill:rank=1:step=5:at=sync,kill:rank=2:step=5:at=sync", {1, 2}, 5, id="two-at-once"),

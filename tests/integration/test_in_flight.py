@@ -69,8 +69,8 @@ def test_sigkill_recovered_in_place_bit_exact(tmp_path, request, phase, optimize
                                  flags=["--inject", f"kill:rank=2:step=7:at={phase}"])
     done = _check_in_flight(result, out, run_dir, reference, {2})
     # Killed after it passed step 7's commit vote ('update'): it rolls forward and step 8 is redone;
-    # killed before: step 7 rolls back; inside the vote: either, as the survivors saw it (a split vote).
-    assert done["resume_step"] in ({7, 8} if phase == "vote" else {8} if phase == "update" else {7})
+    # killed before ('vote': just before it joined the vote, which the survivors pause in): step 7 rolls back.
+    assert done["resume_step"] == (8 if phase == "update" else 7)
     assert done["steps_redone"] == 0
 
 

@@ -165,8 +165,8 @@ class Board:
         return took
 
     def synced(self, rank: int) -> None:
-        """Its reduction is done; it waits in sync for the commit."""
-        self._workers[rank].phase = Phase.SYNC
+        """Its reduction is done and it joined the step's commit vote (it reports after joining)."""
+        self._workers[rank].phase = Phase.VOTE
 
     def finishing(self, rank: int) -> None:
         """It left its step loop (its final save, job.close() may follow)."""
@@ -202,13 +202,6 @@ class Board:
         """Its agent is told to start it again: no process, no connection until it registers."""
         w = self._workers[rank]
         w.state, w.conn, w.pid = WorkerState.STARTING, None, 0
-
-    def committed(self) -> None:
-        """A step committed: every rank in sync moves on to its update (ranks send no 'update'
-        report of their own: worker/progress.py)."""
-        for w in self._workers.values():
-            if w.phase == Phase.SYNC:
-                w.phase = Phase.UPDATE
 
     def recovered(self, now: float) -> None:
         """An in-flight recovery is over: paused ranks made no progress on purpose; the redo step is

@@ -284,7 +284,7 @@ def _step_synced(self: Connections, rank: int, attempt: int, conn: Connection, m
 
 def _note_synced(hub: Hub, rank: int, attempt: int, msg: m.StepSynced) -> None:
     hub.rank_states.note_report(rank, attempt, msg.step, Point.AFTER_COMPUTE, msg.state, same=msg.state_same)
-    hub.board.synced(rank)  # its reduction is done; it waits in sync for the commit
+    hub.board.synced(rank)  # its reduction is done; it waits in the commit vote
 
 
 def _claim_fault(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.ClaimFault) -> None:

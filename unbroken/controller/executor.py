@@ -219,7 +219,6 @@ class Executor:
         """The record of a step every rank reported reduced: nothing is sent, each rank passes the
         step's commit vote on its own (recovery/consistency.py)."""
         self._hub.step_committed(action.gen, action.step)  # the commit log
-        self._hub.board.committed()  # every rank reported StepSynced: each moves on to its update
 
     def _abort(self, action: sm.AbortGeneration) -> None:
         hub = self._hub

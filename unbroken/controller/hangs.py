@@ -1,12 +1,15 @@
 """Which rank a hang is blamed on. Pure: the server feeds it what it knows of every rank.
 
-In synchronous training a rank that stops progressing makes its peers block in the step's
-collective (phase ``sync``); they then look as silent as the culprit, and the ones that
-entered ``sync`` earliest cross the hang timeout first. So the timeout only says *that*
-something hangs; *who* is decided among all live ranks, by evidence, strongest first:
+In synchronous training a rank that stops progressing makes its peers block in a collective
+it never reached: the step's reduction (phase ``sync``) or its commit vote (``vote``: the rank
+reported its reduction done after joining the vote); they then look as silent as the culprit,
+and the ones that began waiting earliest cross the hang timeout first. So the timeout only
+says *that* something hangs; *who* is decided among all live ranks, by evidence, strongest first:
 
 1. the agent sees the rank's process stopped (SIGSTOP, a debugger) or a zombie;
-2. the rank never reached the step's collective (its phase is not ``sync``) while others wait in it;
+2. the rank is not waiting at the *front*, the furthest (step, phase) where ranks wait in a
+   collective, while others do: it is behind them (in compute while they wait in the reduction,
+   in the reduction while they wait in the vote, still in step k while they wait in step k + 1);
 3. the rank silent the longest; then the lowest rank (deterministic).
 
 During a recovery every survivor must answer the abort order (pause) within its hang
@@ -27,6 +30,9 @@ from unbroken.names import Phase
 
 #: Process states, as the agent reports them (from /proc via psutil).
 NOT_RUNNING = ("stopped", "zombie")
+#: The phases in which a rank waits for all the others (a collective of the step).
+WAITING = (Phase.SYNC, Phase.VOTE)
+_ORDER = {Phase.COMPUTE: 0, Phase.SYNC: 1, Phase.VOTE: 2, Phase.UPDATE: 3, Phase.DONE: 4}
 
 
 @dataclass(frozen=True)
@@ -38,23 +44,46 @@ class RankProgress:
     silent_s: float  # since its last step progress
     timeout_s: float  # its hang timeout now
     process: str = "running"  # as its agent sees it: running | stopped | zombie
+    step: int = -1  # the step it was last in (its index), -1 if it reported none
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.step, _ORDER.get(self.phase, -1)
+
+
+def front(ranks: Iterable[RankProgress]) -> tuple[int, int] | None:
+    """The furthest position at which some rank waits in a collective (None: nobody waits)."""
+    return max((r.position for r in ranks if r.phase in WAITING), default=None)
+
+
+def at_front(rank: RankProgress, where: tuple[int, int] | None) -> bool:
+    return rank.phase in WAITING and rank.position == where
 
 
 def blame_hang(ranks: Sequence[RankProgress]) -> RankProgress | None:
     """The rank to blame, or ``None`` while no rank is past its hang timeout."""
     if not any(r.silent_s > r.timeout_s for r in ranks):
         return None
-    return min(ranks, key=lambda r: (r.process not in NOT_RUNNING, r.phase == Phase.SYNC, -r.silent_s, r.rank))
+    where = front(ranks)
+    return min(ranks, key=lambda r: (r.process not in NOT_RUNNING, at_front(r, where), -r.silent_s, r.rank))
 
 
 def why(rank: RankProgress, others: Iterable[RankProgress]) -> str:
     """The evidence against ``rank``, for the event log."""
     if rank.process in NOT_RUNNING:
         return f"its process is {rank.process}"
-    waiting = sorted(o.rank for o in others if o.rank != rank.rank and o.phase == Phase.SYNC)
-    if rank.phase != Phase.SYNC and waiting:
-        return f"it never reached the collective (phase {rank.phase}) while ranks {waiting} wait in sync"
+    others = list(others)
+    where = front(others)
+    waiting = sorted(o.rank for o in others if o.rank != rank.rank and at_front(o, where))
+    if not at_front(rank, where) and waiting:
+        phase = next(o.phase for o in others if o.rank == waiting[0])
+        return (f"it never reached the collective (phase {rank.phase}{_of(rank.step)}) while ranks {waiting} "
+                f"wait in {phase}{_of(where[0])}")
     return f"silent the longest ({rank.silent_s:.1f} s)"
+
+
+def _of(step: int) -> str:
+    return f" of step {step}" if step >= 0 else ""
 
 
 def silent_in_recovery(ranks: Sequence[RankProgress], answered: Iterable[int]) -> RankProgress | None:

@@ -20,7 +20,7 @@ from unbroken.config import HangConfig
 from unbroken.controller import hangs, health
 from unbroken.controller.api import Recovery
 from unbroken.controller.views import RankView
-from unbroken.names import LIVE_WORKER_STATES, Phase, WorkerState
+from unbroken.names import LIVE_WORKER_STATES, WorkerState
 
 WATCH_INTERVAL_S = 0.1
 
@@ -85,15 +85,16 @@ class Watchdog:
         is the further past its timeout (before its first step, where the first-step timeout would
         leave a stopped process alone for a minute)."""
         live = [w for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
-        in_sync = sum(w.phase == Phase.SYNC for w in live)
+        where = hangs.front(_position(w) for w in live)
+        at_front = sum(hangs.at_front(_position(w), where) for w in live)
         ranks = []
         for w in live:
             timeout_s = self.hang_timeout_s(w)
-            others_wait = in_sync == len(live) - 1 and len(live) > 1 and w.phase != Phase.SYNC
+            others_wait = at_front == len(live) - 1 and len(live) > 1 and not hangs.at_front(_position(w), where)
             if w.steps_in_generation > 0 and since_t is None and others_wait:
                 timeout_s = min(timeout_s, self.evidence_timeout_s())  # every peer waits for this one
             rank = hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
-                                      timeout_s, w.process)
+                                      timeout_s, w.process, _step(w))
             if w.process in hangs.NOT_RUNNING:
                 stopped_timeout_s = self.evidence_timeout_s() if w.steps_in_generation > 0 else self.steady_timeout_s()
                 stopped = _since_seen(w, now, stopped_timeout_s)
@@ -171,4 +172,13 @@ class Watchdog:
 
 def _since_seen(w: RankView, now: float, timeout_s: float) -> hangs.RankProgress:
     """``w`` as silent since its agent last reported its process state (stopped, a zombie)."""
-    return hangs.RankProgress(w.rank, w.phase, now - w.process_t, timeout_s, w.process)
+    return hangs.RankProgress(w.rank, w.phase, now - w.process_t, timeout_s, w.process, _step(w))
+
+
+def _step(w: RankView) -> int:
+    return -1 if w.step is None else w.step
+
+
+def _position(w: RankView) -> hangs.RankProgress:
+    """``w``'s place in the step (for the front: hangs.py), timings left out."""
+    return hangs.RankProgress(w.rank, w.phase, 0.0, 0.0, w.process, _step(w))

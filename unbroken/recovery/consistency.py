@@ -3,10 +3,11 @@
 Pure functions, no processes. The invariant they serve: training continues from a state
 that the fault-free run also had, so the final weights equal it bit for bit.
 
-How a step commits. Every rank, once its gradient reduction of step k completed, reports it
-to the controller (StepSynced, with its own state after compute; not waited for) and joins
-the *commit vote* of step k: a 1-element all-reduce on the generation's group
-(:meth:`unbroken.worker.inflight.InFlight.commit_vote`). The vote completes on a rank only
+How a step commits. Every rank, once its gradient reduction of step k completed, joins the
+*commit vote* of step k, a 1-element all-reduce on the generation's group
+(:meth:`unbroken.worker.inflight.InFlight.commit_vote`), and reports to the controller that
+it did (StepSynced, with its own state after compute; not waited for: the report after the
+joining, so the hang rule sees who waits in the vote and who never reached it). The vote completes on a rank only
 after every rank joined it, i.e. finished its reduction, so "a step's update begins only once
 every rank's reduction is done" holds without a controller round trip. The controller
 records k committed when it has every rank's StepSynced of k, and learns it at a recovery
@@ -20,8 +21,9 @@ is ``committed = max(record, newest step a survivor passed)``: if k committed, t
 paused in its vote apply update k from their own gradients (roll forward), the others
 complete it; if not, nobody alive began update k and every rank redoes it from its start
 (roll back). A replaced rank rolled forward gets its own state after the compute of k, which
-it sent before it joined the vote; where the controller has none (its node was lost with the
-report), the recovery refuses in flight rather than hand it another rank's copy. No shard is
+it sent as it joined the vote; where the controller has none (it died between joining and
+reporting, or its node was lost with the report), the recovery refuses in flight rather than
+hand it another rank's copy. No shard is
 ever left half-updated.
 
 Hence the rule: the job resumes at the first uncommitted step. A survivor in step

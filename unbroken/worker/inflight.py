@@ -148,18 +148,22 @@ class InFlight:
         return True
 
     # -- the commit vote (unbroken.recovery.consistency) -------------------------------------
-    def commit_vote(self, step: int) -> bool:
+    def commit_vote(self, step: int, joined: Callable[[], None]) -> bool:
         """Step ``step``'s commit vote: an all-reduce (MAX of ``step`` and ``-step``) on the generation's
-        group that completes once every rank finished its reduction. True: passed here, the update
-        may begin. False: an abort order or a peer's loss came first (it may have passed elsewhere:
-        see :meth:`pause_in_vote`). Ranks voting on different steps are a desynchronised job: fatal."""
+        group that completes once every rank finished its reduction; ``joined()`` runs once this rank
+        joined it (it reports the reduction done: the controller then sees it waiting in the vote,
+        controller/hangs.py). True: passed here, the update may begin. False: an abort order or a
+        peer's loss came first (it may have passed elsewhere: see :meth:`pause_in_vote`). Ranks voting
+        on different steps are a desynchronised job: fatal."""
         if self.group is None or self._cfg.world_size == 1:
+            joined()
             return True
         votes = torch.tensor([step, -step], dtype=torch.int64, device=self._device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
+        self._injector.at(step, Phase.VOTE)  # a fault planned for the vote: its reduction done, not joined yet
         work = self.group.allreduce([votes], opts)
-        self._injector.at(step, Phase.VOTE)  # a fault planned inside the vote fires here
+        joined()
         try:
             wait_all([work], self.should_abort, self.graveyard, f"commit vote of step {step}")
         except Exception as exc:  # noqa: BLE001 - aborted, or gloo's error on a lost peer

@@ -6,9 +6,9 @@ StepSynced). Two carry what the controller needs every step:
 * the **compute** report at the step's start carries the rank's step-start state and, folded
   into it (``done=True``), the previous step's completion and metrics: nothing of the session
   runs between one step's end and the next one's start, so the fold delays it by microseconds;
-* **StepSynced** (worker/control.py) is the commit vote, and tells the controller the rank
-  finished its reduction (phase ``sync``); the controller moves every rank to ``update`` when
-  it commits.
+* **StepSynced** (worker/control.py), sent as the rank joins the step's commit vote, tells the
+  controller the rank finished its reduction and waits in the vote (phase ``vote``), with its
+  state after compute; the controller records the step committed once every rank sent it.
 
 The in-step marks (``sync`` when a collective starts, ``update``) travel only when a rank
 *stays* in that phase for ``MARK_DELAY_S`` (0.5 s): what the hang rule needs is who waits inside the

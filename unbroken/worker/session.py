@@ -72,7 +72,7 @@ class Job:
                                   metrics=self._metrics)
         self._boundary = StepBoundary(
             self.rank, finite_check=cfg.worker.finite_check, control=lambda: self._control,
-            generation=lambda: self._inflight.gen, vote=lambda step: self._inflight.commit_vote(step),
+            generation=lambda: self._inflight.gen, vote=lambda step, joined: self._inflight.commit_vote(step, joined),
             pause_in_vote=lambda step: self._inflight.pause_in_vote(step), tracked=self._tracked, injector=self._injector, ckpt=self._ckpt,
             ready_fields=self._ready_fields, metrics=self._metrics)
         self._data_share = DataShare(cfg)

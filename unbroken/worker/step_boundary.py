@@ -42,7 +42,8 @@ class StepBoundary:
     """
 
     def __init__(self, rank: int, *, finite_check: bool, control: Callable[[], ControlClient | None],
-                 generation: Callable[[], int], vote: Callable[[int], bool], pause_in_vote: Callable[[int], bool],
+                 generation: Callable[[], int], vote: Callable[[int, Callable[[], None]], bool],
+                 pause_in_vote: Callable[[int], bool],
                  ready_fields: Callable[[], dict[str, Any]],
                  tracked: TrackedState, injector: FaultInjector, ckpt: Checkpointer,
                  metrics: dict[str, Any]) -> None:
@@ -93,15 +94,17 @@ class StepBoundary:
             self.enter(name)
 
     def _commit(self) -> None:
-        """Entering ``update``: the reduction is done; report it, then pass the step's commit vote
-        (recovery/consistency.py). Not passed here: paused in the vote until the controller decides;
-        CollectiveAborted unless the step committed."""
+        """Entering ``update``: the reduction is done; join the step's commit vote, report the
+        reduction done (with this rank's state after compute), and pass the vote
+        (recovery/consistency.py). Not passed here: paused in the vote until the controller
+        decides; CollectiveAborted unless the step committed."""
         control = self._control()
         if control is None or self._committed:
             return
         own = self._states.after_compute(self._tracked.per_rank_tree())  # a roll forward resumes here
-        control.synced(self._generation(), self.step, state=own.state, state_same=own.same)
-        if not self._vote(self.step) and not self._pause_in_vote(self.step):
+        gen, step = self._generation(), self.step
+        joined = lambda: control.synced(gen, step, state=own.state, state_same=own.same)  # noqa: E731
+        if not self._vote(step, joined) and not self._pause_in_vote(step):
             raise CollectiveAborted(f"rank {self.rank}: step {self.step} was not committed (abort order for "
                                     f"generation {control.abort_gen}: {control.abort_reason})")
         self._committed = True

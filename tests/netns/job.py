@@ -45,15 +45,16 @@ class Agent:
 
 
 class NetnsJob:
-    """Nodes 0..nnodes-1 on hosts 0..nnodes-1, a standby (if any) on the next host."""
+    """Nodes 0..nnodes-1 on hosts 0..nnodes-1, a standby (if any) on the next host; every agent runs
+    ``script`` (train_gpt.py unless told) with TRAIN_ARGS, then ``train_args``."""
 
     def __init__(self, hosts: Hosts, tmp: Path, *, nnodes: int = 2, nproc: int = 2, steps: int = 12,
                  standby: bool = False, flags: list[str] = (), train_args: list[str] = (),
-                 standby_flags: list[str] = ()) -> None:
+                 standby_flags: list[str] = (), script: Path = EXAMPLE) -> None:
         self.hosts, self.tmp, self.nnodes = hosts, tmp, nnodes
         self.out = tmp / "weights.safetensors"
         self.run_dir = tmp / "node0"  # the controller's run dir: its event log
-        script = [str(EXAMPLE), "--steps", str(steps), "--out", str(self.out), *TRAIN_ARGS, *train_args]
+        script = [str(script), "--steps", str(steps), "--out", str(self.out), *TRAIN_ARGS, *train_args]
         master = hosts[0].addr
         self.agents: list[Agent] = []
         self._argv: list[list[str]] = []

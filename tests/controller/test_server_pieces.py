@@ -296,6 +296,19 @@ def test_a_roll_forward_on_a_vote_without_the_replaced_ranks_own_state_is_refuse
     assert conns[1].sent == [m.Regroup(gen=3, resume_step=4, replaced=[1], rank_state=b"after-3")]
 
 
+def test_a_dump_at_a_voted_step_without_a_lost_ranks_own_state_is_refused_not_written():
+    hub = FakeHub(world_size=3)
+    conns = {r: FakeConn() for r in range(3)}
+    for r, conn in conns.items():
+        hub.connect(r, conn)
+    hub.executor.execute([sm.DumpOrder(2, 4, ((2, 0),), voted=True)])
+    assert all(c.sent == [] for c in conns.values()) and "dump" not in hub.events.names()
+    (refused,) = [e for e in hub.applied if isinstance(e, sm.RegroupRefused)]
+    assert refused.gen == 2 and "rank(s) [2]" in refused.why
+    hub.executor.execute([sm.DumpOrder(3, 4, ((2, 0),))])  # not voted: the record had the step (as before)
+    assert "dump" in hub.events.names()
+
+
 def test_the_executor_finishes_the_job_and_tells_every_agent():
     hub = FakeHub()
     agents = {0: FakeConn(), 1: FakeConn()}

@@ -174,6 +174,7 @@ class DumpOrder:
     gen: int
     step: int
     assign: tuple[tuple[int, int], ...]
+    voted: bool = False  # as OrderRegroup.voted: each lost rank's own state must be kept, or it is refused
 
 
 @dataclass(frozen=True)

@@ -274,9 +274,15 @@ class Executor:
     def _dump(self, action: sm.DumpOrder) -> None:
         hub = self._hub
         assign = [list(p) for p in action.assign]
+        lost = {lost for lost, _ in action.assign}
+        missing = sorted(r for r in lost if hub.rank_states.for_resume(r, hub.state.attempt, action.step) is None)
+        if action.voted and missing:  # a writer's copy of their per-rank state would not be theirs
+            hub.apply(sm.RegroupRefused(action.gen, (
+                f"step {action.step - 1} committed by the ranks' vote, but the state of rank(s) {missing} after its "
+                f"compute never reached the controller: no exact dump")))
+            return
         hub.events.emit("dump", gen=action.gen, step=action.step, assign=assign)
         order = m.Dump(gen=action.gen, step=action.step, assign=assign)
-        lost = {lost for lost, _ in action.assign}
         self.send_to_workers(order, hub.board.ranks() - {writer for _, writer in action.assign} - lost)
         for writer in sorted({writer for _, writer in action.assign}):  # each gets the states it writes
             states = {}

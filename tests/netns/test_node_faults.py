@@ -12,10 +12,12 @@ tests/netns/test_elastic.py.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.conftest import EXAMPLE
 from tests.integration.helpers import assert_same_weights, events, reference_run
 from tests.netns.job import NetnsJob
 
@@ -45,18 +47,19 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
-def _run_with_fault(netns_hosts, tmp_path, fault: str, *, standby: bool = True, flags: list[str] = FLAGS):
+def _run_with_fault(netns_hosts, tmp_path, fault: str, *, standby: bool = True, flags: list[str] = FLAGS,
+                    script: Path = EXAMPLE, train_args: list[str] = SLOW):
     """Start the job, hit node 1 with ``fault`` after step 4; (job, node 1's worker pids, time.time()
-    they were all gone, time.time() of the fault)."""
+    they were all gone (a frozen node's never go: the time of the fault), time.time() of the fault)."""
     hosts = netns_hosts(3)
-    job = NetnsJob(hosts, tmp_path, standby=standby, steps=STEPS, train_args=SLOW, flags=flags)
+    job = NetnsJob(hosts, tmp_path, standby=standby, steps=STEPS, train_args=train_args, flags=flags, script=script)
     job.wait_step(0, 4, timeout_s=360)
     victims = [e["pid"] for e in events(job.run_dir, "rank_started") if e["rank"] in (2, 3)]
     assert len(victims) == 2, events(job.run_dir)  # (a restart before the fault would be a fault of its own)
     fault_t = time.time()
     getattr(hosts[1], fault)()
     deadline = time.monotonic() + 60
-    while _alive(victims) and time.monotonic() < deadline:
+    while fault != "freeze" and _alive(victims) and time.monotonic() < deadline:
         time.sleep(0.05)
     return job, victims, time.time(), fault_t
 
@@ -76,7 +79,11 @@ def _check_recovered(job: NetnsJob, reference, *, timeout_s: float = 240) -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_node_killed_its_ranks_move_to_the_standby_bit_exact(netns_hosts, tmp_path, reference):
-    job, _, _, _ = _run_with_fault(netns_hosts, tmp_path, "kill")
+    check_killed(*_run_with_fault(netns_hosts, tmp_path, "kill"), reference)
+
+
+def check_killed(job: NetnsJob, victims: list[int], _gone_t: float, _fault_t: float, reference) -> None:
+    assert not _alive(victims), "a killed node's workers are gone"
     _check_recovered(job, reference)
     # A dead node closes its connections: lost at once, not after the silence timeout.
     assert not events(job.run_dir, "agent_silent")
@@ -86,7 +93,10 @@ def test_node_killed_its_ranks_move_to_the_standby_bit_exact(netns_hosts, tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_node_frozen_is_lost_by_silence_and_cannot_come_back(netns_hosts, tmp_path, reference):
-    job, victims, _, fault_t = _run_with_fault(netns_hosts, tmp_path, "freeze")
+    check_frozen(*_run_with_fault(netns_hosts, tmp_path, "freeze"), reference)
+
+
+def check_frozen(job: NetnsJob, victims: list[int], _gone_t: float, fault_t: float, reference) -> None:
     assert _alive(victims), "a frozen node's workers are stopped, not dead"
     job.wait_for(lambda: events(job.run_dir, "recovered_in_flight"), 180, "the recovery onto the standby")
     job.hosts[1].thaw()  # it wakes up after the job moved on without it: its agent and workers leave

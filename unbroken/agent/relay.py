@@ -28,8 +28,8 @@ What the controller must still know, and why the batching keeps it:
 
 Owned by one :class:`~unbroken.agent.agent.Agent`. Threads: the relay's server runs one thread
 per local worker connection (``_serve``: appends, and flushes a complete batch); the agent's
-watcher thread calls :meth:`flush_due` and :meth:`rank_gone`. One lock guards the buffer and is held while a batch is sent, so batches leave
-in order.
+watcher thread calls :meth:`flush_due` and :meth:`rank_gone`. One lock guards the buffer and is
+held while a batch is sent, so batches leave in order.
 """
 
 from __future__ import annotations

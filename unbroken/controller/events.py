@@ -192,5 +192,5 @@ class StepPersisted:
 
 
 Event = (AgentJoined | RankExited | LoopFinished | RankHung | AgentStopped | AgentLost | StandbyJoined | SessionReady | StepSynced
-         | RanksSynced | RankPaused | ReplacementJoined | RankResumed | RecoveryTimeout | RegroupRefused | RankDamaged | StepDumped
-         | RankDegraded | RestoreOffered | StepPersisted | TerminateRequested | GraceExpired)
+         | RanksSynced | RankPaused | ReplacementJoined | RankResumed | RecoveryTimeout | RegroupRefused | RankDamaged
+         | StepDumped | RankDegraded | RestoreOffered | StepPersisted | TerminateRequested | GraceExpired)

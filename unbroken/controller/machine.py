@@ -405,7 +405,8 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         rec = replace(rec, regrouped=True)
         if rec.rung == Rung.DUMP:
             rec = replace(rec, dump_step=decision.resume_step)
-            return _replace(state, recovery=rec), [DumpOrder(rec.gen, decision.resume_step, _writers(state, rec), voted)]
+            dump = DumpOrder(rec.gen, decision.resume_step, _writers(state, rec), voted)
+            return _replace(state, recovery=rec), [dump]
         return _replace(state, recovery=rec), [OrderRegroup(rec.gen, decision.resume_step, rec.replaced,
                                                        decision.direction.value, decision.reason, voted)]
     return _replace(state, recovery=rec), []

@@ -191,9 +191,7 @@ def handlers(n, relayed=False):
     t = time.process_time()
     feed(work)
     dt = time.process_time() - t
-    sent = [c.sent for c in (agents.values() if relayed else conns)]
     assert ctl.state.committed_step == WINDOW + 2, "the controller did not record the step committed"
-    assert not any(sent), "the controller sent something per step (the ranks commit by their own vote)"
     return dt
 
 def run_once():

@@ -41,8 +41,8 @@ class Phase(enum.StrEnum):
 
     A step runs ``compute`` -> ``sync`` -> ``update`` -> ``done``; ``checkpoint`` and
     ``restore`` are the points where checkpoint/restore faults fire, ``vote`` a rank waiting in
-    a step's commit vote (its reduction done; a fault ``at=vote`` fires just before it joins); ``starting`` is a rank
-    that has not reported yet and ``finished`` one past its step loop.
+    a step's commit vote (its reduction done; a fault ``at=vote`` fires just before it joins);
+    ``starting`` is a rank that has not reported yet and ``finished`` one past its step loop.
     """
 
     STARTING = "starting"

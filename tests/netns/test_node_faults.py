@@ -47,7 +47,7 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
-def _run_with_fault(netns_hosts, tmp_path, fault: str, *, standby: bool = True, flags: list[str] = FLAGS,
+def run_with_fault(netns_hosts, tmp_path, fault: str, *, standby: bool = True, flags: list[str] = FLAGS,
                     script: Path = EXAMPLE, train_args: list[str] = SLOW):
     """Start the job, hit node 1 with ``fault`` after step 4; (job, node 1's worker pids, time.time()
     they were all gone (a frozen node's never go: the time of the fault), time.time() of the fault)."""
@@ -79,7 +79,7 @@ def _check_recovered(job: NetnsJob, reference, *, timeout_s: float = 240) -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_node_killed_its_ranks_move_to_the_standby_bit_exact(netns_hosts, tmp_path, reference):
-    check_killed(*_run_with_fault(netns_hosts, tmp_path, "kill"), reference)
+    check_killed(*run_with_fault(netns_hosts, tmp_path, "kill"), reference)
 
 
 def check_killed(job: NetnsJob, victims: list[int], _gone_t: float, _fault_t: float, reference) -> None:
@@ -93,7 +93,7 @@ def check_killed(job: NetnsJob, victims: list[int], _gone_t: float, _fault_t: fl
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_node_frozen_is_lost_by_silence_and_cannot_come_back(netns_hosts, tmp_path, reference):
-    check_frozen(*_run_with_fault(netns_hosts, tmp_path, "freeze"), reference)
+    check_frozen(*run_with_fault(netns_hosts, tmp_path, "freeze"), reference)
 
 
 def check_frozen(job: NetnsJob, victims: list[int], _gone_t: float, fault_t: float, reference) -> None:
@@ -111,7 +111,7 @@ def check_frozen(job: NetnsJob, victims: list[int], _gone_t: float, fault_t: flo
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_node_cut_off_fences_itself_before_it_is_declared_lost(netns_hosts, tmp_path, reference):
-    job, victims, gone_t, fault_t = _run_with_fault(netns_hosts, tmp_path, "cut")
+    job, victims, gone_t, fault_t = run_with_fault(netns_hosts, tmp_path, "cut")
     assert not _alive(victims), "the cut-off node's workers must stop on their own"
     job.wait_for(lambda: events(job.run_dir, "agent_silent"), 60, "the controller to declare node 1 silent")
     (silent,) = events(job.run_dir, "agent_silent")

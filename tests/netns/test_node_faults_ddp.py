@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 from tests.integration.helpers import TRAIN_ARGS
-from tests.netns.test_node_faults import SLOW, STEPS, _run_with_fault, check_frozen, check_killed
+from tests.netns.test_node_faults import SLOW, STEPS, run_with_fault, check_frozen, check_killed
 
 DDP_EXAMPLE = REPO / "examples" / "train_ddp.py"
 # The script's arguments after --steps/--out/TRAIN_ARGS, the same in the reference and the netns job.
@@ -35,7 +35,7 @@ def reference(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ddp_node_killed_its_ranks_move_to_the_standby_bit_exact(netns_hosts, tmp_path, reference):
-    check_killed(*_run_with_fault(netns_hosts, tmp_path, "kill", script=DDP_EXAMPLE, train_args=DDP_ARGS),
+    check_killed(*run_with_fault(netns_hosts, tmp_path, "kill", script=DDP_EXAMPLE, train_args=DDP_ARGS),
                  reference)
 
 
@@ -43,5 +43,5 @@ def test_ddp_node_killed_its_ranks_move_to_the_standby_bit_exact(netns_hosts, tm
 @pytest.mark.timeout(600)
 def test_ddp_node_frozen_is_lost_by_silence_its_ranks_move_to_the_standby_bit_exact(netns_hosts, tmp_path,
                                                                                      reference):
-    check_frozen(*_run_with_fault(netns_hosts, tmp_path, "freeze", script=DDP_EXAMPLE, train_args=DDP_ARGS),
+    check_frozen(*run_with_fault(netns_hosts, tmp_path, "freeze", script=DDP_EXAMPLE, train_args=DDP_ARGS),
                  reference)

@@ -235,18 +235,27 @@ class Executor:
         hub.events.emit("regroup", gen=action.gen, resume_step=action.resume_step,
                         replaced=sorted(action.replaced), direction=action.direction, reason=action.reason)
         replaced = sorted(action.replaced)
+        if self._refused(action.gen, action.resume_step, replaced, action.voted, "in-flight recovery"):
+            return
         found = self._own_states(replaced, action.resume_step)
         missing = [r for r in replaced if found[r] is None]
-        if action.voted and missing:  # another rank's copy would not be exact: refuse, loudly
-            hub.apply(sm.RegroupRefused(action.gen, (
-                f"step {action.resume_step - 1} committed by the ranks' vote, but the state of rank(s) {missing} "
-                f"after its compute never reached the controller (lost with its node?): no exact in-flight recovery")))
-            return
         order = m.Regroup(gen=action.gen, resume_step=action.resume_step, replaced=replaced, fallback=missing)
         self.send_to_workers(order, hub.board.ranks() - set(replaced))
         for r in replaced:  # each replaced rank's order carries its own per-rank state
             own = found[r]
             self.send_to_workers(dataclasses.replace(order, rank_state=own.state) if own else order, {r})
+
+    def _refused(self, gen: int, resume_step: int, lost: list[int], voted: bool, what: str) -> bool:
+        """An order resting on the ranks' vote (``voted``) needs each lost rank's own state for
+        ``resume_step``: another rank's copy would not be exact. Where one is missing, the order is
+        refused (the ladder goes on) and True is returned."""
+        hub = self._hub
+        missing = [r for r in lost if hub.rank_states.for_resume(r, hub.state.attempt, resume_step) is None]
+        if voted and missing:
+            hub.apply(sm.RegroupRefused(gen, (
+                f"step {resume_step - 1} committed by the ranks' vote, but the state of rank(s) {missing} after "
+                f"its compute never reached the controller (lost with its node?): no exact {what}")))
+        return voted and bool(missing)
 
     def _own_states(self, replaced: list[int], resume_step: int) -> dict[int, Found | None]:
         """Each replaced rank's own per-rank state for ``resume_step``, and an event saying where it
@@ -275,11 +284,7 @@ class Executor:
         hub = self._hub
         assign = [list(p) for p in action.assign]
         lost = {lost for lost, _ in action.assign}
-        missing = sorted(r for r in lost if hub.rank_states.for_resume(r, hub.state.attempt, action.step) is None)
-        if action.voted and missing:  # a writer's copy of their per-rank state would not be theirs
-            hub.apply(sm.RegroupRefused(action.gen, (
-                f"step {action.step - 1} committed by the ranks' vote, but the state of rank(s) {missing} after its "
-                f"compute never reached the controller: no exact dump")))
+        if self._refused(action.gen, action.step, sorted(lost), action.voted, "dump"):
             return
         hub.events.emit("dump", gen=action.gen, step=action.step, assign=assign)
         order = m.Dump(gen=action.gen, step=action.step, assign=assign)

@@ -12,6 +12,8 @@ the controller acts; who is blamed for a hang is the pure rule of :mod:`unbroken
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -85,16 +87,15 @@ class Watchdog:
         is the further past its timeout (before its first step, where the first-step timeout would
         leave a stopped process alone for a minute)."""
         live = [w for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
-        where = hangs.front(_position(w) for w in live)
-        at_front = sum(hangs.at_front(_position(w), where) for w in live)
+        seen = [hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
+                                   self.hang_timeout_s(w), w.process, _step(w)) for w in live]
+        where = hangs.front(seen)
+        waiting = sum(hangs.at_front(r, where) for r in seen)
         ranks = []
-        for w in live:
-            timeout_s = self.hang_timeout_s(w)
-            others_wait = at_front == len(live) - 1 and len(live) > 1 and not hangs.at_front(_position(w), where)
-            if w.steps_in_generation > 0 and since_t is None and others_wait:
-                timeout_s = min(timeout_s, self.evidence_timeout_s())  # every peer waits for this one
-            rank = hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
-                                      timeout_s, w.process, _step(w))
+        for w, rank in zip(live, seen):
+            others_wait = waiting == len(live) - 1 and len(live) > 1 and not hangs.at_front(rank, where)
+            if w.steps_in_generation > 0 and since_t is None and others_wait:  # every peer waits for this one
+                rank = dataclasses.replace(rank, timeout_s=min(rank.timeout_s, self.evidence_timeout_s()))
             if w.process in hangs.NOT_RUNNING:
                 stopped_timeout_s = self.evidence_timeout_s() if w.steps_in_generation > 0 else self.steady_timeout_s()
                 stopped = _since_seen(w, now, stopped_timeout_s)
@@ -178,7 +179,3 @@ def _since_seen(w: RankView, now: float, timeout_s: float) -> hangs.RankProgress
 def _step(w: RankView) -> int:
     return -1 if w.step is None else w.step
 
-
-def _position(w: RankView) -> hangs.RankProgress:
-    """``w``'s place in the step (for the front: hangs.py), timings left out."""
-    return hangs.RankProgress(w.rank, w.phase, 0.0, 0.0, w.process, _step(w))

@@ -148,6 +148,11 @@ class InFlight:
         return True
 
     # -- the commit vote (unbroken.recovery.consistency) -------------------------------------
+    def commit(self, step: int, joined: Callable[[], None]) -> bool:
+        """Whether step ``step`` committed: its vote passed here, or, paused in it, the controller
+        decided so (:meth:`commit_vote`, :meth:`pause_in_vote`)."""
+        return self.commit_vote(step, joined) or self.pause_in_vote(step)
+
     def commit_vote(self, step: int, joined: Callable[[], None]) -> bool:
         """Step ``step``'s commit vote: an all-reduce (MAX of ``step`` and ``-step``) on the generation's
         group that completes once every rank finished its reduction; ``joined()`` runs once this rank
@@ -166,11 +171,10 @@ class InFlight:
         joined()
         try:
             wait_all([work], self.should_abort, self.graveyard, f"commit vote of step {step}")
-        except Exception as exc:  # noqa: BLE001 - aborted, or gloo's error on a lost peer
-            if not self.is_recoverable(exc) and not isinstance(exc, RuntimeError):
-                raise
+        except (CollectiveAborted, RuntimeError):  # the abort order, or the backend's error on a lost peer
             return False
-        newest, oldest = votes.tolist()[0], -votes.tolist()[1]
+        newest, minus_oldest = votes.tolist()
+        oldest = -minus_oldest
         if newest != step or oldest != step:
             raise FatalError(f"rank {self._cfg.rank}: the commit vote of step {step} saw steps {oldest}..{newest}: "
                              "the ranks' training loops are not in step (a rank ran more or fewer steps)")
@@ -187,12 +191,7 @@ class InFlight:
         self._paused_step, self.pause_phase = step, Phase.SYNC
         reported = control.abort_gen
         self._announce(reported)
-        timeout_s = self._cfg.worker.recovery_timeout_s
-        order = control.wait_regroup(timeout_s, self._announce, reported)
-        if order is None:
-            raise JobFailed(f"rank {self._cfg.rank}: no order from the controller within {timeout_s:.0f} s "
-                            f"(--recovery-timeout-s) while paused in the commit vote of step {step}; giving up")
-        self._held = order
+        order = self._held = self._next_order(reported)
         return order.step > step if isinstance(order, Dump) else order.resume_step > step
 
     def barrier_before_teardown(self) -> None:
@@ -240,12 +239,10 @@ class InFlight:
         self._paused_step, self.pause_phase = step, phase
         control = self._control
         reported = control.abort_gen
-        if self._held is not None:  # paused in the commit vote: its order came then
-            pass
-        elif self.damaged is not None:  # rung `retry`: this process stays; its state comes from replicas
+        if self.damaged is not None and self._held is None:  # rung `retry`: its state comes from replicas
             control.damaged(str(self.damaged), self.damaged.kind)
             self.damaged, self.needs_state, self._keeps_own = None, True, True
-        else:
+        elif self._held is None:  # (paused in the commit vote, it announced itself then)
             self._announce(reported)
         return self._transfer_until_done(started, self._await_order(reported, adopt=False))
 
@@ -306,21 +303,26 @@ class InFlight:
     def _await_order(self, reported: int, *, adopt: bool = True) -> Regroup:  # a Dump order is carried out inside
         """The next regroup order; with ``adopt`` its group is joined at once (a replacement, in
         ``init()``), otherwise in :meth:`_transfer` (a survivor in no move joins after the movers)."""
-        timeout_s = self._cfg.worker.recovery_timeout_s
         order, self._held = self._held, None
         if order is not None and order.gen < self._control.abort_gen:  # a newer abort replaced the held order
             order, reported = None, self._control.abort_gen
             self._announce(reported)
-        if order is None:
-            order = self._control.wait_regroup(timeout_s, self._announce, reported)
-        if order is None:
-            raise JobFailed(f"rank {self._cfg.rank}: no regroup order from the controller within "
-                            f"{timeout_s:.0f} s (--recovery-timeout-s); giving up")
+        order = order or self._next_order(reported)
         if isinstance(order, Dump):
             self._dump(order)  # then wait: the agent stops this process for the job restart
             return self._await_order(self._control.abort_gen, adopt=adopt)
         if adopt:
             self._adopt_group(order.gen)
+        return order
+
+    def _next_order(self, reported: int) -> Regroup | Dump:
+        """The controller's next order (announcing this rank again on each newer abort); JobFailed
+        when none comes within --recovery-timeout-s."""
+        timeout_s = self._cfg.worker.recovery_timeout_s
+        order = self._control.wait_regroup(timeout_s, self._announce, reported)
+        if order is None:
+            raise JobFailed(f"rank {self._cfg.rank}: no regroup order from the controller within "
+                            f"{timeout_s:.0f} s (--recovery-timeout-s); giving up")
         return order
 
     def _dump(self, order: Dump) -> None:

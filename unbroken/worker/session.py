@@ -72,9 +72,9 @@ class Job:
                                   metrics=self._metrics)
         self._boundary = StepBoundary(
             self.rank, finite_check=cfg.worker.finite_check, control=lambda: self._control,
-            generation=lambda: self._inflight.gen, vote=lambda step, joined: self._inflight.commit_vote(step, joined),
-            pause_in_vote=lambda step: self._inflight.pause_in_vote(step), tracked=self._tracked,
-            injector=self._injector, ckpt=self._ckpt, ready_fields=self._ready_fields, metrics=self._metrics)
+            generation=lambda: self._inflight.gen, commit=lambda step, joined: self._inflight.commit(step, joined),
+            tracked=self._tracked, injector=self._injector, ckpt=self._ckpt, ready_fields=self._ready_fields,
+            metrics=self._metrics)
         self._data_share = DataShare(cfg)
         backend = backend or _default_backend(self.device)
         start = first_group.build(cfg, backend, self.device,  # DDP's all-reduce marks 'sync':

@@ -42,14 +42,13 @@ class StepBoundary:
     """
 
     def __init__(self, rank: int, *, finite_check: bool, control: Callable[[], ControlClient | None],
-                 generation: Callable[[], int], vote: Callable[[int, Callable[[], None]], bool],
-                 pause_in_vote: Callable[[int], bool],
+                 generation: Callable[[], int], commit: Callable[[int, Callable[[], None]], bool],
                  ready_fields: Callable[[], dict[str, Any]],
                  tracked: TrackedState, injector: FaultInjector, ckpt: Checkpointer,
                  metrics: dict[str, Any]) -> None:
         self.rank, self._finite_check = rank, finite_check
         self._control, self._generation, self._ready_fields = control, generation, ready_fields
-        self._vote, self._pause_in_vote = vote, pause_in_vote  # the step's commit vote (InFlight)
+        self._commit_step = commit  # the step's commit vote (InFlight.commit)
         self._tracked, self._injector, self._ckpt, self._metrics = tracked, injector, ckpt, metrics
         self.step, self.phase = 0, Phase.DONE  # the step in flight (== number of completed steps), its phase
         self.in_step = False
@@ -104,7 +103,7 @@ class StepBoundary:
         own = self._states.after_compute(self._tracked.per_rank_tree())  # a roll forward resumes here
         gen, step = self._generation(), self.step
         joined = lambda: control.synced(gen, step, state=own.state, state_same=own.same)  # noqa: E731
-        if not self._vote(step, joined) and not self._pause_in_vote(step):
+        if not self._commit_step(step, joined):
             raise CollectiveAborted(f"rank {self.rank}: step {self.step} was not committed (abort order for "
                                     f"generation {control.abort_gen}: {control.abort_reason})")
         self._committed = True

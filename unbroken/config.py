@@ -54,11 +54,19 @@ class HangConfig:
       waits in it (controller/hangs.py);
     * ``max(floor_s, factor * p99 step time)`` without evidence (every rank silent alike: a hang inside the
       collective itself, or a job whose ranks all stall), where nothing tells the culprit from its victims.
+
+    The strongest evidence needs no calibration: a rank whose process its agent has seen stopped (SIGSTOP, a
+    debugger's stop) or a zombie for ``stopped_s``, with no other rank behind it (each waits in a collective or
+    is at or past its step and phase, so will wait there), is hung however long steps take: it cannot progress,
+    and the others cannot without it. ``stopped_s`` spans two of the agent's
+    looks at the process (a brief stop, e.g. a profiler's sample, is seen running again first). A fixed
+    ``timeout_s`` applies here too.
     """
 
     timeout_s: float | None = None
     floor_s: float = 5.0
     evidence_floor_s: float = 1.0
+    stopped_s: float = 0.25
     factor: float = 3.0
     first_step_timeout_s: float = 60.0
     #: How long a rank past its step loop may keep running once every other rank has exited
@@ -70,6 +78,7 @@ class HangConfig:
         require_timeout(self.timeout_s, "--hang-timeout-s", optional=True)
         require_timeout(self.floor_s, "hang floor")
         require_timeout(self.evidence_floor_s, "hang floor with evidence")
+        require_timeout(self.stopped_s, "hang timeout of a stopped process")
         require(math.isfinite(self.factor) and self.factor >= 1, f"hang factor must be >= 1, got {self.factor}")
         require_timeout(self.first_step_timeout_s, "--first-step-timeout-s")
         require_timeout(self.exit_timeout_s, "--exit-timeout-s")

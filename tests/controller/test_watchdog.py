@@ -61,12 +61,52 @@ def test_without_evidence_the_conservative_floor_holds():
 
 def test_a_stopped_process_is_blamed_about_a_second_after_its_agent_saw_it():
     dog = watchdog(0.1)
-    ws = views({0: Phase.SYNC, 1: Phase.COMPUTE, 2: Phase.COMPUTE, 3: Phase.SYNC}, silent_s=0.5)
+    ws = views({0: Phase.SYNC, 1: Phase.COMPUTE, 2: Phase.UPDATE, 3: Phase.SYNC}, silent_s=0.5)
+    for w, step in zip(ws, (5, 5, 4, 5)):
+        w.step = step  # rank 2 still in step 4: no short cut (below), the evidence timeout
     ws[1].process, ws[1].process_t = "stopped", NOW - 1.1
     blamed, why = dog.find_hung(ws, 0, NOW)
     assert blamed.rank == 1 and why == "its process is stopped"
     ws[1].process_t = NOW - 0.9
     assert dog.find_hung(ws, 0, NOW) is None
+
+
+def test_a_stopped_process_no_peer_is_behind_is_blamed_after_two_looks_of_its_agent():
+    dog = watchdog(2.0)  # long steps: the calibrated evidence timeout is 6 s; a stopped process needs none
+    ws = views({0: Phase.SYNC, 1: Phase.COMPUTE, 2: Phase.VOTE, 3: Phase.COMPUTE}, silent_s=0.3)
+    ws[1].process, ws[1].process_t = "stopped", NOW - 0.3
+    blamed, why = dog.find_hung(ws, 0, NOW)
+    assert blamed.rank == 1 and why == "its process is stopped"
+    ws[1].process_t = NOW - 0.2  # seen stopped once only: a profiler's sample may stop it that long
+    assert dog.find_hung(ws, 0, NOW) is None
+    # stopped inside the collective with all the others: they cannot finish it without it either
+    inside = views({0: Phase.VOTE, 1: Phase.VOTE, 2: Phase.VOTE}, silent_s=0.3)
+    inside[2].process, inside[2].process_t = "stopped", NOW - 0.3
+    assert dog.find_hung(inside, 0, NOW)[0].rank == 2
+    # stopped in the vote of step 5 while the others compute step 6: they will wait for it in its reduction
+    ahead = views({0: Phase.COMPUTE, 1: Phase.VOTE, 2: Phase.COMPUTE}, silent_s=0.3)
+    for w, step in zip(ahead, (6, 5, 6)):
+        w.step = step
+    ahead[1].process, ahead[1].process_t = "stopped", NOW - 0.3
+    assert dog.find_hung(ahead, 0, NOW)[0].rank == 1
+
+
+def test_a_stopped_process_a_peer_is_behind_keeps_the_evidence_timeout():
+    dog = watchdog(0.1)
+    ws = views({0: Phase.UPDATE, 1: Phase.COMPUTE, 2: Phase.SYNC}, silent_s=0.5)
+    for w, step in zip(ws, (4, 5, 5)):
+        w.step = step  # rank 0 is still in step 4: it may be the one the others wait for
+    ws[1].process, ws[1].process_t = "stopped", NOW - 0.5
+    assert dog.find_hung(ws, 0, NOW) is None  # 1 s as before
+    ws[1].process_t = NOW - 1.1
+    assert dog.find_hung(ws, 0, NOW)[0].rank == 1
+    fixed = watchdog(0.1, timeout_s=2.0)  # a fixed --hang-timeout-s applies to a stopped process too
+    ws = views({0: Phase.SYNC, 1: Phase.COMPUTE, 2: Phase.SYNC}, silent_s=0.5)
+    ws[1].process, ws[1].process_t = "stopped", NOW - 1.5
+    assert fixed.find_hung(ws, 0, NOW) is None
+    first = views({0: Phase.SYNC, 1: Phase.COMPUTE, 2: Phase.SYNC}, silent_s=0.5, steps=0)
+    first[1].process, first[1].process_t = "stopped", NOW - 0.5
+    assert dog.find_hung(first, 0, NOW) is None  # a generation's first step: the steady timeout from the look
 
 
 def test_the_first_step_of_a_generation_keeps_its_own_timeout():

@@ -41,7 +41,7 @@ from unbroken.protocol.wire import Connection, connect
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.05
-STATUS_EVERY = 5  # watch rounds between looks at the workers' process states (stopped, zombie)
+STATUS_EVERY = 2  # watch rounds between looks at the workers' process states (stopped, zombie): 0.1 s
 TAIL_LINES = 20
 #: After SIGTERM, how much longer than --sigterm-dump-timeout-s an agent waits for the
 #: controller's shutdown order before it stops its node on its own (the controller is gone or stuck).

@@ -66,6 +66,12 @@ class Watchdog:
         rank waits there (:meth:`progress`). ``max(1 s, 3 x p99 step)`` by default."""
         return self._calibrated(self._hang.evidence_floor_s)
 
+    def stopped_timeout_s(self) -> float:
+        """``--hang-timeout-s``, else ``stopped_s``: a rank whose process is stopped (or a zombie) while
+        no other rank is behind it (see :meth:`progress` and :class:`~unbroken.config.HangConfig`)."""
+        hang = self._hang
+        return hang.timeout_s if hang.timeout_s is not None else hang.stopped_s
+
     def _calibrated(self, floor_s: float) -> float:
         hang = self._hang
         if hang.timeout_s is not None:
@@ -85,7 +91,9 @@ class Watchdog:
         steady rank with evidence against it (see :class:`~unbroken.config.HangConfig`). A rank whose
         process is stopped or a zombie counts instead as silent since its agent saw it so, where that
         is the further past its timeout (before its first step, where the first-step timeout would
-        leave a stopped process alone for a minute)."""
+        leave a stopped process alone for a minute); one stopped while no other rank is behind it (each
+        waits in a collective, or is at or past its step and phase: it will wait there) gets
+        :meth:`stopped_timeout_s`."""
         live = [w for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
         seen = [hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
                                    self.hang_timeout_s(w), w.process, _step(w)) for w in live]
@@ -93,11 +101,14 @@ class Watchdog:
         waiting = sum(hangs.at_front(r, where) for r in seen)
         ranks = []
         for w, rank in zip(live, seen):
-            others_wait = waiting == len(live) - 1 and len(live) > 1 and not hangs.at_front(rank, where)
-            if w.steps_in_generation > 0 and since_t is None and others_wait:  # every peer waits for this one
+            steady = w.steps_in_generation > 0 and since_t is None and len(live) > 1
+            others_wait = steady and waiting == len(live) - 1 and not hangs.at_front(rank, where)
+            if others_wait:  # every peer waits for this one
                 rank = dataclasses.replace(rank, timeout_s=min(rank.timeout_s, self.evidence_timeout_s()))
             if w.process in hangs.NOT_RUNNING:
                 stopped_timeout_s = self.evidence_timeout_s() if w.steps_in_generation > 0 else self.steady_timeout_s()
+                if steady and all(o.phase in hangs.WAITING or o.position >= rank.position for o in seen):
+                    stopped_timeout_s = self.stopped_timeout_s()  # it cannot progress; they cannot without it
                 stopped = _since_seen(w, now, stopped_timeout_s)
                 if stopped.silent_s - stopped.timeout_s > rank.silent_s - rank.timeout_s:
                     rank = stopped

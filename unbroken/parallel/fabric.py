@@ -161,9 +161,13 @@ class Fabric:
         return time.monotonic() - started
 
     def prune_graveyard(self) -> int:
-        """Drop abandoned works that have ended; returns how many are still pending."""
-        self.graveyard[:] = [w for w in self.graveyard if not isinstance(w, dist.Work) or not w.is_completed()]
-        return sum(1 for w in self.graveyard if isinstance(w, dist.Work))
+        """Drop abandoned works that have ended; returns how many are still pending: torch works, and
+        anything else that says whether it ended (``is_completed``), e.g. a state exchange's thread
+        (comm/p2p.py), which may still be inside a call on an old backend (a send to a lost peer on a
+        lazily connected pair waits there for the connection). The backends themselves are kept: one
+        may be dropped only once nothing runs on it (FACTS.md)."""
+        self.graveyard[:] = [w for w in self.graveyard if not _is_work(w) or not w.is_completed()]
+        return sum(1 for w in self.graveyard if _is_work(w))
 
     def close(self) -> None:
         """Tear the default group down and drop every group's backend; abandoned backends stay in
@@ -173,3 +177,8 @@ class Fabric:
             group._backend = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _is_work(obj: Any) -> bool:
+    """Whether a graveyard entry is an operation (it ends) rather than a backend (kept until none runs)."""
+    return isinstance(obj, dist.Work) or callable(getattr(obj, "is_completed", None))

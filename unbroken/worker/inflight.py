@@ -214,7 +214,9 @@ class InFlight:
 
         An abandoned op still pending here (a survivor's all-reduce with a peer that left the step
         before it: in a dp group the lost rank is not in, nothing fails it) would abort this process
-        at exit (``terminate`` on gloo's IoException once the peer exits). So it is waited for: it
+        at exit (``terminate`` on gloo's IoException once the peer exits); an abandoned state exchange
+        whose thread is still inside a send on an old backend (to a replacement lost while restoring,
+        on a lazily connected pair) would block the teardown of that backend. So it is waited for: it
         ends when its peers close their old backends (they exit) or at its timeout, at most
         ``pg_timeout_s`` from now.
         Every rank waits for the others first (:meth:`barrier_before_teardown`)."""

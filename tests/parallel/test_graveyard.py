@@ -1,0 +1,50 @@
+"""The graveyard at the job's end: an abandoned state exchange whose thread is still inside a call
+on an old backend (a send to a replacement lost while restoring, waiting on a lazily connected pair
+for its connection) counts as pending, so the job's end never drops that backend under it: dropping
+it there blocked the rank for minutes (gloo's loop shutdown joined while the send still waited)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unbroken.comm.p2p import _InThread
+from unbroken.parallel.fabric import Fabric
+from unbroken.worker.inflight import InFlight
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _fabric(name: str) -> Fabric:
+    return Fabric(dist.HashStore(), 0, 1, timeout_s=10.0, name=name)
+
+
+def test_an_exchange_thread_still_running_counts_as_pending():
+    fabric = _fabric("graveyard-pending")
+    backend, release = object(), threading.Event()
+    exchange = _InThread(lambda: release.wait(10))
+    fabric.graveyard.extend([backend, exchange])
+    assert fabric.prune_graveyard() == 1  # the backend is no work; the exchange is one, not ended
+    release.set()
+    exchange.wait()
+    assert fabric.prune_graveyard() == 0
+    assert fabric.graveyard == [backend]  # the ended exchange goes; the backend stays until the teardown
+
+
+def test_the_job_end_keeps_the_backends_while_an_exchange_runs_on_one():
+    fabric = _fabric("graveyard-release")
+    release = threading.Event()
+    exchange = _InThread(lambda: release.wait(10))
+    cfg = SimpleNamespace(rank=0, replacement=False, worker=SimpleNamespace(pg_timeout_s=0.3))
+    inflight = InFlight(cfg, device=torch.device("cpu"), control=None, store=None, group=None, tracked=None,
+                        injector=None, dump=None, fabric=fabric)
+    fabric.graveyard.extend([object(), exchange])
+    assert inflight.release_graveyard() is False  # waited its pg timeout; nothing dropped under the thread
+    assert len(fabric.graveyard) == 2
+    release.set()
+    exchange.wait()
+    assert inflight.release_graveyard() is True and fabric.graveyard == []

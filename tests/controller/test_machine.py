@@ -168,6 +168,8 @@ def test_a_refused_regroup_goes_on_down_the_ladder():
     state, actions = run(state, sm.RegroupRefused(regroup.gen, "no state"))
     assert kinds(actions) == ["Decide", "Decide", "StopAttempt"] and actions[0].reason == "no state"
     assert actions[1].rung == "exit" and state.phase is sm.JobPhase.STOPPING  # the job restarts from its snapshot
+    assert actions[1].failure.kind == "recovery-refused"  # the reason, not "not recovered in time"
+    assert "could not be recovered exactly" in actions[1].failure.describe()
     assert run(state, sm.RegroupRefused(regroup.gen - 1, "old"))[1] == []  # an older generation's: nothing
 
 

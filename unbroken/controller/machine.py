@@ -414,7 +414,7 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
 
 def _refuse_in_flight(state: JobState, rec: Recovery, why: str) -> tuple[JobState, list[Action]]:
     """The in-flight recovery cannot be exact: no more tries in flight, the ladder goes on (a restart)."""
-    failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-timeout")
+    failure = Failure(rank=_subject(state, rec), attempt=state.attempt, kind="recovery-refused")
     state = _replace(state, recovery=replace(rec, tries=state.policy.max_recovery_tries))
     state, more = _recover(state, failure)
     return state, [Decide(Rung.RECOVER_IN_PLACE, failure, why), *more]

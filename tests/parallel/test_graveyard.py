@@ -5,6 +5,7 @@ it there blocked the rank for minutes (gloo's loop shutdown joined while the sen
 
 from __future__ import annotations
 
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -42,9 +43,25 @@ def test_the_job_end_keeps_the_backends_while_an_exchange_runs_on_one():
     cfg = SimpleNamespace(rank=0, replacement=False, worker=SimpleNamespace(pg_timeout_s=0.3))
     inflight = InFlight(cfg, device=torch.device("cpu"), control=None, store=None, group=None, tracked=None,
                         injector=None, dump=None, fabric=fabric)
-    fabric.graveyard.extend([object(), exchange])
+    backend = object()
+    fabric.graveyard.extend([backend, exchange])
+    refs = sys.getrefcount(backend)
     assert inflight.release_graveyard() is False  # waited its pg timeout; nothing dropped under the thread
     assert len(fabric.graveyard) == 2
+    assert sys.getrefcount(backend) == refs + 1  # and pinned: not destroyed at the interpreter's exit either
     release.set()
     exchange.wait()
     assert inflight.release_graveyard() is True and fabric.graveyard == []
+
+
+def test_old_lazily_connected_backends_are_kept_to_the_process_end():
+    """Their teardown could hang in gloo's loop shutdown with nothing pending (seen under load): kept instead."""
+    fabric = Fabric(dist.HashStore(), 0, 1, timeout_s=10.0, name="graveyard-lazy", lazy_connect=True)
+    cfg = SimpleNamespace(rank=0, replacement=False, worker=SimpleNamespace(pg_timeout_s=0.3))
+    inflight = InFlight(cfg, device=torch.device("cpu"), control=None, store=None, group=None, tracked=None,
+                        injector=None, dump=None, fabric=fabric)
+    backend = object()
+    fabric.graveyard.append(backend)
+    refs = sys.getrefcount(backend)
+    assert inflight.release_graveyard() is True and fabric.graveyard == []
+    assert sys.getrefcount(backend) == refs  # the list let go of it, the pin still holds it: not destroyed

@@ -26,6 +26,7 @@ whole job); the abort signal may be fired from any thread.
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import time
 import uuid
@@ -168,6 +169,13 @@ class Fabric:
         may be dropped only once nothing runs on it (FACTS.md)."""
         self.graveyard[:] = [w for w in self.graveyard if not _is_work(w) or not w.is_completed()]
         return sum(1 for w in self.graveyard if _is_work(w))
+
+    def pin_graveyard(self) -> None:
+        """Keep everything in the graveyard alive to the end of the process, past the interpreter's
+        finalization: where an entry is still pending, destroying its backend would block the exit
+        (gloo's loop shutdown joins while a send still waits for its pair's first connection, which
+        gloo allows 5 x the timeout). Deliberately leaked; the process's exit frees it."""
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(list(self.graveyard)))
 
     def close(self) -> None:
         """Tear the default group down and drop every group's backend; abandoned backends stay in

@@ -218,7 +218,8 @@ class InFlight:
         whose thread is still inside a send on an old backend (to a replacement lost while restoring,
         on a lazily connected pair) would block the teardown of that backend. So it is waited for: it
         ends when its peers close their old backends (they exit) or at its timeout, at most
-        ``pg_timeout_s`` from now.
+        ``pg_timeout_s`` from now; what is still pending then is kept to the process's end
+        (:meth:`Fabric.pin_graveyard`), so that no destructor waits on it at the exit.
         Every rank waits for the others first (:meth:`barrier_before_teardown`)."""
         self.barrier_before_teardown()
         if self._fabric is None:
@@ -226,8 +227,11 @@ class InFlight:
         deadline = time.monotonic() + self._cfg.worker.pg_timeout_s
         while self._fabric.prune_graveyard():
             if time.monotonic() > deadline:
+                self._fabric.pin_graveyard()  # never destroyed, not even at the interpreter's exit
                 return False
             time.sleep(0.01)
+        if self._fabric.lazy_connect:  # an old lazily connected backend's teardown can hang in gloo's loop
+            self._fabric.pin_graveyard()  # shutdown with nothing pending here (py-spy, NOTES 2026-12-06)
         self.graveyard.clear()
         return True
 

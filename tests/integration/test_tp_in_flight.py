@@ -128,5 +128,7 @@ def test_pp2_tp2_without_replicas_falls_to_the_memory_tier_bit_exact(tmp_path):
     restored = events(run_dir, "restored")
     assert {e["tier"] for e in restored} == {"memory"} and len(restored) == 4, restored
     (recovered,) = events(run_dir, "recovered")
-    assert (recovered["step"], recovered["restored_step"]) == (5, 4)  # step 4 lost and redone
+    # the newest memory snapshot every rank had committed when the kill hit: step 4's, or on a loaded machine
+    # still step 2's (step 4's copy in flight at step 5); the steps since are redone, the weights still exact
+    assert recovered["step"] == 5 and recovered["restored_step"] in (2, 4), recovered
     assert_same_shards(reference, out)

@@ -352,7 +352,7 @@ def print_table(args: argparse.Namespace, results: dict[str, list[Run]], skipped
     if hang:
         console.print(f"{HANG}: rank {KILL_RANK} SIGSTOPped after rank 0 completed step {args.kill_step - 1}; "
                       f"hang timeout used {median([r.extra['hang_timeout_s'] for r in hang]):.2f} s "
-                      f"({'--hang-timeout-s' if args.hang_timeout_s else 'calibrated: max(1 s, 3 x p99 step) with evidence against the rank, else max(5 s, ...)'}), "
+                      f"({'--hang-timeout-s' if args.hang_timeout_s else '0.25 s for a process seen stopped with no rank behind it, else calibrated: max(1 s, 3 x p99 step) with other evidence against the rank, else max(5 s, ...)'}), "
                       f"SIGSTOP -> hang detected {spread([r.extra['hang_detect_s'] for r in hang], '{:.2f}')} s "
                       f"(target <= 1.5 s), "
                       f"-> back at the step {median([r.recover_s for r in hang if r.recover_s is not None] or [0]):.2f} s")

@@ -1,7 +1,9 @@
 """The graveyard at the job's end: an abandoned state exchange whose thread is still inside a call
 on an old backend (a send to a replacement lost while restoring, waiting on a lazily connected pair
 for its connection) counts as pending, so the job's end never drops that backend under it: dropping
-it there blocked the rank for minutes (gloo's loop shutdown joined while the send still waited)."""
+it there blocked the rank for minutes (gloo's loop shutdown joined while the send still waited).
+What is still pending at the deadline, and every old lazily connected backend, is kept to the
+process's end (pinned), never destroyed at the interpreter's exit."""
 
 from __future__ import annotations
 
@@ -20,8 +22,15 @@ from unbroken.worker.inflight import InFlight
 pytestmark = pytest.mark.timeout(30)
 
 
-def _fabric(name: str) -> Fabric:
-    return Fabric(dist.HashStore(), 0, 1, timeout_s=10.0, name=name)
+def _fabric(name: str, lazy_connect: bool = False) -> Fabric:
+    return Fabric(dist.HashStore(), 0, 1, timeout_s=10.0, name=name, lazy_connect=lazy_connect)
+
+
+def _inflight(fabric: Fabric) -> InFlight:
+    """A rank's in-flight state around ``fabric`` only (no controller): what the job's end uses."""
+    cfg = SimpleNamespace(rank=0, replacement=False, worker=SimpleNamespace(pg_timeout_s=0.3))
+    return InFlight(cfg, device=torch.device("cpu"), control=None, store=None, group=None, tracked=None,
+                    injector=None, dump=None, fabric=fabric)
 
 
 def test_an_exchange_thread_still_running_counts_as_pending():
@@ -40,9 +49,7 @@ def test_the_job_end_keeps_the_backends_while_an_exchange_runs_on_one():
     fabric = _fabric("graveyard-release")
     release = threading.Event()
     exchange = _InThread(lambda: release.wait(10))
-    cfg = SimpleNamespace(rank=0, replacement=False, worker=SimpleNamespace(pg_timeout_s=0.3))
-    inflight = InFlight(cfg, device=torch.device("cpu"), control=None, store=None, group=None, tracked=None,
-                        injector=None, dump=None, fabric=fabric)
+    inflight = _inflight(fabric)
     backend = object()
     fabric.graveyard.extend([backend, exchange])
     refs = sys.getrefcount(backend)
@@ -56,10 +63,8 @@ def test_the_job_end_keeps_the_backends_while_an_exchange_runs_on_one():
 
 def test_old_lazily_connected_backends_are_kept_to_the_process_end():
     """Their teardown could hang in gloo's loop shutdown with nothing pending (seen under load): kept instead."""
-    fabric = Fabric(dist.HashStore(), 0, 1, timeout_s=10.0, name="graveyard-lazy", lazy_connect=True)
-    cfg = SimpleNamespace(rank=0, replacement=False, worker=SimpleNamespace(pg_timeout_s=0.3))
-    inflight = InFlight(cfg, device=torch.device("cpu"), control=None, store=None, group=None, tracked=None,
-                        injector=None, dump=None, fabric=fabric)
+    fabric = _fabric("graveyard-lazy", lazy_connect=True)
+    inflight = _inflight(fabric)
     backend = object()
     fabric.graveyard.append(backend)
     refs = sys.getrefcount(backend)

@@ -249,13 +249,15 @@ class Executor:
         """An order resting on the ranks' vote (``voted``) needs each lost rank's own state for
         ``resume_step``: another rank's copy would not be exact. Where one is missing, the order is
         refused (the ladder goes on) and True is returned."""
+        if not voted:
+            return False
         hub = self._hub
         missing = [r for r in lost if hub.rank_states.for_resume(r, hub.state.attempt, resume_step) is None]
-        if voted and missing:
+        if missing:
             hub.apply(sm.RegroupRefused(gen, (
                 f"step {resume_step - 1} committed by the ranks' vote, but the state of rank(s) {missing} after "
                 f"its compute never reached the controller (lost with its node?): no exact {what}")))
-        return voted and bool(missing)
+        return bool(missing)
 
     def _own_states(self, replaced: list[int], resume_step: int) -> dict[int, Found | None]:
         """Each replaced rank's own per-rank state for ``resume_step``, and an event saying where it

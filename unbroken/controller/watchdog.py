@@ -99,6 +99,7 @@ class Watchdog:
                                    self.hang_timeout_s(w), w.process, _step(w)) for w in live]
         where = hangs.front(seen)
         waiting = sum(hangs.at_front(r, where) for r in seen)
+        rearmost = min((r.position for r in seen if r.phase not in hangs.WAITING), default=None)  # not waiting
         ranks = []
         for w, rank in zip(live, seen):
             steady = w.steps_in_generation > 0 and since_t is None and len(live) > 1
@@ -106,10 +107,12 @@ class Watchdog:
             if others_wait:  # every peer waits for this one
                 rank = dataclasses.replace(rank, timeout_s=min(rank.timeout_s, self.evidence_timeout_s()))
             if w.process in hangs.NOT_RUNNING:
-                stopped_timeout_s = self.evidence_timeout_s() if w.steps_in_generation > 0 else self.steady_timeout_s()
-                if steady and all(o.phase in hangs.WAITING or o.position >= rank.position for o in seen):
-                    stopped_timeout_s = self.stopped_timeout_s()  # it cannot progress; they cannot without it
-                stopped = _since_seen(w, now, stopped_timeout_s)
+                nobody_behind = rearmost is None or rearmost >= rank.position
+                if steady and nobody_behind:  # it cannot progress; the others cannot without it
+                    after_s = self.stopped_timeout_s()
+                else:
+                    after_s = self.evidence_timeout_s() if w.steps_in_generation > 0 else self.steady_timeout_s()
+                stopped = _since_seen(w, now, after_s)
                 if stopped.silent_s - stopped.timeout_s > rank.silent_s - rank.timeout_s:
                     rank = stopped
             ranks.append(rank)

@@ -170,12 +170,28 @@ class Fabric:
         self.graveyard[:] = [w for w in self.graveyard if not _is_work(w) or not w.is_completed()]
         return sum(1 for w in self.graveyard if _is_work(w))
 
-    def pin_graveyard(self) -> None:
-        """Keep everything in the graveyard alive to the end of the process, past the interpreter's
-        finalization: where an entry is still pending, destroying its backend would block the exit
-        (gloo's loop shutdown joins while a send still waits for its pair's first connection, which
-        gloo allows 5 x the timeout). Deliberately leaked; the process's exit frees it."""
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(list(self.graveyard)))
+    def release_graveyard(self, timeout_s: float) -> bool:
+        """At the job's end: wait up to ``timeout_s`` for the abandoned operations to end, then empty
+        the graveyard; True if nothing was still pending.
+
+        An operation still pending (a survivor's all-reduce with a peer that left the step before it,
+        which nothing fails in a dp group the lost rank is not in) aborts the process at exit once its
+        peer exits (``terminate`` on gloo's IoException), so it is waited for: it ends when its peers
+        close their old backends or at its timeout. What cannot be destroyed safely is kept to the
+        process's end instead, past the interpreter's finalization (a deliberate leak the exit frees):
+        the entries still pending at the deadline (destroying a backend a state exchange's thread is
+        still inside blocks: gloo's loop shutdown joins while a send waits for its pair's first
+        connection, which gloo allows 5 x the timeout), and every old backend of a lazily connected
+        fabric (seen hanging there under load with nothing pending; py-spy, NOTES 2026-12-06)."""
+        deadline = time.monotonic() + timeout_s
+        while (pending := self.prune_graveyard()) and time.monotonic() <= deadline:
+            time.sleep(0.01)
+        if pending or self.lazy_connect:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(list(self.graveyard)))
+        if pending:
+            return False
+        self.graveyard.clear()
+        return True
 
     def close(self) -> None:
         """Tear the default group down and drop every group's backend; abandoned backends stay in

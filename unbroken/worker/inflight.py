@@ -208,32 +208,15 @@ class InFlight:
             log.warning("rank %d: barrier before the teardown failed: %s", self._cfg.rank, exc)
 
     def release_graveyard(self) -> bool:
-        """At the end of the job: True if nothing abandoned is still pending. With surviving groups
-        the graveyard is then emptied (the old backends have no op left), so the groups can be torn
-        down before the interpreter exits: a surviving group alive at exit can crash the process.
-
-        An abandoned op still pending here (a survivor's all-reduce with a peer that left the step
-        before it: in a dp group the lost rank is not in, nothing fails it) would abort this process
-        at exit (``terminate`` on gloo's IoException once the peer exits); an abandoned state exchange
-        whose thread is still inside a send on an old backend (to a replacement lost while restoring,
-        on a lazily connected pair) would block the teardown of that backend. So it is waited for: it
-        ends when its peers close their old backends (they exit) or at its timeout, at most
-        ``pg_timeout_s`` from now; what is still pending then is kept to the process's end
-        (:meth:`Fabric.pin_graveyard`), so that no destructor waits on it at the exit.
-        Every rank waits for the others first (:meth:`barrier_before_teardown`)."""
+        """At the end of the job: True if nothing abandoned is still pending, the graveyard then
+        emptied so that the groups can be torn down before the interpreter exits (a surviving group
+        alive at exit can crash the process). Every rank waits for the others first
+        (:meth:`barrier_before_teardown`); then the fabric waits up to ``pg_timeout_s`` for what is
+        still pending and keeps what it cannot destroy safely (:meth:`Fabric.release_graveyard`)."""
         self.barrier_before_teardown()
         if self._fabric is None:
             return not self.graveyard
-        deadline = time.monotonic() + self._cfg.worker.pg_timeout_s
-        while self._fabric.prune_graveyard():
-            if time.monotonic() > deadline:
-                self._fabric.pin_graveyard()  # never destroyed, not even at the interpreter's exit
-                return False
-            time.sleep(0.01)
-        if self._fabric.lazy_connect:  # an old lazily connected backend's teardown can hang in gloo's loop
-            self._fabric.pin_graveyard()  # shutdown with nothing pending here (py-spy, NOTES 2026-12-06)
-        self.graveyard.clear()
-        return True
+        return self._fabric.release_graveyard(self._cfg.worker.pg_timeout_s)
 
     # -- the two sides ----------------------------------------------------------------------
     def survive(self, step: int, phase: str) -> int:

@@ -27,11 +27,14 @@ real code and no sockets (the per-message wire cost, ~10-50 us, comes on top; do
              NodeReports (agent/relay.py)
   step       the controller's CPU for one steady step, the cheapest way it runs today (handlers_relayed);
              its JSON record carries ``controller_cpu_per_step_s`` (issue 30's target: 5 ms at 16,384 ranks)
+  watch      the controller's own periodic work for one second of that steady job, whatever the step rate:
+             10 watchdog ticks (every WATCH_INTERVAL_S: node liveness, the hang rules, the after-loop rules)
+             and one status.json rewrite (every STATUS_INTERVAL_S); JSON field ``controller_cpu_per_s``
 
 Each row is timed in a fresh subprocess per tree (PYTHONPATH = the tree), medians of --repeats,
 as the process's CPU time (time.process_time: what a loaded machine's other processes take is not counted);
 "before" runs the same driver against --before-src. Printed: seconds per row and tree, per
-rank, and before / ours. ``handlers``, ``handlers_relayed`` and ``step`` are not in the default rows (a heavier
+rank, and before / ours. ``handlers``, ``handlers_relayed``, ``step`` and ``watch`` are not in the default rows (a heavier
 setup); name them. A benchmark never asserts a time.
 """
 
@@ -46,7 +49,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers", "handlers_relayed", "step")
+ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers", "handlers_relayed", "step", "watch")
 STEP_TARGET_S = 5e-3  # issue 30: controller CPU per step at 16,384 ranks
 MESH_MAX_N = 1024
 
@@ -131,7 +134,7 @@ class WireConn:  # a worker's connection without the socket: what send() costs b
     def send_packed(self, data):  # a broadcast, encoded once by the caller
         self.sent += 1
 
-def handlers(n, relayed=False):
+def handlers(n, relayed=False, watch=False):
     """One step through the real controller: each rank's compute report and StepSynced as frames
     (msgpack unpack, decode, the handler, the state machine, the commit record; nothing is sent back:
     the ranks commit by their own vote). ``relayed``: the reports come as each node's NodeReports
@@ -192,6 +195,24 @@ def handlers(n, relayed=False):
     feed(work)
     dt = time.process_time() - t
     assert ctl.state.committed_step == WINDOW + 2, "the controller did not record the step committed"
+    if not watch:
+        return dt
+    from unbroken.controller.watchdog import WATCH_INTERVAL_S
+    from unbroken.ops.live_view import STATUS_INTERVAL_S
+    ticks = round(1.0 / WATCH_INTERVAL_S)
+    t = time.process_time()
+    for i in range(ticks):  # one second of the watchdog thread (server.py _watch_loop), every agent heard
+        now = time.monotonic()
+        for a in agents:
+            ctl.liveness.heard(a, now)
+        ctl._check_nodes(now)
+        with ctl.lock:
+            ctl._check_after_loop(now)
+            ctl._check_hangs(now)
+    for _ in range(round(1.0 / STATUS_INTERVAL_S)):  # the live view's status thread (ops/live_view.py)
+        live._write_status()
+    dt = time.process_time() - t
+    assert not ctl.state.hung_ranks, "the watchdog blamed a rank of a steady job"
     return dt
 
 def run_once():
@@ -205,6 +226,8 @@ def run_once():
         return handlers(n)
     if row in ("handlers_relayed", "step"):
         return handlers(n, relayed=True)
+    if row == "watch":
+        return handlers(n, relayed=True, watch=True)
     if row == "store":
         return store(n, lambda r: [(r - 1) % n, (r + 1) % n])
     if row == "store_mesh":
@@ -238,7 +261,7 @@ def fmt(s: float | None) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nprocs", default="1024,2048,4096,8192,16384", help="world sizes, comma-separated")
-    p.add_argument("--rows", default=",".join(ROWS[:-3]), help=f"comma-separated: {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(ROWS[:-4]), help=f"comma-separated: {', '.join(ROWS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--before-src", default="", help="also time this source tree (e.g. a git archive of main)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per row, tree and N")
@@ -259,6 +282,8 @@ def main() -> int:
                 rec[name] = measure(src, row, n, args.repeats, args.timeout_s)
             if row == "step":
                 rec["controller_cpu_per_step_s"] = rec["ours"]
+            if row == "watch":
+                rec["controller_cpu_per_s"] = rec["ours"]
             results.append(rec)
             print(f"  {row} N={n}: " + ", ".join(f"{name} {fmt(rec[name])}" for name, _ in trees), file=sys.stderr)
     head = "| row | N ranks | ours | ours per rank |" + (" before | before / ours |" if args.before_src else "")

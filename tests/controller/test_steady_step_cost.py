@@ -1,5 +1,6 @@
-"""A steady step costs the controller work linear in the ranks, never quadratic: no handler of a
-rank's per-step report may walk every rank (the straggler rule does once per step, on rank 0's).
+"""A steady step, and a steady watchdog tick, cost the controller work linear in the ranks, never
+quadratic: no handler of a rank's per-step report may walk every rank (the straggler rule does once
+per step, on rank 0's), and a tick walks them once.
 
 The real controller (built, not started: no sockets), its real handlers and state machine, each
 node's relayed batch of 8 ranks' reports as the wire delivers it (agent/relay.py). What is
@@ -10,13 +11,17 @@ the step row of benchmarks/controller_scale.py 10x slower per rank at 16k than a
 
 from __future__ import annotations
 
+import time
+
 import msgpack
+import pytest
 
 from unbroken.config import LaunchConfig
 from unbroken.controller import machine as sm
 from unbroken.controller.connections import AGENT_HANDLERS, Connections
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.health import WINDOW
+from unbroken.controller import watchdog as watchdog_module
 from unbroken.controller.server import Controller
 from unbroken.protocol import messages as m
 from unbroken.protocol.framing import pack_frame
@@ -55,7 +60,9 @@ def _batches(step: int) -> list[tuple[int, m.NodeReports]]:
     return out
 
 
-def test_a_steady_step_walks_the_ranks_a_bounded_number_of_times(tmp_path, monkeypatch):
+@pytest.fixture
+def steady(tmp_path):
+    """The controller mid-job, every rank's step times in (the straggler window): (controller, step)."""
     cfg = LaunchConfig(script="train.py", nproc_per_node=N, run_dir=tmp_path, secret="s" * 32)
     events = EventLog(tmp_path)
     ctl = Controller(cfg, host="127.0.0.1", port=0, events=events)
@@ -75,18 +82,51 @@ def test_a_steady_step_walks_the_ranks_a_bounded_number_of_times(tmp_path, monke
 
         for k in range(1, WINDOW + 2):  # warm: every rank's step times for the straggler rule
             step(k)
-        walked = [0]
-        views = ctl.board.views
-
-        def counted():
-            for view in views():
-                walked[0] += 1
-                yield view
-
-        monkeypatch.setattr(ctl.board, "views", counted)
-        step(WINDOW + 2)
-        assert ctl.state.committed_step == WINDOW + 2
-        assert walked[0] <= 4 * N, f"one step walked {walked[0]} rank views for {N} ranks (quadratic: {N * N})"
+        yield ctl, step
     finally:
         ctl.close()
         events.close()
+
+
+def _count_walks(ctl: Controller, monkeypatch) -> list[int]:
+    walked = [0]
+    views = ctl.board.views
+
+    def counted():
+        for view in views():
+            walked[0] += 1
+            yield view
+
+    monkeypatch.setattr(ctl.board, "views", counted)
+    return walked
+
+
+def test_a_steady_step_walks_the_ranks_a_bounded_number_of_times(steady, monkeypatch):
+    ctl, step = steady
+    walked = _count_walks(ctl, monkeypatch)
+    step(WINDOW + 2)
+    assert ctl.state.committed_step == WINDOW + 2
+    assert walked[0] <= 4 * N, f"one step walked {walked[0]} rank views for {N} ranks (quadratic: {N * N})"
+
+
+def test_a_steady_watchdog_tick_walks_the_ranks_once_and_sorts_the_step_times_once(steady, monkeypatch):
+    """Ten times a second the watchdog looks for hangs: in a steady job that is one pass over the ranks
+    (nobody past the shortest timeout, no process stopped), and the step times' percentile is computed
+    once, not once per rank (it was: 1.4 s of CPU per second at 16k ranks, benchmarks/controller_scale.py
+    row ``watch``)."""
+    ctl, _ = steady
+    sorts = [0]
+
+    def counted_sorted(*args, **kwargs):
+        sorts[0] += 1
+        return sorted(*args, **kwargs)
+
+    monkeypatch.setattr(watchdog_module, "sorted", counted_sorted, raising=False)
+    walked = _count_walks(ctl, monkeypatch)
+    now = time.monotonic()
+    with ctl.lock:
+        ctl._check_after_loop(now)
+        ctl._check_hangs(now)
+    assert not ctl.state.hung_ranks
+    assert walked[0] <= 2 * N, f"one tick walked {walked[0]} rank views for {N} ranks"
+    assert sorts[0] <= 1, f"one tick sorted the step times {sorts[0]} times for {N} ranks"

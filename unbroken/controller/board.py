@@ -67,6 +67,10 @@ class Board:
         """Each rank's last reported step (None: none yet), in rank order."""
         return tuple(w.step for w in self._workers.values())
 
+    def any_finishing(self) -> bool:
+        """Some rank left its step loop and has not exited yet."""
+        return any(w.state is WorkerState.FINISHING for w in self._workers.values())
+
     def agent_conn(self, agent: int) -> Connection | None:
         return self._agents.get(agent)
 

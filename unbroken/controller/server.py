@@ -382,6 +382,8 @@ class Controller:
     def _check_after_loop(self, now: float) -> None:
         """A rank past its loop whose process stays stopped is hung there (hangs.hung_after_loop):
         it is killed and counts as finished (loop_end.py), each rank once."""
+        if not self.board.any_finishing():
+            return  # (each tick: one pass, where the rules below take several)
         blamed = self._watchdog.find_hung_after_loop(self.board.views(), self._state.attempt, now,
                                                    killed=self._state.hung_after_loop)
         if blamed is not None:

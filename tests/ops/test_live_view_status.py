@@ -12,7 +12,7 @@ import time
 
 from unbroken.cli.ops import live_status
 from unbroken.controller.eventlog import EventLog
-from unbroken.ops.live_view import STATUS_FILE, STATUS_INTERVAL_S, LiveView
+from unbroken.ops.live_view import GOODPUT_CPU_SHARE, GOODPUT_INTERVAL_S, STATUS_FILE, STATUS_INTERVAL_S, LiveView
 
 WORLD = 4
 
@@ -100,4 +100,30 @@ def test_step_records_come_when_every_rank_is_past_a_step_whatever_the_order(tmp
         got = [r["step"] for r in events.records("step")]
         assert got == want and len(want) > 5
     finally:
+        events.close()
+
+
+def test_the_live_goodput_takes_a_bounded_share_of_the_status_thread_however_long_the_job(tmp_path):
+    """Each live goodput reads every record since the start (one per job step): once a read took long,
+    the next waits long enough that the reads stay within GOODPUT_CPU_SHARE of the thread."""
+    events, monitor = _monitor(tmp_path)
+    try:
+        for step in range(2_000):
+            events.emit("step", step=step, step_s=0.1, ckpt_s=0.0)
+        reads = []
+        real = monitor.events.records
+        monitor.events.records = lambda: reads.append(1) or real()  # (an instance attribute: this log only)
+        monitor._update_goodput(force=True)
+        assert len(reads) == 1 and monitor._goodput_cost_s >= 0
+        monitor._goodput_cost_s = 1.0  # as if that read took a second of CPU (a job of millions of steps)
+        wait_s = 1.0 / GOODPUT_CPU_SHARE
+        assert wait_s > 2 * GOODPUT_INTERVAL_S
+        monitor._goodput_t = time.time() - 2 * GOODPUT_INTERVAL_S  # past the interval, not past the share
+        monitor._update_goodput()
+        assert len(reads) == 1, "the goodput was read again before its share of the thread allowed"
+        monitor._goodput_t = time.time() - wait_s - 1
+        monitor._update_goodput()
+        assert len(reads) == 2
+    finally:
+        monitor.close()
         events.close()

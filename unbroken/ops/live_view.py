@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 STATUS_FILE = "status.json"
 STATUS_INTERVAL_S = 1.0
 GOODPUT_INTERVAL_S = 5.0
+#: The live goodput is read from every record since the start (one "step" record per job step): at
+#: most this share of the status thread's time goes to it, however long the job has run.
+GOODPUT_CPU_SHARE = 0.02
 _FAULTS = {"hang_detected": "hang", "memory_fault": "memory fault", "non_finite": "NaN/Inf",
            "sdc_detected": "silent corruption", "sub_health": "degraded"}
 
@@ -69,6 +72,7 @@ class LiveView:
         self._last_fault: dict[int, str] = {}
         self._goodput_t = 0.0
         self._goodput_ratio = 0.0
+        self._goodput_cost_s = 0.0  # what the last live goodput took to compute
         self._status_seq = 0  # counts the statuses taken (under _lock): orders the writes
         self._write_lock = threading.Lock()  # held only while writing the file, never while taking a lock
         self._written_seq, self._final_written = 0, False
@@ -191,9 +195,11 @@ class LiveView:
 
     def _update_goodput(self, force: bool = False) -> None:
         now = time.time()
-        if force or now - self._goodput_t >= GOODPUT_INTERVAL_S:
+        if force or now - self._goodput_t >= max(GOODPUT_INTERVAL_S, self._goodput_cost_s / GOODPUT_CPU_SHARE):
             self._goodput_t = now
+            began = time.thread_time()
             self._goodput_ratio = goodput.breakdown(self.events.records(), now_t=now).goodput
+            self._goodput_cost_s = time.thread_time() - began
             self.metrics.goodput.set(self._goodput_ratio)
 
     def _write_status(self, final: bool = False, goodput: bool = True) -> None:

@@ -27,6 +27,9 @@ real code and no sockets (the per-message wire cost, ~10-50 us, comes on top; do
              NodeReports (agent/relay.py)
   step       the controller's CPU for one steady step, the cheapest way it runs today (handlers_relayed);
              its JSON record carries ``controller_cpu_per_step_s`` (issue 30's target: 5 ms at 16,384 ranks)
+  node_floor the least a design with one message per node per step (8 ranks a node) could cost the controller:
+             two msgpack frames per node per step (a node's compute and commit summaries: step, 8 ranks,
+             8 pids, nothing per rank handled), unpacked and their ranks checked; no handler, no state
   watch      the controller's own periodic work for one second of that steady job, whatever the step rate:
              10 watchdog ticks (every WATCH_INTERVAL_S: node liveness, the hang rules, the after-loop rules)
              and one status.json rewrite (every STATUS_INTERVAL_S); JSON field ``controller_cpu_per_s``
@@ -34,7 +37,7 @@ real code and no sockets (the per-message wire cost, ~10-50 us, comes on top; do
 Each row is timed in a fresh subprocess per tree (PYTHONPATH = the tree), medians of --repeats,
 as the process's CPU time (time.process_time: what a loaded machine's other processes take is not counted);
 "before" runs the same driver against --before-src. Printed: seconds per row and tree, per
-rank, and before / ours. ``handlers``, ``handlers_relayed``, ``step`` and ``watch`` are not in the default rows (a heavier
+rank, and before / ours. ``handlers``, ``handlers_relayed``, ``step``, ``watch`` and ``node_floor`` are not in the default rows (a heavier
 setup); name them. A benchmark never asserts a time.
 """
 
@@ -49,7 +52,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers", "handlers_relayed", "step", "watch")
+ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers", "handlers_relayed", "step", "watch", "node_floor")
 STEP_TARGET_S = 5e-3  # issue 30: controller CPU per step at 16,384 ranks
 MESH_MAX_N = 1024
 
@@ -215,6 +218,19 @@ def handlers(n, relayed=False, watch=False):
     assert not ctl.state.hung_ranks, "the watchdog blamed a rank of a steady job"
     return dt
 
+def node_floor(n):
+    import msgpack
+    nodes = max(1, n // 8)
+    frames = [msgpack.packb({"type": kind, "attempt": 0, "gen": 0, "step": 12, "ranks": list(range(a * 8, a * 8 + 8)),
+                             "pids": list(range(1000 + a * 8, 1008 + a * 8))})
+              for a in range(nodes) for kind in ("node_compute", "node_synced")]
+    t = time.process_time()
+    for f in frames:
+        d = msgpack.unpackb(f, raw=False)
+        if not (all(type(r) is int for r in d["ranks"]) and all(type(p) is int for p in d["pids"])):
+            raise SystemExit("bad frame")
+    return time.process_time() - t
+
 def run_once():
     if row == "commit":
         return commit(started(n), n, 5)
@@ -228,6 +244,8 @@ def run_once():
         return handlers(n, relayed=True)
     if row == "watch":
         return handlers(n, relayed=True, watch=True)
+    if row == "node_floor":
+        return node_floor(n)
     if row == "store":
         return store(n, lambda r: [(r - 1) % n, (r + 1) % n])
     if row == "store_mesh":
@@ -261,7 +279,7 @@ def fmt(s: float | None) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nprocs", default="1024,2048,4096,8192,16384", help="world sizes, comma-separated")
-    p.add_argument("--rows", default=",".join(ROWS[:-4]), help=f"comma-separated: {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(ROWS[:-5]), help=f"comma-separated: {', '.join(ROWS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--before-src", default="", help="also time this source tree (e.g. a git archive of main)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per row, tree and N")

@@ -182,7 +182,9 @@ def etcd_manifests(values: dict[str, Any]) -> list[dict[str, Any]]:
                           f"--listen-client-urls=http://0.0.0.0:{client}", f"--advertise-client-urls=http://{me}:{client}",
                           f"--listen-peer-urls=http://0.0.0.0:{peer}", f"--initial-advertise-peer-urls=http://{me}:{peer}",
                           f"--initial-cluster={members}", "--initial-cluster-state=new",
-                          f"--initial-cluster-token={name}"],
+                          f"--initial-cluster-token={name}",
+                          # the job writes a few hundred bytes per committed step: keep 10k revisions, not all
+                          "--auto-compaction-mode=revision", "--auto-compaction-retention=10000"],
                  "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
                  "ports": [{"name": "client", "containerPort": client, "protocol": "TCP"},
                            {"name": "peer", "containerPort": peer, "protocol": "TCP"}],

@@ -215,6 +215,7 @@ def test_controller_failover_renders_a_3_member_etcd_and_every_agent_lists_its_m
     assert f"--initial-cluster={','.join(f'unbroken-gpt-etcd-{i}=http://{h}:2380' for i, h in enumerate(hosts))}" \
         in etcd["args"]
     assert "--advertise-client-urls=http://$(POD_NAME).unbroken-gpt-etcd.train.svc:12379" in etcd["args"]
+    assert "--auto-compaction-mode=revision" in etcd["args"]  # a long job's history does not fill etcd's quota
     monkeypatch.setenv("UNBROKEN_JOB_SECRET", "from-the-secret-" + "0123456789abcdef" * 2)
     for job in ("node", "standby"):
         (container,) = _pod({"JobSet": jobset}, job)["spec"]["containers"]

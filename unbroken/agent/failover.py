@@ -37,7 +37,7 @@ from unbroken.consensus.etcd import EtcdClient, EtcdError
 from unbroken.consensus.seat import ControllerSeat
 from unbroken.consensus.step_log import CommitEntry
 from unbroken.controller import machine as sm
-from unbroken.controller.durable_mirror import agent_name, durable_from_job
+from unbroken.controller.durable_mirror import agent_name, durable_from_job, layout_key
 from unbroken.controller.server import Controller
 from unbroken.controller.takeover import Takeover
 
@@ -48,6 +48,7 @@ __all__ = ["DurableMirror", "EtcdLeader", "Leadership", "SeatHost", "seat_addres
 #: How long a node other than 0 waits for the job's first leader before it campaigns anyway.
 FIRST_LEADER_WAIT_S = 120.0
 ETCD_TIMEOUT_S = 2.0
+MIRROR_RETRY_S = 0.5  # after etcd refused a durable write (no quorum, over a limit), before the next try
 
 
 
@@ -100,12 +101,16 @@ class EtcdLeader:
 class DurableMirror:
     """The leading controller's durable state into etcd, off the controller's lock: :meth:`offer`
     keeps the newest state, the thread writes it (fenced by ``term``); older ones are skipped.
-    :meth:`committed` queues a commit log entry: every one is written, with the next state."""
+    Where only the committed step moved since the last write (a steady step), only the step is
+    written. :meth:`committed` queues a commit log entry: every one is written, with the next state.
+    A write etcd refuses is tried again, with what came since, after ``retry_s``."""
 
-    def __init__(self, store: DurableStore, term: Term, on_fenced: Callable[[Term], None]) -> None:
-        self._store, self._term, self._on_fenced = store, term, on_fenced
+    def __init__(self, store: DurableStore, term: Term, on_fenced: Callable[[Term], None], *,
+                 retry_s: float = MIRROR_RETRY_S) -> None:
+        self._store, self._term, self._on_fenced, self._retry_s = store, term, on_fenced, retry_s
         self._cond = threading.Condition()
         self._pending: sm.JobState | None = None
+        self._written_layout: tuple | None = None  # layout_key of the state last written (the thread's)
         self._steps: list[CommitEntry] = []
         self.refused_steps = 0  # commit log entries not written, the term being over: the event log has them
         self._closed = False
@@ -141,10 +146,15 @@ class DurableMirror:
                 steps, self._steps = self._steps, []
                 if state is None and not steps:
                     return
-            durable = None if state is None else replace(durable_from_job(state),
-                                                         finished=state.phase in sm.FINAL_PHASES)
+            layout = None if state is None else layout_key(state)
+            durable = None
+            if state is not None and layout != self._written_layout:  # O(ranks): only when more than the step moved
+                durable = replace(durable_from_job(state), finished=state.phase in sm.FINAL_PHASES)
             try:
-                self._store.save(self._term, durable, steps)
+                self._store.save(self._term, durable, steps,
+                                 committed_step=None if state is None else state.committed_step)
+                if layout is not None:
+                    self._written_layout = layout
             except Fenced:
                 with self._cond:
                     self.refused_steps += len(steps) + len(self._steps)
@@ -153,10 +163,13 @@ class DurableMirror:
                 self._on_fenced(self._term)
                 return
             except EtcdError as exc:  # no quorum for a moment: written again with what comes next
-                log.warning("controller: could not mirror the job state into etcd: %s", exc)
+                log.warning("controller: could not mirror the job state into etcd (again in %g s): %s",
+                            self._retry_s, exc)
                 with self._cond:
                     self._pending = self._pending or state
                     self._steps = steps + self._steps
+                    if not self._closed:
+                        self._cond.wait(self._retry_s)  # not a busy loop on a write etcd refuses at once
                 if self._closed:
                     return  # closing: what is left is in the event log
 

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from unbroken.errors import ConfigError, UnbrokenError
 
-__all__ = ["Compare", "EtcdClient", "EtcdError", "EtcdUnavailable", "KeyValue", "Put", "TxnResult",
+__all__ = ["Compare", "DeleteRange", "EtcdClient", "EtcdError", "EtcdUnavailable", "KeyValue", "Put", "TxnResult",
            "parse_endpoints"]
 
 
@@ -74,6 +74,16 @@ class Put:
         if self.lease:
             body["lease"] = str(self.lease)
         return {"request_put": body}
+
+
+@dataclass(frozen=True)
+class DeleteRange:
+    """Delete the keys in [``key``, ``range_end``)."""
+    key: bytes
+    range_end: bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"request_delete_range": {"key": _b64(self.key), "range_end": _b64(self.range_end)}}
 
 
 @dataclass(frozen=True)
@@ -189,7 +199,7 @@ class EtcdClient:
     def delete(self, key: bytes) -> None:
         self.call("kv/deleterange", {"key": _b64(key)})
 
-    def txn(self, compare: Iterable[Compare], success: Iterable[Put], *,
+    def txn(self, compare: Iterable[Compare], success: Iterable[Put | DeleteRange], *,
             failure_reads: Iterable[bytes] = ()) -> TxnResult:
         """If every ``compare`` holds, apply ``success`` (atomically); else read ``failure_reads``."""
         answer = self.call("kv/txn", {

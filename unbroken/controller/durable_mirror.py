@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from unbroken.consensus.durable import DurableState
-from unbroken.controller.api import JobState
+from unbroken.controller.api import FINAL_PHASES, JobState
 from unbroken.recovery.replicas import holders_of_all, job_replicas
 
-__all__ = ["agent_name", "durable_from_job", "job_from_durable", "replica_map_of"]
+__all__ = ["agent_name", "durable_from_job", "job_from_durable", "layout_key", "replica_map_of"]
 
 
 def agent_name(agent: int) -> str:
@@ -26,9 +26,28 @@ def agent_name(agent: int) -> str:
 
 
 def replica_map_of(state: JobState) -> dict[int, tuple[int, ...]]:
-    """rank -> every rank holding all that ``rank`` holds (itself included), ascending."""
+    """rank -> every rank holding all that ``rank`` holds (itself included), ascending. Computed once
+    per set of pieces held, and shared by the ranks holding that set: a fully replicated job of N ranks
+    is one tuple of N, not N of them (N^2: 1 s and 2.8 MB at 1,024 ranks)."""
     replicas = job_replicas(state.world_size, state.num_replicas, state.mesh, state.mesh_replicate)
-    return {rank: holders_of_all(replicas, rank) for rank in range(state.world_size)}
+    by_pieces: dict[frozenset, tuple[int, ...]] = {}
+    out = {}
+    for rank in range(state.world_size):
+        held = frozenset(replicas.pieces_of(rank))
+        if not held:
+            out[rank] = (rank,)
+            continue
+        if held not in by_pieces:
+            by_pieces[held] = holders_of_all(replicas, rank)
+        out[rank] = by_pieces[held]
+    return out
+
+
+def layout_key(state: JobState) -> tuple:
+    """What the durable state holds besides the committed step: when it is unchanged, a committed
+    step writes only the step (:meth:`~unbroken.consensus.durable.DurableStore.save`)."""
+    return (state.attempt, state.gen, state.restarts_used, state.placement, state.num_replicas, state.mesh,
+            state.mesh_replicate, state.phase in FINAL_PHASES)
 
 
 def durable_from_job(state: JobState) -> DurableState:

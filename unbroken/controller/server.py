@@ -38,6 +38,7 @@ from unbroken.config import LaunchConfig
 from unbroken.controller import machine as sm
 from unbroken.controller.board import Board
 from unbroken.controller.connections import Connections
+from unbroken.controller.durable_mirror import layout_key
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.executor import Executor
 from unbroken.controller.hangs import RankProgress
@@ -67,8 +68,7 @@ CommitListener = Callable[[dict], None]
 
 
 def _durable_key(state: sm.JobState) -> tuple:
-    return (state.attempt, state.gen, state.committed_step, state.restarts_used, state.placement,
-            state.num_replicas, state.mesh, state.mesh_replicate, state.phase in sm.FINAL_PHASES)
+    return layout_key(state), state.committed_step
 
 
 class Controller:

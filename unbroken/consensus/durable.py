@@ -182,7 +182,7 @@ class DurableStore:
             return None
         state = DurableState.decode(found[self.state_key]) if self.state_key in found else DurableState()
         if self.step_key in found:
-            state = replace(state, committed_step=max(state.committed_step, _decode_step(found[self.step_key])))
+            state = replace(state, committed_step=_decode_step(found[self.step_key]))  # written with or after it
         return state
 
     def record_term(self, term: Term, address: str) -> None:

@@ -99,3 +99,40 @@ def test_plot_writes_a_png(tmp_path):
 
     out = write_png(_log(), tmp_path / "t.png")
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_long_jobs_log_in_memory_stays_small_and_its_goodput_the_same(tmp_path, monkeypatch):
+    """The controller's event log holds one record per job step; in memory, old runs of them are
+    merged (controller/eventlog.py), and the breakdown of what is left is the one of every record."""
+    from unbroken.controller import eventlog
+    monkeypatch.setattr(eventlog, "KEEP_STEP_RECORDS", 50)
+    monkeypatch.setattr(eventlog, "MERGE_STEPS", 20)
+    log = eventlog.EventLog(tmp_path)
+    clock = [T0]
+    monkeypatch.setattr(eventlog.time, "time", lambda: clock[0])
+    try:
+        every = []
+
+        def emit(dt, name, **fields):
+            clock[0] += dt
+            every.append(log.emit(name, **fields))
+
+        emit(0.0, "controller_started", world_size=2)
+        for k in range(1, 401):  # 400 steps of 0.1 s, 0.02 s of each a checkpoint; a fault at step 200
+            emit(0.1, "step", step=k, step_s=0.08, ckpt_s=0.02)
+            if k == 200:
+                emit(0.05, "rank_exited", rank=1, exit_code=None, signal=9, step=201)
+                emit(0.01, "decision", rung="recover-in-place", rank=1, kind="crash", step=201)
+                emit(0.5, "recovered", recover_s=0.56, step=201, restored_step=201, tier="replicas", attempt=0)
+        emit(0.1, "job_finished", exit_code=0)
+        kept = log.records()
+        assert len(kept) < 150, f"{len(kept)} records in memory for {len(every)}"
+        assert [r["step"] for r in kept if r["event"] == "step"][-50:] == list(range(351, 401))  # the newest, as they are
+        assert sum(r.get("steps", 1) for r in kept if r["event"] == "step") == 400
+        whole, merged = goodput.breakdown(every), goodput.breakdown(kept)
+        for cause in goodput.CATEGORIES:
+            assert merged.seconds[cause] == pytest.approx(whole.seconds[cause], abs=1e-6), cause
+        assert merged.steps == whole.steps == 400
+        assert len(eventlog.read_events(tmp_path)) == len(every)  # the file keeps every record
+    finally:
+        log.close()

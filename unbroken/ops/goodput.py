@@ -216,4 +216,4 @@ def breakdown(events: list[Record], now_t: float | None = None) -> Breakdown:
     seconds = {c: 0.0 for c in CATEGORIES}
     for c, a, b in painted:
         seconds[c] += b - a
-    return Breakdown(start_t, end_t, seconds, painted, steps=len(steps), recoveries=recs)
+    return Breakdown(start_t, end_t, seconds, painted, steps=sum(s.get("steps", 1) for s in steps), recoveries=recs)

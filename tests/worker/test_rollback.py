@@ -320,6 +320,32 @@ def test_the_torch_stream_is_reused_unmoved_and_every_move_is_seen():
     assert torch.equal(rng.capture()["torch"], torch.get_rng_state())  # checkpoints keep get_rng_state()'s form
 
 
+def test_every_state_dict_buffer_travels_per_rank_and_rolls_back():
+    """A buffer a forward moves (a running mean, a counter) is per-rank state like BatchNorm's
+    statistics; a buffer outside the state_dict (persistent=False) is not state."""
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+            self.register_buffer("mask", torch.ones(3), persistent=False)
+
+        def forward(self, x):
+            self.seen += 1
+            return x * self.mask
+
+    tracked = TrackedState()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), Counting())
+    tracked.add("model", model, HOOKS)
+    tracked.frozen = True
+    states = rollback.StepStates(rank=0)
+    states.begin(0, *tracked.step_start())
+    assert sorted(states.capture.per_rank_tree()["buffers"]["model"]) == ["1.seen"]
+    model(torch.ones(1, 3))  # the step moves it
+    model[1].seen = model[1].seen + 5  # or gives the name another tensor
+    tracked.load_rollback(states.capture.local(), states.capture.per_rank_tree())
+    assert model[1].seen.item() == 0.0
+
+
 def test_the_norm_layers_are_found_once_the_objects_are_frozen(monkeypatch):
     tracked = TrackedState()
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))

@@ -232,7 +232,16 @@ def _too_big(per_rank: dict[str, Any], total_bytes: int, rank: int) -> str:
             sizes[name] = len(encode_tree(state))
         except CheckpointError:
             sizes[name] = 0
+    buffers = {name: sum(t.numel() * t.element_size() for t in held.values())
+               for name, held in per_rank.get("buffers", {}).items()}
     biggest = max(sizes, key=sizes.__getitem__) if sizes else "rng"
+    if buffers and max(buffers.values()) > sizes.get(biggest, 0):
+        module = max(buffers, key=buffers.__getitem__)
+        return (f"rank {rank}: the per-rank state is {total_bytes} bytes, over the {PER_RANK_LIMIT_BYTES}-byte "
+                f"limit (it is copied to the controller every step); the biggest part is the buffers of the "
+                f"tracked module {module!r} ({buffers[module]} bytes: a forward may move them, so they travel "
+                f"with each rank's own state). Register the buffers that never change with persistent=False "
+                f"(they are then not state: neither checkpointed nor copied)")
     return (f"rank {rank}: the per-rank state is {total_bytes} bytes, over the {PER_RANK_LIMIT_BYTES}-byte "
             f"limit (it is copied to the controller every step); the biggest is {biggest!r} "
             f"({sizes.get(biggest, total_bytes)} bytes). Mark big objects replicated when every rank holds the "

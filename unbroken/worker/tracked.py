@@ -19,11 +19,13 @@ holds its sampler's epoch, and loading it repositions the iterator the script ho
 What rolls back when a step is dropped: every object the commit rule does not cover (all
 but modules, torch optimizers and RecoverableState objects), and the RNG streams.
 
-One part of a module is per rank and changes inside a step: the running statistics of its
-normalization layers (BatchNorm's ``running_mean``/``running_var``/``num_batches_tracked``),
-which every forward moves with the rank's own batch. They travel with the per-rank state
-(key ``buffers``), so a dropped step puts them back, and a replaced rank gets its own (with a
-DDP's ``broadcast_buffers``, rank 0's are the ones every rank's next forward starts from).
+One part of a module is per rank and may change inside a step: its buffers (the ones its
+state_dict holds), which a forward moves with the rank's own batch: BatchNorm's running
+statistics, and any buffer a script's module updates in its forward (a running mean, a counter).
+They travel with the per-rank state (key ``buffers``), so a dropped step puts them back, and a
+replaced rank gets its own (with a DDP's ``broadcast_buffers``, rank 0's are the ones every rank's
+next forward starts from). Buffers outside the state_dict (``persistent=False``: masks, caches)
+are not state and are left alone; so are DTensor buffers (none of torch's wrappers makes them).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch.nn.modules.batchnorm import _NormBase
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from unbroken.errors import CheckpointError, ConfigError
@@ -43,11 +45,11 @@ from unbroken.worker.api import RecoverableState, SessionHooks
 
 class _Layout(NamedTuple):
     """What a capture reads: the replicated objects that roll back, the per-rank objects (by name),
-    and (tracked name, prefix, layer) of the tracked modules' norm layers with running statistics."""
+    and (tracked name, prefix, layer) of the tracked modules' layers holding buffers."""
 
     local: list[str]
     per_rank: list[str]
-    norm_layers: list[tuple[str, str, _NormBase]]
+    buffer_layers: list[tuple[str, str, torch.nn.Module]]
     sharded: frozenset[str]  # the names of objects holding DTensors (their state: local shards only)
 
 
@@ -110,7 +112,7 @@ class TrackedState:
         """This rank's own state: the per-rank objects and the RNG streams, as they are now."""
         layout = self._layout()
         states, streams = self._states(layout.per_rank, layout.sharded)
-        return self._with_buffers({"objects": states, "rng": streams}, layout.norm_layers)
+        return self._with_buffers({"objects": states, "rng": streams}, layout.buffer_layers)
 
     def step_start(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(:meth:`rollback_tree`, :meth:`per_rank_tree`) of now, in one pass."""
@@ -118,35 +120,34 @@ class TrackedState:
         states, streams = self._states(layout.local + layout.per_rank, layout.sharded)
         return ({n: states[n] for n in layout.local},
                 self._with_buffers({"objects": {n: states[n] for n in layout.per_rank}, "rng": streams},
-                                   layout.norm_layers))
+                                   layout.buffer_layers))
 
     def _layout(self) -> _Layout:
-        """Which tracked objects a step's capture reads, and the norm layers of the tracked modules.
+        """Which tracked objects a step's capture reads, and the layers of the tracked modules with buffers.
         Kept once job.steps() has begun (the objects are frozen and the model is built): walking a
         module tree costs more than the rest of a step's capture."""
         if self._kept_layout is not None:
             return self._kept_layout
         per_rank = sorted(self.per_rank)
         local = [n for n, o in self.objects.items() if n not in self.per_rank and not _committed_state(o)]
-        norm_layers = [(name, prefix, layer) for name, obj in self.objects.items() if isinstance(obj, torch.nn.Module)
-                       for prefix, layer in obj.named_modules()
-                       if isinstance(layer, _NormBase) and layer.track_running_stats]
+        buffer_layers = [(name, prefix, layer) for name, obj in self.objects.items() if isinstance(obj, torch.nn.Module)
+                         for prefix, layer in obj.named_modules() if layer._buffers]
         sharded = frozenset(n for n in local + per_rank if dtensor_state.has_dtensors(self.objects[n]))
-        layout = _Layout(local, per_rank, norm_layers, sharded)
+        layout = _Layout(local, per_rank, buffer_layers, sharded)
         if self.frozen:
             self._kept_layout = layout
         return layout
 
     @staticmethod
-    def _with_buffers(tree: dict[str, Any], norm_layers: list[tuple[str, str, _NormBase]]) -> dict[str, Any]:
-        """``tree`` with the running statistics of the tracked modules' norm layers (if any)."""
-        if not norm_layers:
-            return tree
+    def _with_buffers(tree: dict[str, Any], layers: list[tuple[str, str, torch.nn.Module]]) -> dict[str, Any]:
+        """``tree`` with the tracked modules' buffers (see the module docstring), looked up by name at
+        each read (a forward may assign a new tensor to a buffer's name)."""
         buffers: dict[str, dict[str, torch.Tensor]] = {}
-        for name, prefix, layer in norm_layers:
-            for key, t in layer.named_buffers(prefix=prefix, recurse=False):
-                if t is not None:
-                    buffers.setdefault(name, {})[key] = t  # live tensors: a capture snapshots them
+        for name, prefix, layer in layers:
+            skip = layer._non_persistent_buffers_set
+            for key, t in layer._buffers.items():
+                if t is not None and key not in skip and not isinstance(t, DTensor):
+                    buffers.setdefault(name, {})[f"{prefix}.{key}" if prefix else key] = t  # a capture snapshots them
         return {**tree, "buffers": buffers} if buffers else tree
 
     def _states(self, names: list[str], sharded: frozenset[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -173,7 +174,7 @@ class TrackedState:
         for name, stats in tree.get("buffers", {}).items():
             module = self.objects.get(name)
             if not isinstance(module, torch.nn.Module):
-                raise CheckpointError(f"per-rank state has norm statistics for {name!r}, which is not a tracked module")
+                raise CheckpointError(f"per-rank state has buffers for {name!r}, which is not a tracked module")
             with torch.no_grad():
                 for key, value in stats.items():
                     module.get_buffer(key).copy_(value)

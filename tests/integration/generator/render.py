@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 WRAPPERS = ("manual", "sharded", "ddp", "ddp-job-group", "ddp-new-group", "fsdp", "tp", "pp")
-MODELS = ("mlp", "bn", "ln-dropout")
+MODELS = ("mlp", "bn", "ln-dropout", "running")
 DATA = ("step", "cursor", "loader", "loader-counter")
 RNG = ("one-seed", "per-rank")
 EXTRAS = ("clip", "accum", "sched")
@@ -106,6 +106,23 @@ def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class RunningCenter(nn.Module):
+    """Centres its input on a running mean that its forward updates, and counts its training calls:
+    buffers a step changes, as BatchNorm's, in a module that is not a norm layer."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("mean", torch.zeros(dim))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.seen += 1
+                self.mean.mul_(0.9).add_(local(x).detach().mean(0), alpha=0.1)
+        return x - self.mean
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -131,7 +148,8 @@ def augment(x):
 
 HEADS = {"mlp": "nn.ReLU(), nn.Linear(DIM, CLASSES)",
          "bn": "nn.BatchNorm1d(DIM), nn.ReLU(), nn.Linear(DIM, CLASSES)",
-         "ln-dropout": "nn.LayerNorm(DIM), nn.ReLU(), nn.Dropout(0.2), nn.Linear(DIM, CLASSES)"}
+         "ln-dropout": "nn.LayerNorm(DIM), nn.ReLU(), nn.Dropout(0.2), nn.Linear(DIM, CLASSES)",
+         "running": "RunningCenter(DIM), nn.ReLU(), nn.Linear(DIM, CLASSES)"}
 
 IMPORTS = {
     "ddp": "from torch.nn.parallel import DistributedDataParallel",

@@ -18,4 +18,5 @@ DEFAULT_CASES = [
     "fsdp/mlp/step/one-seed/-@SIGSTOP:mid:rank1:step3",
     "tp/ln-dropout/step/one-seed/sched@SIGKILL:mid:rank2:step3",
     "pp/mlp/cursor/per-rank/-@SIGKILL:after-loop:rank3",
+    "manual/running/cursor/per-rank/-@SIGKILL:mid:rank1:step3",  # buffers its forward moves, per rank
 ]

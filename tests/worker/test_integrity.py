@@ -28,6 +28,18 @@ def test_a_non_finite_loss_is_found_in_the_gradients(bad):
         integrity.check_finite({"model": model}, rank=2, step=3)
 
 
+def test_huge_but_finite_gradients_pass_though_their_norm_overflows():
+    integrity.check_finite({"model": model_with_grads(loss_scale=2.0 ** 100)}, rank=0, step=3)
+
+
+def test_a_tracked_grad_scaler_owns_non_finite_gradients():
+    """Scaled gradients overflow by design; the scaler's step skips them (a skipped step, not a fault)."""
+    model = model_with_grads(loss_scale=float("inf"))
+    integrity.check_finite({"model": model, "scaler": torch.amp.GradScaler("cpu")}, rank=0, step=3)
+    with pytest.raises(NonFiniteError):
+        integrity.check_finite({"model": model, "scaler": torch.amp.GradScaler("cpu", enabled=False)}, rank=0, step=3)
+
+
 def test_the_nan_fault_poisons_exactly_one_forward():
     model = torch.nn.Linear(2, 2)
     poison_next_forward({"model": model})

@@ -346,6 +346,23 @@ def test_every_state_dict_buffer_travels_per_rank_and_rolls_back():
     assert model[1].seen.item() == 0.0
 
 
+def test_a_dropped_step_forgets_what_a_grad_scaler_unscaled():
+    """GradScaler records which optimizers it unscaled since its last update(), outside its state_dict:
+    a redo that kept the record would skip the unscale and step on scaled gradients."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    tracked = TrackedState()
+    for name, obj in (("model", model), ("opt", opt), ("scaler", scaler)):
+        tracked.add(name, obj, HOOKS)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)  # scaler.step() does this first; the step is then dropped
+    tracked.drop_grads()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)  # the redo unscales again (was: "unscale_() has already been called ...")
+    assert model.weight.grad is not None
+
+
 def test_the_norm_layers_are_found_once_the_objects_are_frozen(monkeypatch):
     tracked = TrackedState()
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))

@@ -38,7 +38,10 @@ def gradients(tracked: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
 
 
 def check_finite(tracked: Mapping[str, Any], rank: int, step: int) -> None:
-    """Raise :class:`NonFiniteError` naming the first non-finite gradient, if there is one."""
+    """Raise :class:`NonFiniteError` naming the first non-finite gradient, if there is one. Not with
+    an enabled GradScaler tracked: scaled gradients overflow by design, and its step skips them."""
+    if any(isinstance(obj, torch.amp.GradScaler) and obj.is_enabled() for obj in tracked.values()):
+        return
     grads = gradients(tracked)
     if not grads:
         return
@@ -46,6 +49,8 @@ def check_finite(tracked: Mapping[str, Any], rank: int, step: int) -> None:
     if bool(torch.isfinite(total)):
         return
     bad = [name for name, g in grads if not bool(torch.isfinite(g).all())]
+    if not bad:
+        return  # every gradient is finite: only their norm's sum overflowed
     raise NonFiniteError(f"rank {rank}: non-finite gradients in step {step} ({len(bad)} tensor(s): "
                          f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); a NaN/Inf loss or an overflow")
 

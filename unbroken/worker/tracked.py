@@ -30,10 +30,12 @@ are not state and are left alone; so are DTensor buffers (none of torch's wrappe
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch.amp import grad_scaler
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -219,10 +221,14 @@ class TrackedState:
         return min(counts, default=0)
 
     def drop_grads(self) -> None:
-        """Forget the gradients an aborted step computed."""
+        """Forget what an aborted step computed outside the state that rolls back: the gradients, and
+        which optimizers a GradScaler unscaled in it (a record its state_dict leaves out: a redo that
+        kept it would skip the unscale and step on scaled gradients)."""
         for obj in self.objects.values():
             if hasattr(obj, "zero_grad"):
                 obj.zero_grad(set_to_none=True)
+            elif isinstance(obj, torch.amp.GradScaler):
+                _forget_unscaled(obj)
 
     # -- the state tree --------------------------------------------------------------------
     def state_of(self, obj: Any) -> Any:
@@ -281,6 +287,12 @@ class TrackedState:
         for name, obj in self.objects.items():
             self.load_one(obj, tracked[name])
         self._rng.restore(state["rng"])
+
+
+def _forget_unscaled(scaler: torch.amp.GradScaler) -> None:
+    """What ``GradScaler.update()`` clears for the next iteration, without updating the scale (torch
+    2.13's private per-optimizer record)."""
+    scaler._per_optimizer_states = defaultdict(grad_scaler._refresh_per_optimizer_state)
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:

@@ -17,6 +17,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "fatal_script.py"
 @pytest.mark.parametrize("mode, says", [
     ("track", "job.track(data=...): a object has no state_dict"),  # the library's ConfigError
     ("exit", "the dataset is missing; giving up"),  # the script's own sys.exit(EXIT_FATAL)
+    ("ema", "the first step changed ema (Linear), which job.track() was not given"),  # untracked state
 ])
 def test_a_fatal_exit_fails_the_job_without_a_restart(tmp_path, mode, says):
     run_dir = tmp_path / "run"

@@ -20,7 +20,9 @@ import functools
 import gc
 import logging
 import os
+import sys
 import time
+from types import FrameType
 from typing import Any, Iterable, Iterator, NoReturn
 
 import torch
@@ -32,13 +34,13 @@ from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import Phase
 from unbroken.worker.data_share import DataShare, sum_in_data_rank_order
-from unbroken.worker import first_group, integrity, meshes, restore, script_imports, wrappers
+from unbroken.worker import first_group, integrity, meshes, restore, script_imports, untracked, wrappers
 from unbroken.worker.api import SessionHooks
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
 from unbroken.worker.inflight import InFlight
 from unbroken.worker.step_boundary import StepBoundary
-from unbroken.worker.tracked import TrackedState
+from unbroken.worker.tracked import TrackedState, name_list
 from unbroken.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class Job:
         self.device = device or self._build_device()
         self._tracked, self._metrics = TrackedState(), {}  # the tracked objects; this step's progress metrics
         self._restored = False
+        self._not_state: set[str] = set()  # job.track(not_state=...): variables the untracked-state check skips
         self._raised_in_step = False  # an exception left `with job.step():`: the loop crashed, it did not finish
         self._mesh: meshes.JobMesh | None = None  # job.mesh()
         self._control = self._build_control()
@@ -113,12 +116,16 @@ class Job:
                              degraded=self.report_degraded)
 
     # -- the training-loop API ---------------------------------------------------------
-    def track(self, *, per_rank: Iterable[str] = (), replicated: Iterable[str] = (), **objects: Any) -> None:
+    def track(self, *, per_rank: Iterable[str] = (), replicated: Iterable[str] = (), not_state: Iterable[str] = (),
+              **objects: Any) -> None:
         """Declare training state: objects with ``state_dict``/``load_state_dict``, or tensors.
 
         Replicated or per rank: see :mod:`unbroken.worker.tracked`; ``per_rank``/``replicated``
         name tracked objects whose class differs from the default. Recoverable objects
-        (:class:`unbroken.worker.api.RecoverableState`) are wired to this session."""
+        (:class:`unbroken.worker.api.RecoverableState`) are wired to this session. ``not_state``:
+        names of the script's variables that its steps change but that are not training state
+        (a metric for logging): the first step's check for untracked state leaves them alone
+        (:mod:`unbroken.worker.untracked`)."""
         hooks = SessionHooks(on_phase=self._boundary.on_optimizer_phase, should_abort=self._inflight.should_abort,
                              defer_completion=self.cfg.mode == "managed", fail=self._exit_if_fatal)
         with self._fatal_exits():
@@ -127,6 +134,7 @@ class Job:
                     self._tracked.add(name, obj, hooks)
                     wrappers.prepare(obj, functools.partial(self._boundary.advance, Phase.UPDATE))
             self._tracked.classify(per_rank, replicated)
+            self._not_state |= name_list("not_state", not_state)
 
     def mesh(self, *dims: tuple[str, int], replicate: str = "dp") -> meshes.JobMesh:
         """The job's mesh, e.g. ``job.mesh(("pp", 2), ("dp", 2), ("tp", 1))``: see unbroken.worker.meshes."""
@@ -141,10 +149,11 @@ class Job:
         After an in-flight recovery the same index may come again: the step is redone. Before
         the first step, the memory tier is checked to fit in its shm dir (ShmCapacityError).
         """
+        loop_frame = sys._getframe(1)  # the script's loop: what it names is checked after the first step
         with self._fatal_exits():
-            yield from self._steps(total)
+            yield from self._steps(total, loop_frame)
 
-    def _steps(self, total: int) -> Iterator[int]:
+    def _steps(self, total: int, loop_frame: FrameType | None = None) -> Iterator[int]:
         if total < 0:
             raise ConfigError(f"job.steps(total): total must be >= 0, got {total}")
         boundary, self._raised_in_step = self._boundary, False  # (a loop begun again after a caught crash)
@@ -153,6 +162,9 @@ class Job:
         boundary.step = self._inflight.join() if self._inflight.needs_state else self._restore()
         self._restored = self._tracked.frozen = True
         self._ckpt.check_capacity(boundary.step)
+        watch = (untracked.FirstStepWatch(loop_frame, self._tracked.covered_ids(), self._not_state)
+                 if self._control is not None else None)  # only where a fault is recovered from
+        del loop_frame
         while boundary.step < total:
             if self._control is not None and self._inflight.pending:
                 boundary.step = self._survive()
@@ -185,6 +197,9 @@ class Job:
                     raise
                 continue
             boundary.report_progress()
+            if watch is not None:
+                changed, watch = watch.changed(), None
+                untracked.refuse_changed(changed, self.rank)
         self._report_finished()
 
     def _report_finished(self) -> None:  # past the loop: no step progress to expect any more

@@ -30,6 +30,7 @@ are not state and are left alone; so are DTensor buffers (none of torch's wrappe
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -66,7 +67,10 @@ class TrackedState:
         self._kept_layout: _Layout | None = None  # kept once frozen (see _layout)
 
     def add(self, name: str, obj: Any, hooks: SessionHooks) -> None:
-        """Track ``obj`` as ``name``; a recoverable object gets the session's hooks."""
+        """Track ``obj`` as ``name``; a recoverable object gets the session's hooks; a torch or numpy
+        random generator is tracked through its state (per rank)."""
+        if _is_generator(obj):
+            obj = GeneratorState(obj)
         if not isinstance(obj, torch.Tensor) and not (
                 hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             hint = (" (a DistributedSampler: track the torchdata StatefulDataLoader built on it instead; the "
@@ -87,7 +91,7 @@ class TrackedState:
     def classify(self, per_rank: Iterable[str], replicated: Iterable[str]) -> None:
         """Override the default class of tracked plain objects by name (ConfigError if a name is
         not tracked, named twice, or names an object the commit rule covers)."""
-        per_rank, replicated = _names("per_rank", per_rank), _names("replicated", replicated)
+        per_rank, replicated = name_list("per_rank", per_rank), name_list("replicated", replicated)
         both = sorted(per_rank & replicated)
         if both:
             raise ConfigError(f"job.track(): {both} named in both per_rank and replicated; name each once")
@@ -100,6 +104,20 @@ class TrackedState:
                 raise ConfigError(f"job.track(): {name!r} (a {type(self.objects[name]).__name__}) cannot be per "
                                   "rank: modules, optimizers, recoverable state and tensors are replicated")
         self.per_rank = (self.per_rank | per_rank) - replicated
+
+    def covered_ids(self) -> set[int]:
+        """``id()`` of every object tracking covers: the tracked objects, a tracked generator, and the
+        submodules, parameters and buffers of tracked modules (for unbroken.worker.untracked)."""
+        out = set()
+        for obj in self.objects.values():
+            out.add(id(obj))
+            if isinstance(obj, GeneratorState):
+                out.add(id(obj.generator))
+            elif isinstance(obj, torch.nn.Module):
+                out.update(id(m) for m in obj.modules())
+                out.update(id(t) for t in obj.parameters())
+                out.update(id(t) for t in obj.buffers())
+        return out
 
     # -- what recovers itself, and what is plain ------------------------------------------
     def recoverable(self) -> list[RecoverableState]:
@@ -289,6 +307,56 @@ class TrackedState:
         self._rng.restore(state["rng"])
 
 
+class GeneratorState:
+    """A tracked ``torch.Generator`` or numpy ``Generator``/``RandomState``: its state as a state dict
+    (numpy's integers past 64 bits as text, its arrays as tensors: what the state tree holds)."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        g = self.generator
+        if isinstance(g, torch.Generator):
+            return {"torch": g.get_state()}
+        state = g.bit_generator.state if hasattr(g, "bit_generator") else g.get_state(legacy=False)
+        return {"numpy": _to_tree(state)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        g = self.generator
+        if isinstance(g, torch.Generator):
+            g.set_state(state["torch"])
+        elif hasattr(g, "bit_generator"):
+            g.bit_generator.state = _from_tree(state["numpy"])
+        else:
+            g.set_state(_from_tree(state["numpy"]))
+
+
+def _is_generator(obj: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return isinstance(obj, torch.Generator) or (
+        np is not None and isinstance(obj, (np.random.Generator, np.random.RandomState)))
+
+
+def _to_tree(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _to_tree(v) for k, v in x.items()}
+    if isinstance(x, int) and not isinstance(x, bool) and not -2**63 <= x < 2**63:
+        return {"__int__": str(x)}
+    if type(x).__module__ == "numpy" and hasattr(x, "dtype"):  # an array or a numpy scalar
+        return {"__ndarray__": torch.from_numpy(x.copy()) if x.ndim else torch.tensor(x.item())}
+    return x
+
+
+def _from_tree(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"__int__"}:
+            return int(x["__int__"])
+        if set(x) == {"__ndarray__"}:
+            return x["__ndarray__"].numpy().copy()
+        return {k: _from_tree(v) for k, v in x.items()}
+    return x
+
+
 def _forget_unscaled(scaler: torch.amp.GradScaler) -> None:
     """What ``GradScaler.update()`` clears for the next iteration, without updating the scale (torch
     2.13's private per-optimizer record)."""
@@ -323,9 +391,10 @@ def _per_rank_by_default(obj: Any) -> bool:
     return not (_committed_state(obj) or isinstance(obj, (torch.Tensor, LRScheduler)))
 
 
-def _names(what: str, names: Iterable[str]) -> set[str]:
+def name_list(what: str, names: Iterable[str]) -> set[str]:
+    """The names given to ``job.track({what}=...)`` (ConfigError unless a collection of strings)."""
     if isinstance(names, str):
-        raise ConfigError(f"job.track({what}=...): give a list of tracked names, not the string {names!r}")
+        raise ConfigError(f"job.track({what}=...): give a list of names, not the string {names!r}")
     out = set(names)
     bad = sorted(repr(n) for n in out if not isinstance(n, str))
     if bad:

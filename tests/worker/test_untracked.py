@@ -1,0 +1,93 @@
+"""The first step's check for state the script changes but did not track (worker/untracked.py), and
+torch and numpy generators tracked as they are (worker/tracked.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from unbroken.errors import ConfigError
+from unbroken.state.blob import decode_tree, encode_tree
+from unbroken.worker.api import SessionHooks
+from unbroken.worker.tracked import TrackedState
+from unbroken.worker.untracked import FirstStepWatch, refuse_changed
+
+HOOKS = SessionHooks(on_phase=lambda *a: None, should_abort=lambda: False, defer_completion=False,
+                     fail=lambda exc: None)
+
+
+class Wrapper(torch.nn.Module):  # what DDP is to the module it wraps
+    def __init__(self, inner):
+        super().__init__()
+        self.module = inner
+
+
+def _script():
+    """A script's loop frame: a tracked model and optimizer, and what it forgot or never changes."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    names = dict(net=net, model=Wrapper(net), opt=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                 ema=torch.nn.Linear(3, 2), teacher=torch.nn.Linear(3, 2), g=torch.Generator().manual_seed(1),
+                 tracked_g=torch.Generator().manual_seed(2), rng=np.random.default_rng(3), metric=torch.nn.Linear(1, 1),
+                 x=torch.ones(2, 3), steps=8)
+    tracked = TrackedState()
+    tracked.add("net", net, HOOKS)
+    tracked.add("tracked_g", names["tracked_g"], HOOKS)
+    return names, tracked
+
+
+def _step(names, *, forget=()):
+    loss = names["model"].module(names["x"] + torch.randn(2, 3, generator=names["g"])).sum()
+    loss.backward()
+    names["opt"].step()
+    with torch.no_grad():
+        names["ema"].weight.mul_(0.9)
+        names["metric"].weight.add_(1.0)
+    torch.rand(1, generator=names["tracked_g"])
+    names["rng"].random()
+
+
+def test_what_the_first_step_changed_and_nothing_tracks_is_named():
+    names, tracked = _script()
+    tracked.add("opt", names["opt"], HOOKS)
+    watch = FirstStepWatch(SimpleNamespace(f_globals={}, f_locals=names), tracked.covered_ids(), not_state=["metric"])
+    _step(names)
+    assert sorted(watch.changed()) == ["ema (Linear)", "g (Generator)", "rng (Generator)"]
+    with pytest.raises(ConfigError, match=r"the first step changed ema \(Linear\), g .*job.track\(\.\.\., name=obj\)"):
+        refuse_changed(sorted(watch.changed()), rank=1)
+
+
+def test_an_untracked_optimizer_is_named_once_it_stepped():
+    names, tracked = _script()
+    watch = FirstStepWatch(SimpleNamespace(f_globals=names, f_locals={}), tracked.covered_ids(),
+                           not_state=["metric", "ema", "g", "rng"])
+    _step(names)
+    assert watch.changed() == ["opt (SGD)"]
+
+
+def test_nothing_changed_nothing_named():
+    names, tracked = _script()
+    watch = FirstStepWatch(SimpleNamespace(f_globals={}, f_locals=names), tracked.covered_ids(), not_state=())
+    assert watch.changed() == [] and FirstStepWatch(None, set(), ()).changed() == []
+    refuse_changed([], rank=0)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.Generator().manual_seed(5), lambda: np.random.default_rng(5),
+                                  lambda: np.random.RandomState(5), lambda: np.random.Generator(np.random.MT19937(5))])
+def test_a_tracked_generator_rolls_back_through_the_state_tree(make):
+    g = make()
+    tracked = TrackedState()
+    tracked.add("g", g, HOOKS)
+    saved = decode_tree(encode_tree(tracked.state_of(tracked.objects["g"])), "a test")
+    first = _draw(g)
+    tracked.load_one(tracked.objects["g"], saved)
+    assert _draw(g) == first
+
+
+def _draw(g) -> list[float]:
+    if isinstance(g, torch.Generator):
+        return torch.rand(3, generator=g).tolist()
+    return list(g.random(3) if hasattr(g, "random") else g.random_sample(3))

@@ -1,0 +1,107 @@
+"""State the script changes in its steps but did not track: found after the first step, refused.
+
+What ``job.track()`` is not given is not captured, rolled back or handed to a replacement: an
+EMA copy of the model that each step updates, a ``torch.Generator`` the step draws from, an
+optimizer or scheduler left out. After a fault the job would end with exit 0 and other
+results (a replacement starts that state from the script's beginning; a survivor's moved in
+the dropped step and moves again in the redo). So under ``unbroken run`` the first step of a
+loop is watched: the stateful objects the loop's frame names (its local and module-level
+variables), other than the tracked ones and their parts, are fingerprinted when the loop
+begins and compared after its first step; one that changed stops the job with a
+:class:`~unbroken.errors.ConfigError` naming the variable. ``job.track(..., not_state=[name])``
+declares a variable whose changes do not matter to training (a metric for logging).
+
+Fingerprints are cheap and read no tensor data: a tensor's identity and version counter (every
+in-place change moves it), an optimizer's per-parameter state, a scheduler's or a scaler's
+``state_dict()``, a generator's state. Objects inside containers (a list of modules) are not
+seen: the check catches the common omissions, it does not prove there are none.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from unbroken.errors import ConfigError
+
+Fingerprint = Callable[[], Any]
+
+
+def _module_tensors(module: torch.nn.Module, tracked_ids: set[int]) -> list[torch.Tensor]:
+    """Its parameters and state_dict buffers that no tracked module holds."""
+    out = [t for t in module.parameters() if id(t) not in tracked_ids]
+    return out + [t for m in module.modules() for key, t in m._buffers.items()
+                  if t is not None and key not in m._non_persistent_buffers_set and id(t) not in tracked_ids]
+
+
+def _module_print(module: torch.nn.Module, tracked_ids: set[int]) -> Fingerprint | None:
+    """None when a tracked module holds all of it (a DDP wrapper around a tracked module)."""
+    if not _module_tensors(module, tracked_ids):
+        return None
+    return lambda: [(id(t), t._version) for t in _module_tensors(module, tracked_ids)]
+
+
+def _optimizer_print(opt: torch.optim.Optimizer) -> Fingerprint:
+    return lambda: [(id(p), sorted((k, (id(v), v._version) if isinstance(v, torch.Tensor) else repr(v))
+                                   for k, v in s.items())) for p, s in opt.state.items()]
+
+
+def _numpy_print(obj: Any) -> Fingerprint | None:
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    if isinstance(obj, np.random.Generator):
+        return lambda: repr(obj.bit_generator.state)
+    if isinstance(obj, np.random.RandomState):
+        return lambda: repr(obj.get_state(legacy=False))
+    return None
+
+
+def fingerprint(obj: Any, tracked_ids: set[int]) -> Fingerprint | None:
+    """How to read ``obj``'s state cheaply, when it is state a step may change (else None)."""
+    if isinstance(obj, torch.nn.Module):
+        return _module_print(obj, tracked_ids)
+    if isinstance(obj, torch.optim.Optimizer):
+        return _optimizer_print(obj)
+    if isinstance(obj, (LRScheduler, torch.amp.GradScaler)):
+        return lambda: repr(obj.state_dict())
+    if isinstance(obj, torch.Generator):
+        return lambda: bytes(obj.get_state().numpy())
+    return _numpy_print(obj)
+
+
+class FirstStepWatch:
+    """The untracked stateful objects a loop's frame names, fingerprinted when it began."""
+
+    def __init__(self, frame: FrameType | None, tracked_ids: set[int], not_state: Iterable[str]) -> None:
+        """``tracked_ids``: what tracking covers (TrackedState.covered_ids)."""
+        skip = set(not_state)
+        names: dict[int, tuple[str, Any]] = {}
+        if frame is not None:
+            for scope in (frame.f_globals, frame.f_locals):
+                for name, obj in scope.items():
+                    if not name.startswith("__") and name not in skip and id(obj) not in tracked_ids:
+                        names.setdefault(id(obj), (name, obj))
+        self._prints: list[tuple[str, str, Fingerprint, Any]] = []
+        for name, obj in names.values():
+            read = fingerprint(obj, tracked_ids)
+            if read is not None:
+                self._prints.append((name, type(obj).__name__, read, read()))
+
+    def changed(self) -> list[str]:
+        """'name (Type)' of each watched object whose state is not what it was."""
+        return [f"{name} ({kind})" for name, kind, read, before in self._prints if read() != before]
+
+
+def refuse_changed(changed: list[str], rank: int) -> None:
+    if changed:
+        raise ConfigError(
+            f"rank {rank}: the first step changed {', '.join(changed)}, which job.track() was not given: after a "
+            f"fault it would not be rolled back or handed to a replacement, and the run would end with other "
+            f"results. Track it (job.track(..., name=obj): torch and numpy generators too), or, when it is not "
+            f"training state (a metric for logging) or an object of yours that you track saves it, name it in "
+            f"job.track(..., not_state=[...])")

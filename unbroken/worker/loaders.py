@@ -40,11 +40,14 @@ Runs in the training thread of one rank, called by :class:`~unbroken.worker.trac
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from unbroken.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: The key of the sampler's epoch in a tracked loader's state.
 EPOCH_KEY = "unbroken_sampler_epoch"
@@ -74,6 +77,11 @@ def epoch_sampler(loader: Any) -> Any | None:
 def watch(loader: Any, fail: Callable[[Exception], None]) -> None:
     """At ``job.track``: the loader starts each new pass at the next epoch, and its sampler refuses
     ``set_epoch`` (``fail``, the session's :attr:`~unbroken.worker.api.SessionHooks.fail`, first)."""
+    if getattr(loader, "num_workers", 0) > 0:
+        log.warning("a tracked StatefulDataLoader with num_workers=%d: torchdata restores its position, not "
+                    "the random streams inside its worker processes, when a rank resumes mid-epoch; random "
+                    "draws there (augmentation) then differ from the fault-free run. To stay exact, draw them "
+                    "from a generator seeded by the sample's index (docs/limitations.md)", loader.num_workers)
     sampler = epoch_sampler(loader)
     if sampler is None or isinstance(sampler.__dict__.get("set_epoch"), _RefuseSetEpoch):
         return

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from runlib import run_tree_driver  # noqa: E402  (benchmarks/ is not a package)
 ROWS = ("commit", "recovery", "start", "store", "store_mesh", "handlers", "handlers_relayed", "step", "watch", "node_floor")
 STEP_TARGET_S = 5e-3  # issue 30: controller CPU per step at 16,384 ranks
 MESH_MAX_N = 1024
@@ -257,17 +257,8 @@ print(json.dumps([run_once() for _ in range(repeats)]))
 
 
 def measure(src: Path, row: str, n: int, repeats: int, timeout_s: float) -> float | None:
-    env = dict(os.environ, PYTHONPATH=str(src))
-    try:
-        out = subprocess.run([sys.executable, "-c", DRIVER, row, str(n), str(repeats)], env=env, cwd=src,
-                             capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        print(f"  {row} N={n} ({src}): over {timeout_s:g} s, left out", file=sys.stderr)
-        return None
-    if out.returncode != 0:
-        print(f"  {row} N={n} ({src}) failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
+    times = run_tree_driver(src, DRIVER, [row, str(n), str(repeats)], timeout_s, f"{row} N={n}")
+    return None if times is None else statistics.median(times)
 
 
 def fmt(s: float | None) -> str:

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from runlib import run_tree_driver  # noqa: E402  (benchmarks/ is not a package)
 
 DRIVER = r'''
 import json, sys, tempfile, time
@@ -72,17 +72,8 @@ finally:
 
 
 def measure(src: Path, n: int, steps: int, period_ms: float, timeout_s: float) -> dict | None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(REPO)]))  # the tree first; tests/ from here
-    try:
-        out = subprocess.run([sys.executable, "-c", DRIVER, str(n), str(steps), str(period_ms)], env=env,
-                             cwd=src, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        print(f"  N={n} ({src}): over {timeout_s:g} s, left out", file=sys.stderr)
-        return None
-    if out.returncode != 0:
-        print(f"  N={n} ({src}) failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # the tree first; tests/ (the etcd launcher) from here
+    return run_tree_driver(src, DRIVER, [str(n), str(steps), str(period_ms)], timeout_s, f"N={n}", also_path=[REPO])
 
 
 def main() -> int:

@@ -166,3 +166,22 @@ def worker_pid(run_dir: Path, rank: int) -> int | None:
     """The pid of ``rank``'s newest worker process, from the run's ``rank_started`` events."""
     pids = [ev["pid"] for ev in read_events(run_dir) if ev.get("event") == "rank_started" and ev.get("rank") == rank]
     return int(pids[-1]) if pids else None
+
+
+def run_tree_driver(src: Path, driver: str, argv: list[str], timeout_s: float, label: str,
+                    also_path: list[Path] = ()) -> object | None:
+    """Run ``driver`` (Python source) with ``argv`` in a fresh interpreter against the source tree
+    ``src`` (its working directory, first on PYTHONPATH; then ``also_path``); the last line it printed,
+    as JSON. None, with why on stderr, when it failed or ran past ``timeout_s`` (the before/ours rows of
+    controller_scale.py and durable_growth.py)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in [src, *also_path]))
+    try:
+        out = subprocess.run([sys.executable, "-c", driver, *argv], env=env, cwd=src, capture_output=True,
+                             text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"  {label} ({src}): over {timeout_s:g} s, left out", file=sys.stderr)
+        return None
+    if out.returncode != 0:
+        print(f"  {label} ({src}) failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])

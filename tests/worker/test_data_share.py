@@ -29,6 +29,11 @@ def test_what_it_reports_against_exact_mode():
     assert "tracked objects ['loader'] are per rank" in share.not_exact(MODEL, ["loader"])
     bn = {"net": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))}
     assert "['net'] keep normalization running statistics" in share.not_exact(bn, ())
+    counting = torch.nn.Module()  # (a Linear would draw its init from the global generator)
+    counting.register_buffer("seen", torch.zeros(()))
+    assert "['net'] keep buffers in their state_dict" in share.not_exact({"net": counting}, ())
+    counting.register_buffer("seen", torch.zeros(()), persistent=False)  # not state: exact
+    assert "buffers" not in share.not_exact({"net": counting}, ())
     torch.rand(1)  # a draw from the global generator inside the step (dropout, say)
     assert "drew from the global random generators" in share.not_exact(MODEL, ())
     share = DataShare(WorkerConfig())

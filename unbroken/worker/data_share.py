@@ -55,6 +55,13 @@ class DataShare:
         if stats:
             return (f"its tracked modules {stats} keep normalization running statistics (BatchNorm), which each "
                     "rank's own batches move: a lost rank's went with its node")
+        buffers = sorted(name for name, obj in objects.items() if isinstance(obj, torch.nn.Module) and any(
+            key not in m._non_persistent_buffers_set for m in obj.modules() for key, t in m._buffers.items()
+            if t is not None))
+        if buffers:
+            return (f"its tracked modules {buffers} keep buffers in their state_dict, which a forward may move with "
+                    "each rank's own batches (per-rank state): a lost rank's went with its node (buffers that "
+                    "never change: register them with persistent=False)")
         torch_state, python_state = self._rng_at_first_ask
         if not torch.equal(torch_state, torch.get_rng_state()) or python_state != random.getstate():
             return ("its step drew from the global random generators (torch or random: dropout, a shuffle), "

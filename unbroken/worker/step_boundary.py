@@ -56,12 +56,14 @@ class StepBoundary:
         self._started_t, self._last_step_s = time.monotonic(), 0.0
         self._states = rollback.StepStates(rank)  # the step start, under `unbroken run`
         self._committed = self._announced_ready = False
+        self._reduced_after_update = False
 
     def begin(self) -> None:
         self._started_t = time.monotonic()
         if self._control() is not None:  # to redo this step exactly if it is dropped
             self._states.begin(self.step, *self._tracked.step_start())
         self.in_step, self._committed = True, False
+        self._reduced_after_update = False  # see _check_order
         self.completed = False
 
     def enter(self, name: str, step: int | None = None) -> None:
@@ -85,12 +87,31 @@ class StepBoundary:
         """Move the step in flight on to ``name`` unless it is there or past it: 'sync' when a
         collective starts, 'update' (the commit first) from a tracked torch optimizer's step
         pre-hook, the first state change of a step. The manual path needs no job.phase calls."""
+        self._check_order(name)
         if self.in_step and self.phase in STEP_PHASES and STEP_PHASES.index(self.phase) < STEP_PHASES.index(name):
             self.enter(name)
 
     def on_optimizer_phase(self, name: str, step: int) -> None:
+        self._check_order(name)
         if name != Phase.DONE:  # 'done' is recorded at the end of the step by the boundary
             self.enter(name)
+
+    def _check_order(self, name: str) -> None:
+        """A step commits at its first optimizer update, once every rank finished its reductions. A
+        reduction after that update is harmless (a logged loss) unless an optimizer then updates
+        from it (a GAN's generator after its discriminator): a fault in that reduction would roll the
+        step forward without that update. Refused when it happens (the first step shows it)."""
+        if not (self.in_step and self._committed):
+            return
+        if name == Phase.SYNC:
+            self._reduced_after_update = True
+        elif name == Phase.UPDATE and self._reduced_after_update:
+            raise ConfigError(
+                f"rank {self.rank}: in step {self.step} an optimizer updates after a reduction that began after the "
+                f"step's first optimizer update: unbroken commits a step at its first update, so a fault in that "
+                f"reduction would end the step without this update. Give each optimizer's update its own step (e.g. "
+                f"alternate: `if step % 2 == 0:` the discriminator's forward, backward and step, `else:` the "
+                f"generator's), or finish every backward before the first optimizer step")
 
     def _commit(self) -> None:
         """Entering ``update``: the reduction is done; join the step's commit vote, report the

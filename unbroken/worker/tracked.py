@@ -65,6 +65,7 @@ class TrackedState:
         self.frozen = False  # set once job.steps() began: tracking more is a usage error
         self._rng = rng.StreamReader()  # reads the RNG streams, reusing what did not move
         self._kept_layout: _Layout | None = None  # kept once frozen (see _layout)
+        self._after_update: set[tuple[str, str]] = set()  # buffers moved only after updates (learn_after_update)
 
     def add(self, name: str, obj: Any, hooks: SessionHooks) -> None:
         """Track ``obj`` as ``name``; a recoverable object gets the session's hooks; a torch or numpy
@@ -132,15 +133,14 @@ class TrackedState:
         """This rank's own state: the per-rank objects and the RNG streams, as they are now."""
         layout = self._layout()
         states, streams = self._states(layout.per_rank, layout.sharded)
-        return self._with_buffers({"objects": states, "rng": streams}, layout.buffer_layers)
+        return self._with_buffers({"objects": states, "rng": streams})
 
     def step_start(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(:meth:`rollback_tree`, :meth:`per_rank_tree`) of now, in one pass."""
         layout = self._layout()
         states, streams = self._states(layout.local + layout.per_rank, layout.sharded)
         return ({n: states[n] for n in layout.local},
-                self._with_buffers({"objects": {n: states[n] for n in layout.per_rank}, "rng": streams},
-                                   layout.buffer_layers))
+                self._with_buffers({"objects": {n: states[n] for n in layout.per_rank}, "rng": streams}))
 
     def _layout(self) -> _Layout:
         """Which tracked objects a step's capture reads, and the layers of the tracked modules with buffers.
@@ -158,17 +158,37 @@ class TrackedState:
             self._kept_layout = layout
         return layout
 
-    @staticmethod
-    def _with_buffers(tree: dict[str, Any], layers: list[tuple[str, str, torch.nn.Module]]) -> dict[str, Any]:
-        """``tree`` with the tracked modules' buffers (see the module docstring), looked up by name at
-        each read (a forward may assign a new tensor to a buffer's name)."""
+    def _with_buffers(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """``tree`` with the tracked modules' buffers (see the module docstring), but those seen moving
+        only after a step's update (:meth:`learn_after_update`)."""
         buffers: dict[str, dict[str, torch.Tensor]] = {}
-        for name, prefix, layer in layers:
+        for name, key, t in self._buffers():
+            if (name, key) not in self._after_update and not isinstance(t, DTensor):
+                buffers.setdefault(name, {})[key] = t  # live tensors: a capture snapshots them
+        return {**tree, "buffers": buffers} if buffers else tree
+
+    def _buffers(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(tracked name, key, tensor) of every state_dict buffer of the tracked modules, looked up by
+        name at each read (a forward may give a buffer's name another tensor)."""
+        for name, prefix, layer in self._layout().buffer_layers:
             skip = layer._non_persistent_buffers_set
             for key, t in layer._buffers.items():
-                if t is not None and key not in skip and not isinstance(t, DTensor):
-                    buffers.setdefault(name, {})[f"{prefix}.{key}" if prefix else key] = t  # a capture snapshots them
-        return {**tree, "buffers": buffers} if buffers else tree
+                if t is not None and key not in skip:
+                    yield name, f"{prefix}.{key}" if prefix else key, t
+
+    def buffer_versions(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(tracked name, key) -> (tensor id, version counter) of each buffer: what moved them is seen by
+        comparing two of these (no data read)."""
+        return {(name, key): (id(t), t._version) for name, key, t in self._buffers()}
+
+    def learn_after_update(self, at_start: dict, at_commit: dict) -> None:
+        """Buffers a step moved after its update and not before it (an AveragedModel's average and its
+        count, updated after ``opt.step()``) are module state like the parameters: a replacement gets them
+        from a survivor. As per-rank state they were wrong there: a rank's own copy is taken before the
+        update (when the step commits), so one resuming after a rolled-forward step missed that change."""
+        for key, now in self.buffer_versions().items():
+            if at_start.get(key) == at_commit.get(key) != now:
+                self._after_update.add(key)
 
     def _states(self, names: list[str], sharded: frozenset[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """The states of ``names`` and the RNG streams as they were before reading them (``sharded``:

@@ -224,7 +224,8 @@ class Job:
                 self._raised_in_step = True
                 raise
             return
-        self._boundary.end(index)
+        with self._fatal_exits():  # (the first step's order checks: worker/step_boundary.py _check_order)
+            self._boundary.end(index)
 
     @contextlib.contextmanager
     def _fatal_exits(self) -> Iterator[None]:

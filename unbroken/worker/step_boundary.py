@@ -27,7 +27,7 @@ from typing import Any, Callable
 from unbroken.errors import CollectiveAborted, ConfigError
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import STEP_PHASES, Phase
-from unbroken.worker import integrity, rollback
+from unbroken.worker import integrity, rollback, untracked
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
 from unbroken.worker.tracked import TrackedState
@@ -58,6 +58,8 @@ class StepBoundary:
         self._committed = self._announced_ready = False
         self._reduced_after_update = False
         self._buffers_at: list[dict] = []  # the buffers' versions at this step's start and at its commit
+        self._watch_after_reduction = True  # (the first step completed here: see _check_order)
+        self._after_reduction: untracked.TrackedWatch | None = None
 
     def begin(self) -> None:
         self._started_t = time.monotonic()
@@ -101,11 +103,15 @@ class StepBoundary:
     def _check_order(self, name: str) -> None:
         """A step commits at its first optimizer update, once every rank finished its reductions. A
         reduction after that update is harmless (a logged loss) unless an optimizer then updates
-        from it (a GAN's generator after its discriminator): a fault in that reduction would roll the
-        step forward without that update. Refused when it happens (the first step shows it)."""
+        from it (a GAN's generator after its discriminator), or tracked state changes after it (a
+        scheduler stepped after a logging all-reduce): a fault in that reduction would roll the step
+        forward without them. Refused when it happens: the update at once, the rest at the end of the
+        first step that completes here (the tracked objects fingerprinted at its first such reduction)."""
         if not (self.in_step and self._committed):
             return
         if name == Phase.SYNC:
+            if not self._reduced_after_update and self._watch_after_reduction:
+                self._after_reduction = untracked.TrackedWatch(self._tracked.objects)
             self._reduced_after_update = True
         elif name == Phase.UPDATE and self._reduced_after_update:
             raise ConfigError(
@@ -149,6 +155,9 @@ class StepBoundary:
         if len(self._buffers_at) == 2:  # (a managed step that committed)
             self._tracked.learn_after_update(*self._buffers_at)
         self._buffers_at = []
+        watch, self._after_reduction, self._watch_after_reduction = self._after_reduction, None, False
+        if watch is not None:  # the first step had a reduction after its update: what changed after it?
+            untracked.refuse_changed_after_reduction(watch.changed(), self.rank, self.step)
         self.completed = True
         self.phase = Phase.DONE
         self.in_step = False

@@ -27,6 +27,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from unbroken.errors import ConfigError
+from unbroken.worker import loaders
 
 Fingerprint = Callable[[], Any]
 
@@ -95,6 +96,40 @@ class FirstStepWatch:
     def changed(self) -> list[str]:
         """'name (Type)' of each watched object whose state is not what it was."""
         return [f"{name} ({kind})" for name, kind, read, before in self._prints if read() != before]
+
+
+def _plain_print(obj: Any) -> Fingerprint | None:
+    """A tracked tensor's version; another tracked object's state_dict() (not a loader's: reading
+    one may start an iterator)."""
+    if isinstance(obj, torch.Tensor):
+        return lambda: (id(obj), obj._version)
+    if loaders.is_loader(obj) or not hasattr(obj, "state_dict"):
+        return None
+    return lambda: repr(obj.state_dict())
+
+
+class TrackedWatch:
+    """The tracked objects' fingerprints now (a reduction after the step's update began)."""
+
+    def __init__(self, tracked: dict[str, Any]) -> None:
+        self._prints = []
+        for name, obj in tracked.items():
+            read = fingerprint(getattr(obj, "generator", obj), set()) or _plain_print(obj)
+            if read is not None:
+                self._prints.append((name, type(obj).__name__, read, read()))
+
+    def changed(self) -> list[str]:
+        return [f"{name} ({kind})" for name, kind, read, before in self._prints if read() != before]
+
+
+def refuse_changed_after_reduction(changed: list[str], rank: int, step: int) -> None:
+    if changed:
+        raise ConfigError(
+            f"rank {rank}: in step {step} the tracked {', '.join(changed)} changed after a reduction that began "
+            f"after the step's first optimizer update (a logged loss's all-reduce, say): unbroken commits a step "
+            f"at its first update, so a fault in that reduction would end the step without these changes, and "
+            f"the run with other results. Move that reduction to the end of the step, after them (or before the "
+            f"optimizer step)")
 
 
 def refuse_changed(changed: list[str], rank: int) -> None:

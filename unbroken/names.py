@@ -41,7 +41,8 @@ class Phase(enum.StrEnum):
 
     A step runs ``compute`` -> ``sync`` -> ``update`` -> ``done``; ``checkpoint`` and
     ``restore`` are the points where checkpoint/restore faults fire, ``vote`` a rank waiting in
-    a step's commit vote (its reduction done; a fault ``at=vote`` fires just before it joins);
+    a step's commit vote (its reduction done; a fault ``at=vote`` fires just before it joins),
+    ``collective`` a rank of a step's compute blocked in a broadcast or gather (DDP's buffers);
     ``starting`` is a rank that has not reported yet and ``finished`` one past its step loop.
     """
 
@@ -53,6 +54,7 @@ class Phase(enum.StrEnum):
     CHECKPOINT = "checkpoint"
     RESTORE = "restore"
     VOTE = "vote"
+    COLLECTIVE = "collective"  # (a mark only) waiting in a collective that is not a reduction, in compute
     FINISHED = "finished"
 
 

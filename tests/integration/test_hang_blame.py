@@ -69,3 +69,20 @@ def test_a_stopped_rank_is_blamed_under_load(tmp_path, reference):
 def test_a_stopped_rank_is_blamed_under_load_ten_times_in_ten(tmp_path, reference):
     for run in range(10):  # every other run with the step reports batched per node
         _check_blamed(tmp_path, reference, f"stopped-{run}", ("--node-reports",) if run % 2 else ())
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_hung_before_its_forward_is_blamed_not_the_peer_waiting_in_ddps_buffer_broadcast(tmp_path):
+    """DDP with BatchNorm broadcasts its buffers as the forward begins: a peer of a rank hung before its
+    forward waits there, in the step's compute, not in a reduction. It used to look as "computing" as the
+    hung rank, and the one silent the longest was blamed (the healthy peer, 2 of 3 times; a second probe
+    of unseen scripts). Now it is marked waiting in a collective, and the hung rank is blamed."""
+    from tests.conftest import REPO
+    script = REPO / "tests" / "integration" / "scripts" / "ddp_user_script.py"
+    run_dir = tmp_path / "run"
+    result = run_cli(["run", "--nproc-per-node", "2", "--run-dir", str(run_dir), "--inject", "hang:rank=1:step=4",
+                      str(script), "--steps", "8", "--step-sleep-s", "0.05", "--out", str(tmp_path / "w.safetensors")],
+                     timeout_s=240)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    (hang,) = events(run_dir, "hang_detected")[:1]
+    assert hang["rank"] == 1 and "never reached the collective" in hang["why"], hang

@@ -57,6 +57,30 @@ def test_a_rank_that_stays_in_a_phase_reports_it_after_the_delay():
     assert len(wire) == 2  # sent once
 
 
+def test_a_rank_blocked_in_a_broadcast_of_its_compute_is_marked_waiting_in_a_collective():
+    """DDP's buffer broadcast as the forward begins: a rank blocked there is waiting in a collective (the
+    hang rule then blames a peer that never reached it); one that left it before the delay is not."""
+    class Work:
+        def __init__(self, completed):
+            self.completed = completed
+
+        def is_completed(self):
+            return self.completed
+
+    reports, wire = _reports()
+    reports.phase(4, Phase.COMPUTE)
+    reports.collective(4, Work(completed=True))  # left at once
+    reports.flush_due(time.monotonic() + DELAY_S * 2)
+    assert len(wire) == 1
+    reports.collective(4, Work(completed=False))  # blocked
+    reports.flush_due(time.monotonic() + DELAY_S * 2)
+    assert (wire[-1].step, wire[-1].phase) == (4, Phase.COLLECTIVE)
+    reports.phase(4, Phase.SYNC)
+    reports.collective(4, Work(completed=False))  # a gather inside the reduction phase: the sync mark stays
+    reports.flush_due(time.monotonic() + DELAY_S * 2)
+    assert (wire[-1].step, wire[-1].phase) == (4, Phase.SYNC)
+
+
 def test_a_completed_step_with_no_next_step_is_flushed_before_anything_else_goes_out():
     reports, wire = _reports()
     reports.phase(0, Phase.COMPUTE)

@@ -1,8 +1,9 @@
 """Which rank a hang is blamed on. Pure: the server feeds it what it knows of every rank.
 
 In synchronous training a rank that stops progressing makes its peers block in a collective
-it never reached: the step's reduction (phase ``sync``) or its commit vote (``vote``: the rank
-reported its reduction done after joining the vote); they then look as silent as the culprit,
+it never reached: the step's reduction (phase ``sync``), its commit vote (``vote``: the rank
+reported its reduction done after joining the vote), or a broadcast or gather of its compute
+(``collective``: DDP broadcasts its buffers as the forward begins); they then look as silent as the culprit,
 and the ones that began waiting earliest cross the hang timeout first. So the timeout only
 says *that* something hangs; *who* is decided among all live ranks, by evidence, strongest first:
 
@@ -31,8 +32,8 @@ from unbroken.names import Phase
 #: Process states, as the agent reports them (from /proc via psutil).
 NOT_RUNNING = ("stopped", "zombie")
 #: The phases in which a rank waits for all the others (a collective of the step).
-WAITING = (Phase.SYNC, Phase.VOTE)
-_ORDER = {Phase.COMPUTE: 0, Phase.SYNC: 1, Phase.VOTE: 2, Phase.UPDATE: 3, Phase.DONE: 4}
+WAITING = (Phase.COLLECTIVE, Phase.SYNC, Phase.VOTE)
+_ORDER = {Phase.COMPUTE: 0, Phase.COLLECTIVE: 1, Phase.SYNC: 2, Phase.VOTE: 3, Phase.UPDATE: 4, Phase.DONE: 5}
 
 
 @dataclass(frozen=True)

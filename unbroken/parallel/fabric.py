@@ -70,6 +70,7 @@ class Fabric:
         self.groups: list[SurvivingGroup] = []
         self.ddps = DdpRegistry()  # every DDP built on one of the groups, in construction order
         self.before_reduce: Callable[[], None] | None = None  # called before each reduction is issued
+        self.on_collective: Callable[[Any], None] | None = None  # given each other collective's work once issued
         self._gen = -1
         self._prepared: tuple[int, list[Any]] | None = None  # (generation, backends built ahead: prepare())
         self._held = False
@@ -93,7 +94,8 @@ class Fabric:
         """torch's plugin hook: a new group of ``opts.group_size`` ranks (``new_group``, a mesh dim)."""
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         group = SurvivingGroup(opts.group_rank, opts.group_size, ranks, f"g{opts.group_id}",
-                               self.signal, self.graveyard, before_reduce=self._reducing, ddps=self.ddps)
+                               self.signal, self.graveyard, before_reduce=self._reducing, ddps=self.ddps,
+                               on_collective=self._collective)
         group.held = self._held
         self.groups.append(group)
         if self._gen >= 0:  # created after the job joined a generation: every member builds it now
@@ -103,6 +105,10 @@ class Fabric:
     def _reducing(self) -> None:
         if self.before_reduce is not None:
             self.before_reduce()
+
+    def _collective(self, work: Any) -> None:
+        if self.on_collective is not None:
+            self.on_collective(work)
 
     @property
     def world(self) -> SurvivingGroup:

@@ -56,7 +56,8 @@ class SurvivingGroup(dist.ProcessGroup):
     Owned by one :class:`~unbroken.parallel.fabric.Fabric` (which builds it, attaches each
     generation's backend and holds the abort signal). ``global_ranks`` are the job ranks of
     its members, in group-rank order. ``before_reduce`` is called before each reduction is
-    issued (the session marks its step's phase ``sync`` there).
+    issued (the session marks its step's phase ``sync`` there), ``on_collective`` with the work of
+    each other collective once issued (the session tells the hang rule it may wait there).
 
     *Held* (:attr:`held`, set by the fabric): attached to a generation, but collectives
     complete locally as when detached. A replacement holds its groups while the script builds
@@ -66,13 +67,15 @@ class SurvivingGroup(dist.ProcessGroup):
 
     def __init__(self, rank: int, size: int, global_ranks: list[int], key: str,
                  signal: AbortSignal, graveyard: list[Any],
-                 before_reduce: Callable[[], None] | None = None, ddps: DdpRegistry | None = None) -> None:
+                 before_reduce: Callable[[], None] | None = None, ddps: DdpRegistry | None = None,
+                 on_collective: Callable[[Any], None] | None = None) -> None:
         super().__init__(rank, size)
         self._ddps = ddps  # the fabric's record of the DDPs built on its groups (parallel/ddp.py)
         self.global_ranks = list(global_ranks)
         self.key = key  # names its store prefix in each generation: gen<g>/<key>/
         self._signal, self._graveyard = signal, graveyard
         self._before_reduce = before_reduce
+        self._on_collective = on_collective  # given each other collective's work once issued (hang evidence)
         self._backend: Any = None  # a ProcessGroupGloo (torch Backend) or None
         self._gen = -1  # -1: detached, no generation joined yet
         self.held = False
@@ -124,7 +127,10 @@ class SurvivingGroup(dist.ProcessGroup):
         if local is None and self._before_reduce is not None:
             self._before_reduce()
         inner = self._issued(what, lambda: getattr(self._backend, op)(*args))
-        return AbortableWork(inner, self._signal, self._graveyard, what, finish=finish)
+        work = AbortableWork(inner, self._signal, self._graveyard, what, finish=finish)
+        if local is not None and self._on_collective is not None:
+            self._on_collective(work)
+        return work
 
     def allreduce(self, *args):
         return self._issue("allreduce", args, None)

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,13 @@ class Start:
 
 
 def build(cfg: WorkerConfig, backend: str, device: torch.device,
-          before_reduce: Callable[[], None] | None = None) -> Start:
+          before_reduce: Callable[[], None] | None = None,
+          on_collective: Callable[[Any], None] | None = None) -> Start:
     """The store is the controller's, one per attempt, served over the authenticated control plane
     under `unbroken run` (None elsewhere); the caller keeps it for the life of the process (gloo's
     groups hold it in C++: :attr:`Start.store`). A default group the script built is used as it is
-    (the script destroys it). ``before_reduce``: called before each reduction on a surviving group."""
+    (the script destroys it). ``before_reduce``: called before each reduction on a surviving group;
+    ``on_collective``: given the work of each other collective on one."""
     timeout = timedelta(seconds=cfg.worker.pg_timeout_s)
     store = None
     if cfg.mode == "managed":
@@ -58,7 +61,7 @@ def build(cfg: WorkerConfig, backend: str, device: torch.device,
                                         pid=os.getpid(), timeout_s=cfg.worker.pg_timeout_s,
                                         key_prefix=cfg.store_prefix)
         if not dist.is_initialized() and device.type == "cpu" and backend == "gloo":
-            return _surviving_start(cfg, store, before_reduce)
+            return _surviving_start(cfg, store, before_reduce, on_collective)
         if cfg.replacement:
             return Start(store, None, False)
     if dist.is_initialized():
@@ -73,12 +76,14 @@ def build(cfg: WorkerConfig, backend: str, device: torch.device,
     return Start(store, dist.group.WORLD, True)
 
 
-def _surviving_start(cfg: WorkerConfig, store: dist.Store, before_reduce: Callable[[], None] | None) -> Start:
+def _surviving_start(cfg: WorkerConfig, store: dist.Store, before_reduce: Callable[[], None] | None,
+                     on_collective: Callable[[Any], None] | None = None) -> Start:
     """The default group is the fabric's world group; a first-generation rank joins generation 0
     now, a replacement stays detached until the regroup order."""
     fabric = Fabric(dist.PrefixStore(FABRIC_PREFIX, store), cfg.rank, cfg.world_size,
                     timeout_s=cfg.worker.pg_timeout_s, lazy_connect=cfg.worker.lazy_connect)
     fabric.before_reduce = before_reduce
+    fabric.on_collective = on_collective
     fabric.init_world()
     if cfg.replacement:
         return Start(store, None, True, fabric)

@@ -47,6 +47,7 @@ class _Pending:
     phase: str
     since_t: float
     metrics: dict[str, Any] = field(default_factory=dict)
+    work: Any = None  # a collective mark's work: the mark goes only while it has not completed
 
 
 class StepReports:
@@ -80,6 +81,13 @@ class StepReports:
             self._compute_t = now if phase == Phase.COMPUTE else None
             self._progress(step, phase, metrics, state=state, state_same=state_same, done=done)
 
+    def collective(self, step: int, work: Any) -> None:
+        """The rank issued a collective other than a reduction in its step's compute (``work``): marked
+        ``collective`` if the rank still waits in it after the delay (no other mark supersedes one)."""
+        with self._lock:
+            if self._mark is None or self._mark.phase == Phase.COLLECTIVE:
+                self._mark = _Pending(step, Phase.COLLECTIVE, time.monotonic(), work=work)
+
     def done(self, step: int, metrics: dict[str, Any]) -> None:
         """The rank completed ``step`` steps; the report rides on the next compute report."""
         metrics = dict(metrics)
@@ -104,6 +112,8 @@ class StepReports:
             if self._done is not None and now - self._done.since_t >= self._delay_s:
                 self._flush_done_locked()
             mark = self._mark
+            if mark is not None and mark.work is not None and mark.work.is_completed():
+                self._mark = mark = None  # it left that collective: not waiting there
             if mark is not None and now - mark.since_t >= self._delay_s:
                 self._mark = None
                 self._progress(mark.step, mark.phase, {})

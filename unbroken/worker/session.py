@@ -81,7 +81,8 @@ class Job:
         self._data_share = DataShare(cfg)
         backend = backend or _default_backend(self.device)
         start = first_group.build(cfg, backend, self.device,  # DDP's all-reduce marks 'sync':
-                                  before_reduce=functools.partial(self._boundary.advance, Phase.SYNC))
+                                  before_reduce=functools.partial(self._boundary.advance, Phase.SYNC),
+                                  on_collective=self._boundary.waiting)
         self._owns_default_group, self._fabric = start.owns_default_group, start.fabric
         self._inflight = InFlight(cfg, device=self.device, control=self._control, store=start.store,
                                   group=start.group, tracked=self._tracked, injector=self._injector,

@@ -95,6 +95,14 @@ class StepBoundary:
         if self.in_step and self.phase in STEP_PHASES and STEP_PHASES.index(self.phase) < STEP_PHASES.index(name):
             self.enter(name)
 
+    def waiting(self, work: Any) -> None:
+        """A collective other than a reduction was issued in the step's compute (DDP's broadcast of its
+        buffers as the forward begins): if it blocks, the hang rule hears the rank waits in a collective
+        (a peer that never reached it is then behind it, and blamed)."""
+        control = self._control()
+        if control is not None and self.in_step and self.phase == Phase.COMPUTE:
+            control.reports.collective(self.step, work)
+
     def on_optimizer_phase(self, name: str, step: int) -> None:
         self._check_order(name)
         if name != Phase.DONE:  # 'done' is recorded at the end of the step by the boundary

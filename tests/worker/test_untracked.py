@@ -3,6 +3,7 @@ torch and numpy generators tracked as they are (worker/tracked.py)."""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,6 +33,7 @@ def _script():
     names = dict(net=net, model=Wrapper(net), opt=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
                  ema=torch.nn.Linear(3, 2), teacher=torch.nn.Linear(3, 2), g=torch.Generator().manual_seed(1),
                  tracked_g=torch.Generator().manual_seed(2), rng=np.random.default_rng(3), metric=torch.nn.Linear(1, 1),
+                 pyrng=random.Random(4), random_module=random,
                  x=torch.ones(2, 3), steps=8)
     tracked = TrackedState()
     tracked.add("net", net, HOOKS)
@@ -48,14 +50,15 @@ def _step(names, *, forget=()):
         names["metric"].weight.add_(1.0)
     torch.rand(1, generator=names["tracked_g"])
     names["rng"].random()
-
+    names["pyrng"].random()
+    random.random()  # the global stream: tracked for you, never named
 
 def test_what_the_first_step_changed_and_nothing_tracks_is_named():
     names, tracked = _script()
     tracked.add("opt", names["opt"], HOOKS)
     watch = FirstStepWatch(SimpleNamespace(f_globals={}, f_locals=names), tracked.covered_ids(), not_state=["metric"])
     _step(names)
-    assert sorted(watch.changed()) == ["ema (Linear)", "g (Generator)", "rng (Generator)"]
+    assert sorted(watch.changed()) == ["ema (Linear)", "g (Generator)", "pyrng (Random)", "rng (Generator)"]
     with pytest.raises(ConfigError, match=r"the first step changed ema \(Linear\), g .*job.track\(\.\.\., name=obj\)"):
         refuse_changed(sorted(watch.changed()), rank=1)
 
@@ -63,7 +66,7 @@ def test_what_the_first_step_changed_and_nothing_tracks_is_named():
 def test_an_untracked_optimizer_is_named_once_it_stepped():
     names, tracked = _script()
     watch = FirstStepWatch(SimpleNamespace(f_globals=names, f_locals={}), tracked.covered_ids(),
-                           not_state=["metric", "ema", "g", "rng"])
+                           not_state=["metric", "ema", "g", "rng", "pyrng"])
     _step(names)
     assert watch.changed() == ["opt (SGD)"]
 
@@ -76,6 +79,7 @@ def test_nothing_changed_nothing_named():
 
 
 @pytest.mark.parametrize("make", [lambda: torch.Generator().manual_seed(5), lambda: np.random.default_rng(5),
+                                  lambda: random.Random(5),
                                   lambda: np.random.RandomState(5), lambda: np.random.Generator(np.random.MT19937(5))])
 def test_a_tracked_generator_rolls_back_through_the_state_tree(make):
     g = make()
@@ -90,4 +94,6 @@ def test_a_tracked_generator_rolls_back_through_the_state_tree(make):
 def _draw(g) -> list[float]:
     if isinstance(g, torch.Generator):
         return torch.rand(3, generator=g).tolist()
+    if isinstance(g, random.Random):
+        return [g.random() for _ in range(3)]
     return list(g.random(3) if hasattr(g, "random") else g.random_sample(3))

@@ -30,6 +30,7 @@ are not state and are left alone; so are DTensor buffers (none of torch's wrappe
 
 from __future__ import annotations
 
+import random
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -328,8 +329,8 @@ class TrackedState:
 
 
 class GeneratorState:
-    """A tracked ``torch.Generator`` or numpy ``Generator``/``RandomState``: its state as a state dict
-    (numpy's integers past 64 bits as text, its arrays as tensors: what the state tree holds)."""
+    """A tracked ``torch.Generator``, numpy ``Generator``/``RandomState`` or ``random.Random``: its state as
+    a state dict (numpy's integers past 64 bits as text, its arrays as tensors: what the state tree holds)."""
 
     def __init__(self, generator: Any) -> None:
         self.generator = generator
@@ -338,6 +339,9 @@ class GeneratorState:
         g = self.generator
         if isinstance(g, torch.Generator):
             return {"torch": g.get_state()}
+        if isinstance(g, random.Random):
+            version, words, gauss = g.getstate()
+            return {"python": [version, list(words), gauss]}
         state = g.bit_generator.state if hasattr(g, "bit_generator") else g.get_state(legacy=False)
         return {"numpy": _to_tree(state)}
 
@@ -345,6 +349,9 @@ class GeneratorState:
         g = self.generator
         if isinstance(g, torch.Generator):
             g.set_state(state["torch"])
+        elif isinstance(g, random.Random):
+            version, words, gauss = state["python"]
+            g.setstate((version, tuple(words), gauss))
         elif hasattr(g, "bit_generator"):
             g.bit_generator.state = _from_tree(state["numpy"])
         else:
@@ -353,7 +360,7 @@ class GeneratorState:
 
 def _is_generator(obj: Any) -> bool:
     np = sys.modules.get("numpy")
-    return isinstance(obj, torch.Generator) or (
+    return isinstance(obj, (torch.Generator, random.Random)) or (
         np is not None and isinstance(obj, (np.random.Generator, np.random.RandomState)))
 
 

@@ -19,6 +19,7 @@ seen: the check catches the common omissions, it does not prove there are none.
 
 from __future__ import annotations
 
+import random
 import sys
 from types import FrameType
 from typing import Any, Callable, Iterable
@@ -72,6 +73,8 @@ def fingerprint(obj: Any, tracked_ids: set[int]) -> Fingerprint | None:
         return lambda: repr(obj.state_dict())
     if isinstance(obj, torch.Generator):
         return lambda: bytes(obj.get_state().numpy())
+    if isinstance(obj, random.Random) and obj is not random._inst:  # (the global one: tracked for you)
+        return obj.getstate
     return _numpy_print(obj)
 
 

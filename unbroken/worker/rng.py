@@ -4,6 +4,9 @@ torch (CPU, and CUDA when initialized), Python's ``random`` and, when the script
 it, numpy. The captured form holds tensors and plain values only, so the state tree
 and the replica transfer carry it without pickle.
 
+A generator the script owns (a ``torch.Generator``, a numpy ``Generator``/``RandomState``, a
+``random.Random``) is tracked through a :class:`GeneratorState` (per rank, like the streams).
+
 :func:`capture`/:func:`restore` read and set the streams once (checkpoints, transfers). A
 :class:`StreamReader` does the same for the reads of every step (worker/rollback.py), where
 the cost counts: it converts a stream again only when it moved since its last read.
@@ -289,3 +292,60 @@ def _legacy_from_engine(raw: bytes) -> bytes:
             + struct.pack("<624Q", *struct.unpack_from("<624I", raw, _TORCH_WORDS_AT))
             + struct.pack("<dddi4x", 0.0, double_sample if double_valid else 0.0, 0.0, double_valid)
             + struct.pack("<f?3x", float_sample if float_valid else 0.0, float_valid))
+
+
+class GeneratorState:
+    """A tracked ``torch.Generator``, numpy ``Generator``/``RandomState`` or ``random.Random``: its state as
+    a state dict (numpy's integers past 64 bits as text, its arrays as tensors: what the state tree holds)."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        g = self.generator
+        if isinstance(g, torch.Generator):
+            return {"torch": g.get_state()}
+        if isinstance(g, random.Random):
+            version, words, gauss = g.getstate()
+            return {"python": [version, list(words), gauss]}
+        state = g.bit_generator.state if hasattr(g, "bit_generator") else g.get_state(legacy=False)
+        return {"numpy": _to_tree(state)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        g = self.generator
+        if isinstance(g, torch.Generator):
+            g.set_state(state["torch"])
+        elif isinstance(g, random.Random):
+            version, words, gauss = state["python"]
+            g.setstate((version, tuple(words), gauss))
+        elif hasattr(g, "bit_generator"):
+            g.bit_generator.state = _from_tree(state["numpy"])
+        else:
+            g.set_state(_from_tree(state["numpy"]))
+
+
+def is_generator(obj: Any) -> bool:
+    """A torch, numpy or Python random generator a script owns (tracked as a GeneratorState)."""
+    np = sys.modules.get("numpy")
+    return isinstance(obj, (torch.Generator, random.Random)) or (
+        np is not None and isinstance(obj, (np.random.Generator, np.random.RandomState)))
+
+
+def _to_tree(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _to_tree(v) for k, v in x.items()}
+    if isinstance(x, int) and not isinstance(x, bool) and not -2**63 <= x < 2**63:
+        return {"__int__": str(x)}
+    if type(x).__module__ == "numpy" and hasattr(x, "dtype"):  # an array or a numpy scalar
+        return {"__ndarray__": torch.from_numpy(x.copy()) if x.ndim else torch.tensor(x.item())}
+    return x
+
+
+def _from_tree(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"__int__"}:
+            return int(x["__int__"])
+        if set(x) == {"__ndarray__"}:
+            return x["__ndarray__"].numpy().copy()
+        return {k: _from_tree(v) for k, v in x.items()}
+    return x

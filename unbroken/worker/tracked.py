@@ -30,8 +30,6 @@ are not state and are left alone; so are DTensor buffers (none of torch's wrappe
 
 from __future__ import annotations
 
-import random
-import sys
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -71,8 +69,8 @@ class TrackedState:
     def add(self, name: str, obj: Any, hooks: SessionHooks) -> None:
         """Track ``obj`` as ``name``; a recoverable object gets the session's hooks; a torch or numpy
         random generator is tracked through its state (per rank)."""
-        if _is_generator(obj):
-            obj = GeneratorState(obj)
+        if rng.is_generator(obj):
+            obj = rng.GeneratorState(obj)
         if not isinstance(obj, torch.Tensor) and not (
                 hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             hint = (" (a DistributedSampler: track the torchdata StatefulDataLoader built on it instead; the "
@@ -113,7 +111,7 @@ class TrackedState:
         out = set()
         for obj in self.objects.values():
             out.add(id(obj))
-            if isinstance(obj, GeneratorState):
+            if isinstance(obj, rng.GeneratorState):
                 out.add(id(obj.generator))
             elif isinstance(obj, torch.nn.Module):
                 out.update(id(m) for m in obj.modules())
@@ -326,62 +324,6 @@ class TrackedState:
         for name, obj in self.objects.items():
             self.load_one(obj, tracked[name])
         self._rng.restore(state["rng"])
-
-
-class GeneratorState:
-    """A tracked ``torch.Generator``, numpy ``Generator``/``RandomState`` or ``random.Random``: its state as
-    a state dict (numpy's integers past 64 bits as text, its arrays as tensors: what the state tree holds)."""
-
-    def __init__(self, generator: Any) -> None:
-        self.generator = generator
-
-    def state_dict(self) -> dict[str, Any]:
-        g = self.generator
-        if isinstance(g, torch.Generator):
-            return {"torch": g.get_state()}
-        if isinstance(g, random.Random):
-            version, words, gauss = g.getstate()
-            return {"python": [version, list(words), gauss]}
-        state = g.bit_generator.state if hasattr(g, "bit_generator") else g.get_state(legacy=False)
-        return {"numpy": _to_tree(state)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        g = self.generator
-        if isinstance(g, torch.Generator):
-            g.set_state(state["torch"])
-        elif isinstance(g, random.Random):
-            version, words, gauss = state["python"]
-            g.setstate((version, tuple(words), gauss))
-        elif hasattr(g, "bit_generator"):
-            g.bit_generator.state = _from_tree(state["numpy"])
-        else:
-            g.set_state(_from_tree(state["numpy"]))
-
-
-def _is_generator(obj: Any) -> bool:
-    np = sys.modules.get("numpy")
-    return isinstance(obj, (torch.Generator, random.Random)) or (
-        np is not None and isinstance(obj, (np.random.Generator, np.random.RandomState)))
-
-
-def _to_tree(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _to_tree(v) for k, v in x.items()}
-    if isinstance(x, int) and not isinstance(x, bool) and not -2**63 <= x < 2**63:
-        return {"__int__": str(x)}
-    if type(x).__module__ == "numpy" and hasattr(x, "dtype"):  # an array or a numpy scalar
-        return {"__ndarray__": torch.from_numpy(x.copy()) if x.ndim else torch.tensor(x.item())}
-    return x
-
-
-def _from_tree(x: Any) -> Any:
-    if isinstance(x, dict):
-        if set(x) == {"__int__"}:
-            return int(x["__int__"])
-        if set(x) == {"__ndarray__"}:
-            return x["__ndarray__"].numpy().copy()
-        return {k: _from_tree(v) for k, v in x.items()}
-    return x
 
 
 def _forget_unscaled(scaler: torch.amp.GradScaler) -> None:

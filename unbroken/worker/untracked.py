@@ -78,7 +78,18 @@ def fingerprint(obj: Any, tracked_ids: set[int]) -> Fingerprint | None:
     return _numpy_print(obj)
 
 
-class FirstStepWatch:
+class _Watch:
+    """Objects' fingerprints taken now, to compare with later ones (:meth:`changed`)."""
+
+    def __init__(self, named: Iterable[tuple[str, Any, Fingerprint | None]]) -> None:
+        self._prints = [(name, type(obj).__name__, read, read()) for name, obj, read in named if read is not None]
+
+    def changed(self) -> list[str]:
+        """'name (Type)' of each watched object whose state is not what it was."""
+        return [f"{name} ({kind})" for name, kind, read, before in self._prints if read() != before]
+
+
+class FirstStepWatch(_Watch):
     """The untracked stateful objects a loop's frame names, fingerprinted when it began."""
 
     def __init__(self, frame: FrameType | None, tracked_ids: set[int], not_state: Iterable[str]) -> None:
@@ -90,15 +101,7 @@ class FirstStepWatch:
                 for name, obj in scope.items():
                     if not name.startswith("__") and name not in skip and id(obj) not in tracked_ids:
                         names.setdefault(id(obj), (name, obj))
-        self._prints: list[tuple[str, str, Fingerprint, Any]] = []
-        for name, obj in names.values():
-            read = fingerprint(obj, tracked_ids)
-            if read is not None:
-                self._prints.append((name, type(obj).__name__, read, read()))
-
-    def changed(self) -> list[str]:
-        """'name (Type)' of each watched object whose state is not what it was."""
-        return [f"{name} ({kind})" for name, kind, read, before in self._prints if read() != before]
+        super().__init__((name, obj, fingerprint(obj, tracked_ids)) for name, obj in names.values())
 
 
 def _plain_print(obj: Any) -> Fingerprint | None:
@@ -111,18 +114,12 @@ def _plain_print(obj: Any) -> Fingerprint | None:
     return lambda: repr(obj.state_dict())
 
 
-class TrackedWatch:
+class TrackedWatch(_Watch):
     """The tracked objects' fingerprints now (a reduction after the step's update began)."""
 
     def __init__(self, tracked: dict[str, Any]) -> None:
-        self._prints = []
-        for name, obj in tracked.items():
-            read = fingerprint(getattr(obj, "generator", obj), set()) or _plain_print(obj)
-            if read is not None:
-                self._prints.append((name, type(obj).__name__, read, read()))
-
-    def changed(self) -> list[str]:
-        return [f"{name} ({kind})" for name, kind, read, before in self._prints if read() != before]
+        super().__init__((name, obj, fingerprint(getattr(obj, "generator", obj), set()) or _plain_print(obj))
+                         for name, obj in tracked.items())
 
 
 def refuse_changed_after_reduction(changed: list[str], rank: int, step: int) -> None:

@@ -22,7 +22,7 @@ SOURCES = {
     "sampler": ["--data", "sampler", "--dropout", "0", *SHARDED],
     "per-rank-seed": ["--data", "sampler", "--per-rank-seed", *SHARDED],
     "loader": ["--data", "loader", "--num-workers", "0", "--per-rank-seed", *SHARDED],
-    "loader-2-workers": ["--data", "loader", "--num-workers", "2", "--per-rank-seed", *SHARDED],
+    "loader-2-workers": ["--data", "loader", "--num-workers", "2", "--augment", "--per-rank-seed", *SHARDED],
 }
 
 

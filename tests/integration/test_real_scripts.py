@@ -44,9 +44,10 @@ def _flags(scenario: str, tmp) -> list[str]:
 
 SCENARIOS = ["kill-compute", "kill-sync", "kill-update", "hang", "kill-rank-0", "two-kills", "retry",
              "restart-memory", "restart-storage", "dump", "load"]
-#: The default run's representative (the rest of the matrix is slow): the default run's three
-#: fault schedules (test_fault_schedules.py) run a script that uses every data source at once.
-FAST = {("per-rank-seed", "kill-sync")}
+#: The default run's representatives (the rest of the matrix is slow): per-rank seeds, and loader
+#: workers drawing augmentation (their streams); the default run's three fault schedules
+#: (test_fault_schedules.py) run a script that uses every data source at once.
+FAST = {("per-rank-seed", "kill-sync"), ("loader-2-workers", "kill-sync")}
 
 
 def _matrix():

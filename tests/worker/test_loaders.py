@@ -123,3 +123,85 @@ def test_a_distributed_sampler_tracked_alone_names_the_loader_to_track():
     sampler = DistributedSampler(TensorDataset(torch.arange(4)), num_replicas=1, rank=0)
     with pytest.raises(ConfigError, match="track the torchdata StatefulDataLoader built on it"):
         TrackedState().add("sampler", sampler, HOOKS)
+
+
+class Augmenting(torch.utils.data.Dataset):
+    """A map-style dataset whose items carry draws from every global stream of the process that
+    fetches them (in a loader's worker: that worker's streams), as augmentation does."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[int, float, float, float]:
+        import random
+
+        import numpy as np
+        return index, torch.rand(()).item(), random.random(), float(np.random.rand())
+
+
+class CountingAugmenting(Augmenting):
+    """Augmenting with its own torchdata state (the items it fetched in this process)."""
+
+    def __init__(self) -> None:
+        self.fetched = 0
+
+    def __getitem__(self, index: int) -> tuple[int, float, float, float]:
+        self.fetched += 1
+        return super().__getitem__(index)
+
+    def state_dict(self) -> dict:
+        return {"fetched": self.fetched}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.fetched = state["fetched"]
+
+
+class AugmentingScript:
+    """Script's loop over an Augmenting dataset: a batch is its items' (index, draws) rows."""
+
+    def __init__(self, dataset_cls: type, num_workers: int, persistent: bool) -> None:
+        dataset = dataset_cls()
+        self.sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+        self.loader = StatefulDataLoader(dataset, batch_size=BATCH, sampler=self.sampler, num_workers=num_workers,
+                                         persistent_workers=persistent)
+        self.tracked = TrackedState()
+        self.tracked.add("loader", self.loader, HOOKS)
+        self.it = iter(self.loader)
+
+    def batch(self) -> list[list[float]]:
+        try:
+            columns = next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            columns = next(self.it)
+        return torch.stack([c.double() for c in columns], dim=1).tolist()
+
+    def batches(self, count: int) -> list:
+        return [self.batch() for _ in range(count)]
+
+
+@pytest.mark.parametrize("dataset_cls", [Augmenting, CountingAugmenting])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_draws_inside_loader_workers_resume_mid_epoch_as_the_fault_free_run_made_them(dataset_cls, persistent):
+    """torchdata restores a worker's position, not its random streams: a replacement resuming mid-epoch
+    used to draw other augmentations. The streams of each worker are now that worker's state."""
+    scripts = [AugmentingScript(dataset_cls, 2, persistent) for _ in range(3)]  # ended in `finally`, pass or fail
+    script, replacement, restarted = scripts
+    try:
+        script.batches(4)  # epoch 1, its first batch: each worker's streams moved
+        per_rank, tree = script.tracked.per_rank_tree(), script.tracked.tree()
+        want = script.batches(6)  # the rest of epoch 1, and epochs 2 and 3
+        local, start = script.tracked.step_start()
+        dropped = script.batches(2)
+        replacement.tracked.load_per_rank(per_rank)
+        assert replacement.batches(6) == want
+        restarted.tracked.load_tree(tree)
+        assert restarted.batches(6) == want
+        script.tracked.load_rollback(local, start)  # a survivor redoes a dropped step
+        assert script.batches(2) == dropped
+        if dataset_cls is CountingAugmenting:  # the dataset's own worker state travels beside the streams
+            snapshots = per_rank["objects"]["loader"]["_snapshot"]["_worker_snapshots"].values()
+            assert max(s["dataset_state"]["dataset"]["fetched"] for s in snapshots) >= BATCH
+    finally:
+        del script, replacement, restarted, scripts
+        gc.collect()

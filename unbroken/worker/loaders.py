@@ -28,6 +28,9 @@ tracked ``StatefulDataLoader`` (and nothing else):
   a rollback or in a replacement it would disagree with the restored epoch, and the data order
   would silently differ from the fault-free run. No value can tell such a counter from a
   correct one until a fault, so every call is refused, the same way in every run.
+* **the workers' random streams** (``num_workers > 0``) are the workers' state, carried in their
+  snapshots (:mod:`unbroken.worker.loader_streams`); also for a loader the script's own tracked
+  data object holds (:func:`watch_held`).
 
 Private torchdata / torch APIs used (torchdata 0.11, torch 2.13): ``StatefulDataLoader._iterator``
 (the live iterator) and ``next_iter_state`` (a state loaded without one), the iterators'
@@ -46,6 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unbroken.errors import ConfigError
+from unbroken.worker import loader_streams
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +82,26 @@ def watch(loader: Any, fail: Callable[[Exception], None]) -> None:
     """At ``job.track``: the loader starts each new pass at the next epoch, and its sampler refuses
     ``set_epoch`` (``fail``, the session's :attr:`~unbroken.worker.api.SessionHooks.fail`, first)."""
     if getattr(loader, "num_workers", 0) > 0:
-        log.warning("a tracked StatefulDataLoader with num_workers=%d: torchdata restores its position, not "
-                    "the random streams inside its worker processes, when a rank resumes mid-epoch; random "
-                    "draws there (augmentation) then differ from the fault-free run. To stay exact, draw them "
-                    "from a generator seeded by the sample's index (docs/limitations.md)", loader.num_workers)
+        loader_streams.wrap(loader)  # the workers' random streams are their state
+        if getattr(loader, "_iterator", None) is not None:
+            log.warning("a StatefulDataLoader given to job.track after `iter(loader)` started its %d worker "
+                        "processes: those workers do not keep their random streams, so a rank resuming in this "
+                        "pass may draw other augmentations than the fault-free run; track it before iter(loader)",
+                        loader.num_workers)
     sampler = epoch_sampler(loader)
     if sampler is None or isinstance(sampler.__dict__.get("set_epoch"), _RefuseSetEpoch):
         return
     sampler.set_epoch = _RefuseSetEpoch(getattr(sampler, "rank", "?"), fail)
     loader.__class__ = _epoch_advancing(type(loader))
+
+
+def watch_held(obj: Any) -> None:
+    """At ``job.track`` of an object that is not a loader: a loader it holds in an attribute (a script's
+    data wrapper whose ``state_dict`` holds ``loader.state_dict()``) keeps its workers' random streams
+    too (:mod:`unbroken.worker.loader_streams`); its position and epoch stay the wrapper's business."""
+    for value in getattr(obj, "__dict__", {}).values():
+        if is_loader(value) and getattr(value, "num_workers", 0) > 0:
+            loader_streams.wrap(value)
 
 
 def state_of(loader: Any) -> dict[str, Any]:

@@ -87,6 +87,8 @@ class TrackedState:
             obj.attach(hooks)
         if loaders.is_loader(obj):
             loaders.watch(obj, hooks.fail)  # its sampler's epoch is state: see unbroken.worker.loaders
+        else:
+            loaders.watch_held(obj)  # a loader inside the script's own data object
 
     def classify(self, per_rank: Iterable[str], replicated: Iterable[str]) -> None:
         """Override the default class of tracked plain objects by name (ConfigError if a name is

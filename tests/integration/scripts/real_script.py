@@ -7,7 +7,10 @@ differs by rank:
 * ``--data sampler``: a tracked sampler whose ``next()`` advances its position at the start
   of every step (an iterator over a per-rank shard of a shuffled permutation, new per epoch);
 * ``--data loader``: torchdata's ``StatefulDataLoader`` over a ``DistributedSampler`` with
-  ``set_epoch`` (``--num-workers 0`` or ``2``), its iterator advanced inside the step;
+  ``set_epoch`` (``--num-workers 0`` or ``2``), its iterator advanced inside the step, inside the
+  script's own wrapper object (``LoaderSource``); ``--augment``: each sample gets noise and a
+  random sign flip drawn from torch's and Python's global streams where it is fetched (in the
+  loader's worker processes);
 * ``--per-rank-seed``: ``torch.manual_seed(seed + rank)`` after the model is built, and
   dropout in the model, so every rank draws a different random stream each step;
 * ``--optimizer plain|sharded``: AdamW after ``job.all_reduce`` of the gradients (the manual
@@ -107,6 +110,21 @@ def make_dataset(seed: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+class Augmented(torch.utils.data.Dataset):
+    """``dataset`` with augmentation drawn from the global streams of the process that fetches."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        x, y = self.dataset[index]
+        sign = -1.0 if random.random() < 0.5 else 1.0
+        return sign * x + 0.05 * torch.randn(x.shape), y
+
+
 class LoaderSource:
     """A StatefulDataLoader over a DistributedSampler, re-iterated (with set_epoch) per epoch."""
 
@@ -148,6 +166,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--data", choices=("sampler", "loader", "step"), default="sampler")
     p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--augment", action="store_true", help="loader: random augmentation where samples are fetched")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--per-rank-seed", action="store_true")
     p.add_argument("--dropout", type=float, default=0.2)
@@ -198,7 +217,7 @@ def main() -> None:
     if args.data == "sampler":
         source = ShardSampler(len(dataset), job.rank, job.world_size, args.seed)
     elif args.data == "loader":
-        source = LoaderSource(dataset, job.rank, job.world_size, args.batch_size, args.num_workers, args.seed)
+        source = LoaderSource(Augmented(dataset) if args.augment else dataset, job.rank, job.world_size, args.batch_size, args.num_workers, args.seed)
     else:
         source = None  # the batch is a function of (step, rank)
     job.track(model=model, optimizer=opt, data=source)  # data=None is not tracked

@@ -249,63 +249,116 @@ def test_the_executor_turns_actions_into_the_messages_agents_and_workers_get():
     agent, worker = FakeConn(), FakeConn()
     hub.agent(0, agent)
     hub.connect(0, worker)
+    for r in (0, 1):  # both ranks' own states at the start of step 3 (each sent: no `same` yet)
+        RANK_HANDLERS[m.Progress](hub.connections, r, 0, worker, m.Progress(
+            rank=r, attempt=0, step=3, phase="compute", metrics={}, state=b"start-3-%d" % r))
     hub.executor.execute([sm.KillRank(1, "hung"), sm.CommitStep(gen=0, step=3),
                           sm.OrderRegroup(2, 3, frozenset({1, 0})), sm.AbortGeneration(2, "lost rank 1")])
     assert agent.sent == [m.KillRank(rank=1, pid=101, reason="hung")]
-    assert worker.sent == [m.Regroup(gen=2, resume_step=3, replaced=[0, 1], fallback=[0, 1]),
+    assert worker.sent == [m.Regroup(gen=2, resume_step=3, replaced=[0, 1], rank_state=b"start-3-0"),
                            m.Abort(gen=2, reason="lost rank 1")]
     assert hub.board.recovery_deadline[0] == 2
     assert hub.events.names() == ["kill_rank", "regroup", "per_rank_state", "per_rank_state", "abort_generation"]
 
 
-def test_a_replaced_rank_gets_its_own_per_rank_state_in_its_regroup_order():
+def _three_ranks() -> tuple[FakeHub, dict[int, FakeConn]]:
     hub = FakeHub(world_size=3)
     conns = {r: FakeConn() for r in range(3)}
     for r, conn in conns.items():
         hub.connect(r, conn)
-    # What rank 1 reported: the start of step 3 (compute), then the state after computing 3.
-    RANK_HANDLERS[m.Progress](hub.connections, 1, 0, conns[1], m.Progress(
-        rank=1, attempt=0, step=3, phase="compute", metrics={}, state=b"start-3"))
-    RANK_HANDLERS[m.StepSynced](hub.connections, 1, 0, conns[1], m.StepSynced(
-        rank=1, attempt=0, gen=0, step=3, state=b"after-3"))
+    return hub, conns
+
+
+def _report(hub: FakeHub, conns: dict, rank: int, step: int, start: bytes | None, after: bytes | None) -> None:
+    """Rank ``rank``'s reports of ``step``: the start (compute report) and the state after compute (StepSynced)."""
+    if start is not None:
+        RANK_HANDLERS[m.Progress](hub.connections, rank, 0, conns[rank], m.Progress(
+            rank=rank, attempt=0, step=step, phase="compute", metrics={}, state=start))
+    if after is not None:
+        RANK_HANDLERS[m.StepSynced](hub.connections, rank, 0, conns[rank], m.StepSynced(
+            rank=rank, attempt=0, gen=0, step=step, state=after))
+
+
+def test_a_replaced_rank_gets_its_own_per_rank_state_in_its_regroup_order():
+    hub, conns = _three_ranks()
+    _report(hub, conns, 1, 3, b"start-3", b"after-3")  # the start of step 3, then the state after computing it
+    for r in (0, 2):  # ranks 0 and 2 hold the same per-rank state (same seeds, same positions)
+        _report(hub, conns, r, 3, b"same-start-3", None)
     assert hub.applied[-1] == m.StepSynced(rank=1, attempt=0, gen=0, step=3)  # the machine never sees the bytes
     hub.executor.execute([sm.OrderRegroup(2, 4, frozenset({1, 2}))])  # rolled forward: step 3 committed
     base = m.Regroup(gen=2, resume_step=4, replaced=[1, 2], fallback=[2])
     assert conns[0].sent == [base]
     assert conns[1].sent == [dataclasses.replace(base, rank_state=b"after-3")]
-    assert conns[2].sent == [base]  # rank 2 reported nothing: it takes rank 0's copy
+    assert conns[2].sent == [base]  # rank 2 has no state for step 4: rank 0's copy, known to equal its own
     sources = {f["rank"]: f["source"] for n, f in hub.events.lines if n == "per_rank_state"}
-    assert sources[1] == "after compute of step 3" and sources[2].startswith("fallback: rank 0's copy")
+    assert sources[1] == "after compute of step 3"
+    assert sources[2] == "fallback: rank 0's copy (equal to rank 2's at the start of step 3)"
+
+
+def test_a_survivors_copy_that_is_not_known_to_equal_the_lost_ranks_state_is_refused_not_sent():
+    """Per-rank seeds, data positions: another rank's copy is exact only where the two were seen equal."""
+    hub, conns = _three_ranks()
+    _report(hub, conns, 0, 3, b"rank-0-start-3", None)
+    _report(hub, conns, 2, 3, b"rank-2-start-3", None)
+    hub.executor.execute([sm.OrderRegroup(2, 4, frozenset({2}))])
+    assert all(c.sent == [] for c in conns.values()) and "per_rank_state" not in hub.events.names()
+    (refused,) = [e for e in hub.applied if isinstance(e, sm.RegroupRefused)]
+    assert refused.gen == 2 and "rank 2's own state for step 4 never reached the controller" in refused.why
+
+
+def test_once_a_rank_state_moves_after_its_update_the_state_after_compute_is_no_resume_point():
+    """A draw after opt.step(): the start of k + 1 differs from the state after computing k, so that state is not
+    what a rank lost in its update would have resumed with; refused (a checkpoint restart), not handed out."""
+    hub, conns = _three_ranks()
+    _report(hub, conns, 1, 3, b"start-3", b"after-3")
+    _report(hub, conns, 0, 3, b"r0-start-3", b"r0-after-3")
+    hub.executor.execute([sm.OrderRegroup(2, 4, frozenset({1}))])  # nothing says rank 1's state moves
+    assert conns[1].sent[-1].rank_state == b"after-3"
+    _report(hub, conns, 0, 4, b"r0-start-4", None)  # rank 0 drew after its update of step 3
+    assert hub.rank_states.moved_after_update == (0, 3)
+    hub.executor.execute([sm.OrderRegroup(3, 4, frozenset({1}))])
+    (refused,) = [e for e in hub.applied if isinstance(e, sm.RegroupRefused)]
+    assert "rank 0's own state moved after its update of step 3" in refused.why
+    _report(hub, conns, 1, 4, b"start-4", None)  # its own start of step 4 is exact, whatever moved before it
+    hub.executor.execute([sm.OrderRegroup(4, 4, frozenset({1}))])
+    assert conns[1].sent[-1].rank_state == b"start-4"
+
+
+def test_a_replacements_first_report_is_not_taken_for_a_move_after_the_update():
+    hub, conns = _three_ranks()
+    _report(hub, conns, 1, 3, b"start-3", b"after-3")
+    hub.rank_states.process_started(1)  # its replacement loads "after-3"; its encoding may differ
+    _report(hub, conns, 1, 4, b"after-3, encoded anew", None)
+    _report(hub, conns, 1, 4, None, b"after-4")
+    RANK_HANDLERS[m.Progress](hub.connections, 1, 0, conns[1], m.Progress(
+        rank=1, attempt=0, step=5, phase="compute", metrics={}, state_same=True))
+    assert hub.rank_states.moved_after_update is None
 
 
 def test_a_roll_forward_on_a_vote_without_the_replaced_ranks_own_state_is_refused_not_sent():
     """Rolled forward on a survivor's vote, a replaced rank whose state after that compute never reached the
     controller would get another rank's copy (not exact): the executor sends nothing and refuses."""
-    hub = FakeHub(world_size=3)
-    conns = {r: FakeConn() for r in range(3)}
-    for r, conn in conns.items():
-        hub.connect(r, conn)
+    hub, conns = _three_ranks()
     RANK_HANDLERS[m.StepSynced](hub.connections, 1, 0, conns[1], m.StepSynced(
         rank=1, attempt=0, gen=0, step=3, state=b"after-3"))
     hub.executor.execute([sm.OrderRegroup(2, 4, frozenset({2}), voted=True)])
     assert all(c.sent == [] for c in conns.values())
     (refused,) = [e for e in hub.applied if isinstance(e, sm.RegroupRefused)]
-    assert refused.gen == 2 and "rank(s) [2]" in refused.why
+    assert refused.gen == 2 and "rank 2's own state for step 4" in refused.why
     hub.executor.execute([sm.OrderRegroup(3, 4, frozenset({1}), voted=True)])  # rank 1's own state is kept
     assert conns[0].sent == [m.Regroup(gen=3, resume_step=4, replaced=[1])]
     assert conns[1].sent == [m.Regroup(gen=3, resume_step=4, replaced=[1], rank_state=b"after-3")]
 
 
 def test_a_dump_at_a_voted_step_without_a_lost_ranks_own_state_is_refused_not_written():
-    hub = FakeHub(world_size=3)
-    conns = {r: FakeConn() for r in range(3)}
-    for r, conn in conns.items():
-        hub.connect(r, conn)
+    hub, conns = _three_ranks()
     hub.executor.execute([sm.DumpOrder(2, 4, ((2, 0),), voted=True)])
     assert all(c.sent == [] for c in conns.values()) and "dump" not in hub.events.names()
     (refused,) = [e for e in hub.applied if isinstance(e, sm.RegroupRefused)]
-    assert refused.gen == 2 and "rank(s) [2]" in refused.why
-    hub.executor.execute([sm.DumpOrder(3, 4, ((2, 0),))])  # not voted: the record had the step (as before)
+    assert refused.gen == 2 and "no exact dump at step 4: rank 2's own state" in refused.why
+    _report(hub, conns, 2, 3, b"start-3", None)
+    _report(hub, conns, 0, 3, b"start-3", None)  # rank 0's per-rank state is rank 2's: its file holds it
+    hub.executor.execute([sm.DumpOrder(3, 4, ((2, 0),))])
     assert "dump" in hub.events.names()
 
 

@@ -148,8 +148,8 @@ class OrderRegroup:
     replaced: frozenset[int]
     direction: str = ""
     reason: str = ""
-    # The decision rests on a commit vote the controller's record had not seen (a survivor passed it):
-    # each replaced rank must have its own state for resume_step, or the order is refused (RegroupRefused).
+    # The decision rests on a commit vote the controller's record had not seen (a survivor passed it);
+    # said in the event log. (Either way a replaced rank needs its own state, or a copy known to equal it.)
     voted: bool = False
 
 
@@ -175,7 +175,7 @@ class DumpOrder:
     gen: int
     step: int
     assign: tuple[tuple[int, int], ...]
-    voted: bool = False  # as OrderRegroup.voted: each lost rank's own state must be kept, or it is refused
+    voted: bool = False  # as OrderRegroup.voted
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ class Connections:
 # -- agent messages ------------------------------------------------------------------------
 def _rank_started(self: Connections, agent: int, msg: m.RankStarted) -> None:
     self._hub.board.process_started(msg.rank, msg.pid, msg.attempt, time.monotonic())
+    self._hub.rank_states.process_started(msg.rank)
     self._hub.events.emit("rank_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt, how=msg.how)
 
 

@@ -232,12 +232,13 @@ class Executor:
     def _regroup(self, action: sm.OrderRegroup) -> None:
         hub = self._hub
         hub.timing.mark("regroup", time.monotonic())
-        hub.events.emit("regroup", gen=action.gen, resume_step=action.resume_step,
-                        replaced=sorted(action.replaced), direction=action.direction, reason=action.reason)
+        hub.events.emit("regroup", gen=action.gen, resume_step=action.resume_step, replaced=sorted(action.replaced),
+                        direction=action.direction, reason=action.reason, voted=action.voted)
         replaced = sorted(action.replaced)
-        if self._refused(action.gen, action.resume_step, replaced, action.voted, "in-flight recovery"):
+        src = min(hub.board.ranks() - set(replaced), default=-1)  # the survivor whose copy a fallback rank takes
+        found = self._own_states(replaced, action.resume_step, src, "in-flight recovery", action.gen)
+        if found is None:
             return
-        found = self._own_states(replaced, action.resume_step)
         missing = [r for r in replaced if found[r] is None]
         order = m.Regroup(gen=action.gen, resume_step=action.resume_step, replaced=replaced, fallback=missing)
         self.send_to_workers(order, hub.board.ranks() - set(replaced))
@@ -245,29 +246,30 @@ class Executor:
             own = found[r]
             self.send_to_workers(dataclasses.replace(order, rank_state=own.state) if own else order, {r})
 
-    def _refused(self, gen: int, resume_step: int, lost: list[int], voted: bool, what: str) -> bool:
-        """An order resting on the ranks' vote (``voted``) needs each lost rank's own state for
-        ``resume_step``: another rank's copy would not be exact. Where one is missing, the order is
-        refused (the ladder goes on) and True is returned."""
-        if not voted:
-            return False
+    def _own_states(self, lost: list[int], resume_step: int, src: int, what: str,
+                    gen: int) -> dict[int, Found | None] | None:
+        """Each lost rank's own per-rank state for ``resume_step`` (None: rank ``src``'s copy stands in,
+        byte-equal to the lost rank's at the newest point both reported), with an event saying where it
+        comes from. Where a lost rank has neither, another rank's copy would not be exact: the order
+        (``what``) is refused, the ladder goes on, and None is returned."""
         hub = self._hub
-        missing = [r for r in lost if hub.rank_states.for_resume(r, hub.state.attempt, resume_step) is None]
-        if missing:
+        found, sources, refused = {}, {}, []
+        for r in lost:
+            own = found[r] = hub.rank_states.for_resume(r, hub.state.attempt, resume_step)
+            if own is not None:
+                sources[r] = own.source
+                continue
+            equal_at = hub.rank_states.copy_matches(r, src, hub.state.attempt)
+            if equal_at is None:
+                refused.append(hub.rank_states.why_none(r, hub.state.attempt, resume_step))
+            sources[r] = f"fallback: rank {src}'s copy (equal to rank {r}'s at the {equal_at})"
+        if refused:
             hub.apply(sm.RegroupRefused(gen, (
-                f"step {resume_step - 1} committed by the ranks' vote, but the state of rank(s) {missing} after "
-                f"its compute never reached the controller (lost with its node?): no exact {what}")))
-        return bool(missing)
-
-    def _own_states(self, replaced: list[int], resume_step: int) -> dict[int, Found | None]:
-        """Each replaced rank's own per-rank state for ``resume_step``, and an event saying where it
-        comes from (a survivor's copy when the controller kept none)."""
-        hub = self._hub
-        found = {r: hub.rank_states.for_resume(r, hub.state.attempt, resume_step) for r in replaced}
-        src = min(hub.board.ranks() - set(replaced), default=-1)
-        for r, own in found.items():
-            source = own.source if own else f"fallback: rank {src}'s copy (none of rank {r}'s own was kept)"
-            hub.events.emit("per_rank_state", rank=r, resume_step=resume_step, source=source)
+                f"no exact {what} at step {resume_step}: {'; '.join(refused)}, and another rank's copy is not "
+                f"known to be the same")))
+            return None
+        for r in lost:
+            hub.events.emit("per_rank_state", rank=r, resume_step=resume_step, source=sources[r])
         return found
 
     def _recovered(self, action: sm.Recovered) -> None:
@@ -286,19 +288,28 @@ class Executor:
         hub = self._hub
         assign = [list(p) for p in action.assign]
         lost = {lost for lost, _ in action.assign}
-        if self._refused(action.gen, action.step, sorted(lost), action.voted, "dump"):
-            return
+        writer_of = {lost_rank: writer for lost_rank, writer in action.assign}
+        found: dict[int, Found | None] = {}
+        for writer in sorted(set(writer_of.values())):
+            mine = self._own_states(sorted(r for r, w in writer_of.items() if w == writer), action.step, writer,
+                                    "dump", action.gen)
+            if mine is None:
+                return
+            found.update(mine)
         hub.events.emit("dump", gen=action.gen, step=action.step, assign=assign)
         order = m.Dump(gen=action.gen, step=action.step, assign=assign)
-        self.send_to_workers(order, hub.board.ranks() - {writer for _, writer in action.assign} - lost)
-        for writer in sorted({writer for _, writer in action.assign}):  # each gets the states it writes
+        self.send_to_workers(order, hub.board.ranks() - set(writer_of.values()) - lost)
+        for writer in sorted(set(writer_of.values())):  # each gets the states it writes
             states = {}
-            for rank in sorted(lost_rank for lost_rank, w in action.assign if w == writer):
-                own = hub.rank_states.for_resume(rank, hub.state.attempt, action.step)
-                if own is not None and sum(map(len, states.values())) + len(own.state) <= DUMP_STATES_BYTES:
+            for rank in sorted(r for r, w in writer_of.items() if w == writer):
+                own = found[rank]
+                if own is not None and sum(map(len, states.values())) + len(own.state) > DUMP_STATES_BYTES:
+                    hub.apply(sm.RegroupRefused(action.gen, (
+                        f"no exact dump at step {action.step}: the own states of the lost ranks rank {writer} "
+                        f"writes are over {DUMP_STATES_BYTES} bytes together")))
+                    return
+                if own is not None:
                     states[str(rank)] = own.state
-                hub.events.emit("per_rank_state", rank=rank, resume_step=action.step, writer=writer,
-                                source=own.source if str(rank) in states else "none: the dump writes the writer's copy")
             self.send_to_workers(dataclasses.replace(order, states=states), {writer})
 
     def _commit_dump(self, action: sm.CommitDump) -> None:

@@ -6,7 +6,12 @@ start of step k) and with its commit report (the state after the compute of step
 marked ``same`` stands for the state that rank's process last sent (kept here as the rank's
 ``last``: its reports arrive in order on one connection), so it is not sent again. A
 replacement of rank r resuming at step s gets r's own state: the start of s if kept, else the
-state after computing s - 1 (a roll forward: what r had when s - 1 committed).
+state after computing s - 1 (a roll forward: what r had when s - 1 committed) -- unless some rank's
+state ever moved after its update (its start of k + 1 differed from its state after computing k:
+a draw after ``opt.step()``, an average of per-rank statistics, post-step code): then the state
+after compute is not what r resumed with, and none is given (the recovery is refused, never
+guessed). Another rank's copy stands in for r's only where the two were byte-equal at the newest
+point both reported (:meth:`RankStates.copy_matches`: ranks whose per-rank state is the same).
 
 :class:`RankStates` is used by the controller's connection threads and its executor, always
 under the controller's lock. Bounded: per rank, the captures of its newest two steps, each at
@@ -46,6 +51,14 @@ class RankStates:
         self._limit_bytes = limit_bytes
         self._by_rank: dict[int, tuple[int, dict[tuple[int, Point], bytes]]] = {}
         self._last: dict[int, bytes] = {}  # per rank: the state it last sent, in its held attempt
+        self._last_at: dict[int, tuple[int, Point]] = {}  # per rank: where its process's last report was taken
+        #: (rank, step): the first rank seen whose state moved after the update of that step (sticky)
+        self.moved_after_update: tuple[int, int] | None = None
+
+    def process_started(self, rank: int) -> None:
+        """A new process of ``rank``: its first report follows nothing it sent (a replacement's state is
+        loaded, and its encoding need not match the lost process's byte for byte)."""
+        self._last_at.pop(rank, None)
 
     def note_report(self, rank: int, attempt: int, step: int, point: Point, state: bytes, *, same: bool) -> None:
         """A report's state: ``state`` if sent, or (``same``) the one the rank last sent; a report
@@ -78,6 +91,15 @@ class RankStates:
             self._by_rank[rank] = (attempt, {})
             self._last.pop(rank, None)
             return
+        follows = self._last_at.get(rank) == (step - 1, Point.AFTER_COMPUTE) and point is Point.START
+        before = captures.get((step - 1, Point.AFTER_COMPUTE)) if follows else None  # this process's, just before
+        self._last_at[rank] = (step, point)
+        if before is not None and before != state and self.moved_after_update is None:
+            self.moved_after_update = (rank, step - 1)
+            log.warning("controller: rank %d's own state at the start of step %d differs from its state after "
+                        "computing step %d: it moved during the update or after the step's block; from now on a "
+                        "rank lost between its update and its next step is not recovered in flight (restarted "
+                        "from a checkpoint instead)", rank, step, step - 1)
         captures[(step, point)] = self._last[rank] = state
         newest = max(captures)[0]  # (the keys sort by step first)
         for key in [k for k in captures if k[0] <= newest - self.KEEP_STEPS]:
@@ -85,15 +107,40 @@ class RankStates:
         self._by_rank[rank] = (attempt, captures)
 
     def for_resume(self, rank: int, attempt: int, step: int) -> Found | None:
-        """Rank ``rank``'s own state to resume at ``step`` in ``attempt``, or None if not kept."""
+        """Rank ``rank``'s own state to resume at ``step`` in ``attempt``, or None if none is kept
+        (:meth:`why_none` says why)."""
         held_attempt, captures = self._by_rank.get(rank, (-1, {}))
         if held_attempt != attempt:
             return None
         if (step, Point.START) in captures:
             return Found(captures[(step, Point.START)], f"start of step {step}")
-        if (step - 1, Point.AFTER_COMPUTE) in captures:
+        if (step - 1, Point.AFTER_COMPUTE) in captures and self.moved_after_update is None:
             return Found(captures[(step - 1, Point.AFTER_COMPUTE)], f"after compute of step {step - 1}")
         return None
+
+    def why_none(self, rank: int, attempt: int, step: int) -> str:
+        """Why :meth:`for_resume` has nothing for ``rank`` at ``step`` (for refusals)."""
+        held_attempt, captures = self._by_rank.get(rank, (-1, {}))
+        if held_attempt == attempt and (step - 1, Point.AFTER_COMPUTE) in captures:
+            moved_rank, moved_step = self.moved_after_update or (-1, -1)
+            return (f"rank {rank}'s state after computing step {step - 1} is kept, but rank {moved_rank}'s own "
+                    f"state moved after its update of step {moved_step}, so it need not be what rank {rank} "
+                    f"started step {step} with")
+        return f"rank {rank}'s own state for step {step} never reached the controller"
+
+    def copy_matches(self, rank: int, other: int, attempt: int) -> str | None:
+        """Where ``other``'s per-rank state stands in for ``rank``'s: the newest point both reported in
+        ``attempt`` if their states there were byte-equal (said as "start of step k" / "after compute of
+        step k"), else None (no evidence that the ranks' own states are the same)."""
+        held, mine = self._by_rank.get(rank, (-1, {}))
+        held_other, theirs = self._by_rank.get(other, (-1, {}))
+        common = set(mine) & set(theirs) if held == held_other == attempt else set()
+        if not common:
+            return None
+        step, point = max(common)
+        if mine[(step, point)] != theirs[(step, point)]:
+            return None
+        return f"start of step {step}" if point is Point.START else f"after compute of step {step}"
 
     def held_bytes(self) -> int:
         return sum(len(v) for _, caps in self._by_rank.values() for v in caps.values())

@@ -57,7 +57,6 @@ class StepBoundary:
         self._states = rollback.StepStates(rank)  # the step start, under `unbroken run`
         self._committed = self._announced_ready = False
         self._reduced_after_update = False
-        self._buffers_at: list[dict] = []  # the buffers' versions at this step's start and at its commit
         self._watch_after_reduction = True  # (the first step completed here: see _check_order)
         self._after_reduction: untracked.TrackedWatch | None = None
 
@@ -65,7 +64,6 @@ class StepBoundary:
         self._started_t = time.monotonic()
         if self._control() is not None:  # to redo this step exactly if it is dropped
             self._states.begin(self.step, *self._tracked.step_start())
-            self._buffers_at = [self._tracked.buffer_versions()]  # and when its buffers move (end())
         self.in_step, self._committed = True, False
         self._reduced_after_update = False  # see _check_order
         self.completed = False
@@ -137,7 +135,6 @@ class StepBoundary:
         control = self._control()
         if control is None or self._committed:
             return
-        self._buffers_at.append(self._tracked.buffer_versions())
         own = self._states.after_compute(self._tracked.per_rank_tree())  # a roll forward resumes here
         gen, step = self._generation(), self.step
         joined = lambda: control.synced(gen, step, state=own.state, state_same=own.same)  # noqa: E731
@@ -160,9 +157,6 @@ class StepBoundary:
         return pause_phase
 
     def end(self, index: int) -> None:
-        if len(self._buffers_at) == 2:  # (a managed step that committed)
-            self._tracked.learn_after_update(*self._buffers_at)
-        self._buffers_at = []
         watch, self._after_reduction, self._watch_after_reduction = self._after_reduction, None, False
         if watch is not None:  # the first step had a reduction after its update: what changed after it?
             untracked.refuse_changed_after_reduction(watch.changed(), self.rank, self.step)

@@ -24,7 +24,10 @@ state_dict holds), which a forward moves with the rank's own batch: BatchNorm's 
 statistics, and any buffer a script's module updates in its forward (a running mean, a counter).
 They travel with the per-rank state (key ``buffers``), so a dropped step puts them back, and a
 replaced rank gets its own (with a DDP's ``broadcast_buffers``, rank 0's are the ones every rank's
-next forward starts from). Buffers outside the state_dict (``persistent=False``: masks, caches)
+next forward starts from). Buffers a step moves after its update (an ``AveragedModel``'s average and
+count) are per rank too: the controller then sees each rank's state move after its update and
+refuses to resume a rank lost there from its state after compute (controller/rank_state.py).
+Buffers outside the state_dict (``persistent=False``: masks, caches)
 are not state and are left alone; so are DTensor buffers (none of torch's wrappers makes them).
 """
 
@@ -64,7 +67,6 @@ class TrackedState:
         self.frozen = False  # set once job.steps() began: tracking more is a usage error
         self._rng = rng.StreamReader()  # reads the RNG streams, reusing what did not move
         self._kept_layout: _Layout | None = None  # kept once frozen (see _layout)
-        self._after_update: set[tuple[str, str]] = set()  # buffers moved only after updates (learn_after_update)
 
     def add(self, name: str, obj: Any, hooks: SessionHooks) -> None:
         """Track ``obj`` as ``name``; a recoverable object gets the session's hooks; a torch or numpy
@@ -160,11 +162,10 @@ class TrackedState:
         return layout
 
     def _with_buffers(self, tree: dict[str, Any]) -> dict[str, Any]:
-        """``tree`` with the tracked modules' buffers (see the module docstring), but those seen moving
-        only after a step's update (:meth:`learn_after_update`)."""
+        """``tree`` with the tracked modules' buffers (see the module docstring)."""
         buffers: dict[str, dict[str, torch.Tensor]] = {}
         for name, key, t in self._buffers():
-            if (name, key) not in self._after_update and not isinstance(t, DTensor):
+            if not isinstance(t, DTensor):
                 buffers.setdefault(name, {})[key] = t  # live tensors: a capture snapshots them
         return {**tree, "buffers": buffers} if buffers else tree
 
@@ -176,20 +177,6 @@ class TrackedState:
             for key, t in layer._buffers.items():
                 if t is not None and key not in skip:
                     yield name, f"{prefix}.{key}" if prefix else key, t
-
-    def buffer_versions(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """(tracked name, key) -> (tensor id, version counter) of each buffer: what moved them is seen by
-        comparing two of these (no data read)."""
-        return {(name, key): (id(t), t._version) for name, key, t in self._buffers()}
-
-    def learn_after_update(self, at_start: dict, at_commit: dict) -> None:
-        """Buffers a step moved after its update and not before it (an AveragedModel's average and its
-        count, updated after ``opt.step()``) are module state like the parameters: a replacement gets them
-        from a survivor. As per-rank state they were wrong there: a rank's own copy is taken before the
-        update (when the step commits), so one resuming after a rolled-forward step missed that change."""
-        for key, now in self.buffer_versions().items():
-            if at_start.get(key) == at_commit.get(key) != now:
-                self._after_update.add(key)
 
     def _states(self, names: list[str], sharded: frozenset[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """The states of ``names`` and the RNG streams as they were before reading them (``sharded``:

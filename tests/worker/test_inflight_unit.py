@@ -32,7 +32,8 @@ class FakeControl:
         return self.orders.pop(0) if self.orders else None
 
     def __getattr__(self, name):  # paused, damaged, joined, resumed, dumped
-        return lambda *args: self.calls.append((name, *args))
+        # (keyword arguments recorded only when set: paused(..., cut_in_tail=True))
+        return lambda *args, **kw: self.calls.append((name, *args, *(f"{k}={v}" for k, v in kw.items() if v)))
 
 
 class FakeDump:

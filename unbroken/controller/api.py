@@ -65,7 +65,7 @@ class Failure:
                "dump-failed": "was lost, and the dump of its state failed",
                "dumped": "was lost; the survivors dumped the job's state",
                "recovery-timeout": "was not recovered in time",
-               "recovery-refused": "could not be recovered exactly in flight (its own state was lost with it)",
+               "recovery-refused": "could not be recovered exactly in flight (the decision before this one says why)",
                "sub-health": "was reported degraded (sub-health)",
                "sub-health-dumped": "was reported degraded; the job's state was dumped for a clean restart",
                }.get(self.kind, "exited")

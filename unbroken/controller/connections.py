@@ -311,9 +311,10 @@ def _damaged(self: Connections, rank: int, attempt: int, conn: Connection, msg: 
 
 
 def _paused(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RankPaused) -> None:
-    self._hub.events.emit("rank_paused", rank=rank, gen=msg.gen, step=msg.step, phase=msg.phase)
+    self._hub.events.emit("rank_paused", rank=rank, gen=msg.gen, step=msg.step, phase=msg.phase,
+                          **({"cut_in_tail": True} if msg.cut_in_tail else {}))
     phase = msg.phase if msg.phase in STEP_PHASES else Phase.COMPUTE
-    self._hub.apply(sm.RankPaused(rank, attempt, msg.step, phase))
+    self._hub.apply(sm.RankPaused(rank, attempt, msg.step, phase, bool(msg.cut_in_tail)))
 
 
 def _resumed(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RankResumed) -> None:

@@ -82,6 +82,7 @@ class RankPaused:
     attempt: int
     step: int
     phase: str = Phase.COMPUTE
+    cut_in_tail: bool = False  # as messages.RankPaused.cut_in_tail
 
 
 @dataclass(frozen=True)

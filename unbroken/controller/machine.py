@@ -375,6 +375,11 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
         return _recover(state, failure)
     if isinstance(event, RegroupRefused):
         return _refuse_in_flight(state, rec, event.why) if event.gen == rec.gen else (state, [])
+    if isinstance(event, RankPaused) and event.cut_in_tail and event.rank not in rec.replaced:
+        return _refuse_in_flight(state, rec, (
+            f"rank {event.rank} was cut inside a reduction after its update of step {event.step}, and the script "
+            "changes state after such reductions (an optimizer update, a tracked object): a roll forward would "
+            "miss that"))
     if isinstance(event, RankPaused) and event.rank not in rec.replaced:
         rec = replace(rec, paused=rec.paused.with_rank(event.rank),
                       positions=rec.positions.push((event.rank, event.step, event.phase)))

@@ -284,6 +284,9 @@ class RankPaused(Message):
     gen: int
     step: int
     phase: str
+    # Cut inside a reduction after the step's update, which the script changes state after (a GAN's
+    # second update, a scheduler stepped after a logging all-reduce): no exact roll forward.
+    cut_in_tail: bool = False
 
 
 @message("regroup")

@@ -92,6 +92,7 @@ class InFlight:
         self._keeps_own = False  # repaired in place (rung `retry`): its per-rank state is its own
         self.damaged: StateDamaged | None = None  # this rank's state is damaged: repair from replicas
         self.pause_phase: str = Phase.COMPUTE
+        self._cut_in_tail = False  # paused inside a reduction after the update (StepBoundary.cut_in_tail)
         self.fault_noted = False  # a fault inside a step: recover before the next one
         self._paused_step = 0
         self._order: Regroup | None = None
@@ -188,7 +189,7 @@ class InFlight:
         control = self._control
         if control.committed_step >= step:  # the abort order said so: every rank reported its reduction
             return True
-        self._paused_step, self.pause_phase = step, Phase.SYNC
+        self._paused_step, self.pause_phase, self._cut_in_tail = step, Phase.SYNC, False
         reported = control.abort_gen
         self._announce(reported)
         order = self._held = self._next_order(reported)
@@ -219,13 +220,14 @@ class InFlight:
         return self._fabric.release_graveyard(self._cfg.worker.pg_timeout_s)
 
     # -- the two sides ----------------------------------------------------------------------
-    def survive(self, step: int, phase: str) -> int:
-        """A survivor's side, at ``step`` in ``phase`` (its step already dropped); returns the
-        step to resume at."""
+    def survive(self, step: int, phase: str, *, cut_in_tail: bool = False) -> int:
+        """A survivor's side, at ``step`` in ``phase`` (its step already dropped; ``cut_in_tail``: cut
+        inside a reduction after the step's update, which the script changes state after); returns
+        the step to resume at."""
         started = time.monotonic()
         self.fault_noted = False
         wrappers.reset_after_abort(self._tracked.objects.values())  # e.g. FSDP2 cut mid-forward: reshard
-        self._paused_step, self.pause_phase = step, phase
+        self._paused_step, self.pause_phase, self._cut_in_tail = step, phase, cut_in_tail
         control = self._control
         reported = control.abort_gen
         if self.damaged is not None and self._held is None:  # rung `retry`: its state comes from replicas
@@ -286,7 +288,7 @@ class InFlight:
         if self.needs_state:
             self._control.joined(gen)
         else:
-            self._control.paused(gen, self._paused_step, self.pause_phase)
+            self._control.paused(gen, self._paused_step, self.pause_phase, cut_in_tail=self._cut_in_tail)
             self._prepare_group(gen)
 
     def _await_order(self, reported: int, *, adopt: bool = True) -> Regroup:  # a Dump order is carried out inside

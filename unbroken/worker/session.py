@@ -330,8 +330,9 @@ class Job:
     # -- the step in flight ---------------------------------------------------------------
     def _survive(self) -> int:
         """Drop the step in flight (gradients, what it changed before its commit), recover; the step to resume at."""
+        cut_in_tail = self._boundary.cut_in_tail  # (before the drop: it ends the step in flight)
         pause_phase = self._boundary.drop()
-        return self._inflight.survive(self._boundary.step, pause_phase)
+        return self._inflight.survive(self._boundary.step, pause_phase, cut_in_tail=cut_in_tail)
 
     # -- reports, checkpoints, the end ---------------------------------------------------
     def report_degraded(self, reason: str) -> None:

@@ -21,6 +21,7 @@ training thread of one process, owned by its :class:`~unbroken.worker.session.Jo
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -31,6 +32,8 @@ from unbroken.worker import integrity, rollback, untracked
 from unbroken.worker.checkpointing import Checkpointer
 from unbroken.worker.control import ControlClient
 from unbroken.worker.tracked import TrackedState
+
+log = logging.getLogger(__name__)
 
 
 class StepBoundary:
@@ -57,7 +60,9 @@ class StepBoundary:
         self._states = rollback.StepStates(rank)  # the step start, under `unbroken run`
         self._committed = self._announced_ready = False
         self._reduced_after_update = False
-        self._watch_after_reduction = True  # (the first step completed here: see _check_order)
+        #: Whether the script changes state after a reduction that begins after its update (see _check_order):
+        #: None until a step with such a reduction completed here (watched), then sticky once True.
+        self._tail_changes: bool | None = None
         self._after_reduction: untracked.TrackedWatch | None = None
 
     def begin(self) -> None:
@@ -110,22 +115,35 @@ class StepBoundary:
         """A step commits at its first optimizer update, once every rank finished its reductions. A
         reduction after that update is harmless (a logged loss) unless an optimizer then updates
         from it (a GAN's generator after its discriminator), or tracked state changes after it (a
-        scheduler stepped after a logging all-reduce): a fault in that reduction would roll the step
-        forward without them. Refused when it happens: the update at once, the rest at the end of the
-        first step that completes here (the tracked objects fingerprinted at its first such reduction)."""
+        scheduler stepped after a logging all-reduce): a fault inside that reduction rolls the step
+        forward without them. What the script does is learned (an update there at once; changed
+        tracked objects at the end of the first step that had such a reduction, fingerprinted at
+        its start), and a survivor cut inside one says so in its pause report (:attr:`cut_in_tail`):
+        the controller then refuses the in-flight recovery, and the job restarts from a checkpoint."""
         if not (self.in_step and self._committed):
             return
         if name == Phase.SYNC:
-            if not self._reduced_after_update and self._watch_after_reduction:
+            if not self._reduced_after_update and self._tail_changes is None and self._after_reduction is None:
                 self._after_reduction = untracked.TrackedWatch(self._tracked.objects)
             self._reduced_after_update = True
         elif name == Phase.UPDATE and self._reduced_after_update:
-            raise ConfigError(
-                f"rank {self.rank}: in step {self.step} an optimizer updates after a reduction that began after the "
-                f"step's first optimizer update: unbroken commits a step at its first update, so a fault in that "
-                f"reduction would end the step without this update. Give each optimizer's update its own step (e.g. "
-                f"alternate: `if step % 2 == 0:` the discriminator's forward, backward and step, `else:` the "
-                f"generator's), or finish every backward before the first optimizer step")
+            self._learn_tail(["the modules (an optimizer updated)"])
+
+    def _learn_tail(self, changed: list[str]) -> None:
+        """What a step did after a reduction that began after its update (``changed``: what moved)."""
+        if changed and not self._tail_changes:
+            log.warning("rank %d: step %d changed %s after a reduction that began after the step's first optimizer "
+                        "update: a fault inside such a reduction is recovered by a restart from the newest "
+                        "checkpoint, not in flight. To keep it in flight, move that reduction to the end of the "
+                        "step (or before the optimizer step), or give each optimizer its own step",
+                        self.rank, self.step, ", ".join(changed))
+        self._tail_changes = bool(changed) or bool(self._tail_changes)
+
+    @property
+    def cut_in_tail(self) -> bool:
+        """Paused inside a reduction after the step's update, where the script may still change state
+        after it (not known harmless): rolling this step forward would miss that."""
+        return self.in_step and self._committed and self._reduced_after_update and self._tail_changes is not False
 
     def _commit(self) -> None:
         """Entering ``update``: the reduction is done; join the step's commit vote, report the
@@ -157,9 +175,9 @@ class StepBoundary:
         return pause_phase
 
     def end(self, index: int) -> None:
-        watch, self._after_reduction, self._watch_after_reduction = self._after_reduction, None, False
-        if watch is not None:  # the first step had a reduction after its update: what changed after it?
-            untracked.refuse_changed_after_reduction(watch.changed(), self.rank, self.step)
+        watch, self._after_reduction = self._after_reduction, None
+        if watch is not None:  # a reduction after the update began in this step: what changed after it?
+            self._learn_tail(watch.changed())
         self.completed = True
         self.phase = Phase.DONE
         self.in_step = False

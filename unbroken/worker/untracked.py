@@ -122,16 +122,6 @@ class TrackedWatch(_Watch):
                          for name, obj in tracked.items())
 
 
-def refuse_changed_after_reduction(changed: list[str], rank: int, step: int) -> None:
-    if changed:
-        raise ConfigError(
-            f"rank {rank}: in step {step} the tracked {', '.join(changed)} changed after a reduction that began "
-            f"after the step's first optimizer update (a logged loss's all-reduce, say): unbroken commits a step "
-            f"at its first update, so a fault in that reduction would end the step without these changes, and "
-            f"the run with other results. Move that reduction to the end of the step, after them (or before the "
-            f"optimizer step)")
-
-
 def refuse_changed(changed: list[str], rank: int) -> None:
     if changed:
         raise ConfigError(

@@ -5,10 +5,7 @@ MODE (argv[1]): ``track``: a ConfigError from job.track (the library exits with 
 at step 2, every time (a bug in the script: no restart fixes it, the crash-loop rule stops it);
 ``bug-all``: every rank raises at step 1, its rank in the message, a different rank first in each
 attempt (whichever rank the controller sees first, it is one deterministic error); ``ema``: rank 1's
-loop updates an EMA copy of the model it did not track (refused after the first step); ``gan``: every rank
-steps a second optimizer after a reduction that follows the first optimizer's step (refused at it);
-``logreduce``: every rank steps its scheduler after a logging all-reduce that follows the optimizer
-step (refused at the end of the first step).
+loop updates an EMA copy of the model it did not track (refused after the first step).
 """
 
 import os
@@ -29,37 +26,6 @@ if job.rank == 1 and mode == "exit":
     job.close()
     sys.exit(unbroken.EXIT_FATAL)
 ema = torch.nn.Linear(4, 4)
-if mode == "logreduce":
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    job.track(model=model, opt=opt, sched=sched)
-    for step in job.steps(3):
-        with job.step():
-            loss = model(torch.ones(1, 4)).sum()
-            loss.backward()
-            for p in model.parameters():
-                job.all_reduce(p.grad)
-            opt.step()
-            job.all_reduce(loss.detach().clone())  # a logged loss, reduced after the update ...
-            sched.step()  # ... then the schedule moves: refused
-    job.close()
-    sys.exit(0)
-if mode == "gan":
-    other = torch.nn.Linear(4, 4)
-    opt_a, opt_b = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1)
-    job.track(model=model, other=other, opt_a=opt_a, opt_b=opt_b)
-    for step in job.steps(3):
-        with job.step():
-            model(torch.ones(1, 4)).sum().backward()
-            for p in model.parameters():
-                job.all_reduce(p.grad)
-            opt_a.step()  # the step's first update: it commits here
-            other(model(torch.ones(1, 4)).detach()).sum().backward()
-            for p in other.parameters():
-                job.all_reduce(p.grad)  # a reduction after the commit ...
-            opt_b.step()  # ... that an update depends on: refused
-    job.close()
-    sys.exit(0)
 job.track(model=model)
 for step in job.steps(3):
     with job.step():

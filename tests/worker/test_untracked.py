@@ -97,3 +97,36 @@ def _draw(g) -> list[float]:
     if isinstance(g, random.Random):
         return [g.random() for _ in range(3)]
     return list(g.random(3) if hasattr(g, "random") else g.random_sample(3))
+
+
+class Source:
+    """The script's own data source, holding the generator it draws from (``keeps``: in its state_dict)."""
+
+    def __init__(self, g: torch.Generator, keeps: bool) -> None:
+        self.g, self.keeps, self.position = g, keeps, 0
+
+    def next(self) -> torch.Tensor:
+        self.position += 1
+        return torch.randn(2, generator=self.g)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, **({"g": self.g.get_state()} if self.keeps else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+        if self.keeps:
+            self.g.set_state(state["g"])
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_a_generator_a_tracked_source_keeps_in_its_state_is_covered_one_it_does_not_is_named(keeps):
+    g = torch.Generator().manual_seed(5)
+    source = Source(g, keeps)
+    tracked = TrackedState()
+    tracked.add("source", source, HOOKS)
+    watch = FirstStepWatch(SimpleNamespace(f_globals={}, f_locals=dict(g=g, source=source)), tracked.covered_ids(),
+                           not_state=(), tracked=tracked.objects)
+    source.next()
+    after = g.get_state()
+    assert watch.changed() == ([] if keeps else ["g (Generator)"])
+    assert torch.equal(g.get_state(), after) and source.position == 1  # the coverage test left both as they were

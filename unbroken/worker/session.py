@@ -163,8 +163,8 @@ class Job:
         boundary.step = self._inflight.join() if self._inflight.needs_state else self._restore()
         self._restored = self._tracked.frozen = True
         self._ckpt.check_capacity(boundary.step)
-        watch = (untracked.FirstStepWatch(loop_frame, self._tracked.covered_ids(), self._not_state)
-                 if self._control is not None else None)  # only where a fault is recovered from
+        watch = (untracked.FirstStepWatch(loop_frame, self._tracked.covered_ids(), self._not_state,
+                                          self._tracked.objects) if self._control is not None else None)  # only where a fault is recovered from
         del loop_frame
         while boundary.step < total:
             if self._control is not None and self._inflight.pending:

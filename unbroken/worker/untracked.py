@@ -28,7 +28,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from unbroken.errors import ConfigError
-from unbroken.worker import loaders
+from unbroken.worker import loaders, rollback
 
 Fingerprint = Callable[[], Any]
 
@@ -82,18 +82,27 @@ class _Watch:
     """Objects' fingerprints taken now, to compare with later ones (:meth:`changed`)."""
 
     def __init__(self, named: Iterable[tuple[str, Any, Fingerprint | None]]) -> None:
-        self._prints = [(name, type(obj).__name__, read, read()) for name, obj, read in named if read is not None]
+        self._prints = [(name, obj, read, read()) for name, obj, read in named if read is not None]
 
     def changed(self) -> list[str]:
         """'name (Type)' of each watched object whose state is not what it was."""
-        return [f"{name} ({kind})" for name, kind, read, before in self._prints if read() != before]
+        return [f"{name} ({type(obj).__name__})" for name, obj, read, before in self._prints
+                if read() != before and not self._covered(obj, read, before)]
+
+    def _covered(self, obj: Any, read: Fingerprint, before: Any) -> bool:
+        return False
 
 
 class FirstStepWatch(_Watch):
-    """The untracked stateful objects a loop's frame names, fingerprinted when it began."""
+    """The untracked stateful objects a loop's frame names, fingerprinted when it began.
 
-    def __init__(self, frame: FrameType | None, tracked_ids: set[int], not_state: Iterable[str]) -> None:
-        """``tracked_ids``: what tracking covers (TrackedState.covered_ids)."""
+    One that a tracked object of the script's own holds in an attribute (a data source keeping its
+    ``torch.Generator``) is covered when loading that object's state from when the loop began puts
+    it back there too (its ``state_dict`` holds it): tried only for what changed, then undone."""
+
+    def __init__(self, frame: FrameType | None, tracked_ids: set[int], not_state: Iterable[str],
+                 tracked: dict[str, Any] | None = None) -> None:
+        """``tracked_ids``: what tracking covers (TrackedState.covered_ids); ``tracked``: the tracked objects."""
         skip = set(not_state)
         names: dict[int, tuple[str, Any]] = {}
         if frame is not None:
@@ -102,6 +111,26 @@ class FirstStepWatch(_Watch):
                     if not name.startswith("__") and name not in skip and id(obj) not in tracked_ids:
                         names.setdefault(id(obj), (name, obj))
         super().__init__((name, obj, fingerprint(obj, tracked_ids)) for name, obj in names.values())
+        watched = {id(obj) for _, obj, _, _ in self._prints}
+        self._holders: dict[int, list[tuple[Any, Any]]] = {}  # id(watched) -> [(tracked holder, its state then)]
+        for holder in (tracked or {}).values():
+            if isinstance(holder, (torch.nn.Module, torch.optim.Optimizer)) or loaders.is_loader(holder):
+                continue
+            held = [id(v) for v in getattr(holder, "__dict__", {}).values() if id(v) in watched]
+            if held and hasattr(holder, "load_state_dict"):
+                start = rollback.snapshot(holder.state_dict())
+                for key in held:
+                    self._holders.setdefault(key, []).append((holder, start))
+
+    def _covered(self, obj: Any, read: Fingerprint, before: Any) -> bool:
+        for holder, start in self._holders.get(id(obj), ()):
+            now = rollback.snapshot(holder.state_dict())
+            holder.load_state_dict(rollback.snapshot(start))
+            back = read() == before
+            holder.load_state_dict(now)
+            if back:
+                return True
+        return False
 
 
 def _plain_print(obj: Any) -> Fingerprint | None:

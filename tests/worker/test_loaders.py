@@ -205,3 +205,35 @@ def test_draws_inside_loader_workers_resume_mid_epoch_as_the_fault_free_run_made
     finally:
         del script, replacement, restarted, scripts
         gc.collect()
+
+
+class AugmentingStream(torch.utils.data.IterableDataset):
+    """An iterable dataset the usual way (``__iter__`` a generator, no state): each worker streams its
+    share of the indices with a draw from its torch stream. torchdata replays a restored worker from its
+    start (same seed, same draws); unbroken must leave that replay alone."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for index in range(info.id, SAMPLES, info.num_workers):
+            yield index, torch.rand(()).item()
+
+
+def test_draws_inside_a_stateless_iterable_datasets_workers_replay_exactly():
+    def make():
+        loader = StatefulDataLoader(AugmentingStream(), batch_size=BATCH, num_workers=2)
+        tracked = TrackedState()
+        tracked.add("loader", loader, HOOKS)
+        return loader, tracked, iter(loader)
+
+    made = [make(), make()]
+    try:
+        (_, tracked, it), (_, other, it2) = made
+        for _ in range(3):
+            next(it)
+        per_rank = tracked.per_rank_tree()
+        want = [torch.stack([c.double() for c in next(it)], 1).tolist() for _ in range(2)]
+        other.load_per_rank(per_rank)
+        assert [torch.stack([c.double() for c in next(it2)], 1).tolist() for _ in range(2)] == want
+    finally:
+        del made, it, it2, tracked, other
+        gc.collect()

@@ -15,8 +15,11 @@ then carries them with the worker's snapshots into ``loader.state_dict()``, and 
 in the restored worker before it fetches. A dataset with its own state keeps it, under
 :data:`DATASET_KEY`. The random stream is plain torch's, unchanged.
 
-Covered: map-style datasets, and iterable ones whose iterator is the dataset itself. Not: a
-generator object the dataset owns (``np.random.default_rng`` made in the worker): give the dataset
+Covered: map-style datasets, and iterable ones with their own ``state_dict``/``load_state_dict``
+(torchdata restores their state, exact when ``iter()`` itself draws nothing). An iterable dataset
+without state (``__iter__`` a generator function, the usual form) is left alone: torchdata replays a
+restored worker from its start, from the same seed, and the draws replay with it; a ``state_dict``
+given to it would end that replay and lose the position. Not covered: a generator object the dataset owns (``np.random.default_rng`` made in the worker): give the dataset
 ``state_dict``/``load_state_dict`` that hold it (torchdata keeps it per worker), or draw from the
 global streams.
 
@@ -51,6 +54,8 @@ class WorkerStreams:
             self.init(worker_id)
         dataset = get_worker_info().dataset
         cls = type(dataset)
+        if not _keeps_position(dataset):
+            return
         try:
             if not getattr(cls, "_unbroken_streams", False):
                 dataset.__class__ = _keeping_streams(cls)
@@ -62,6 +67,17 @@ class WorkerStreams:
                 "dataset class whose instances take attributes (no __slots__ without __dict__), or num_workers=0"
             ) from err
         dataset._unbroken_started = reader.capture()  # seeded by torchdata, then the script's init
+
+
+def _keeps_position(dataset: Any) -> bool:
+    """Whether torchdata restores a worker of ``dataset`` from a state (so its streams must travel with
+    it), rather than replaying it from its start: a map-style dataset, or an iterable one with
+    ``state_dict``/``load_state_dict``."""
+    from torch.utils.data import IterableDataset
+
+    cls = type(dataset)
+    return not isinstance(dataset, IterableDataset) or all(
+        callable(getattr(cls, name, None)) for name in ("state_dict", "load_state_dict"))
 
 
 def wrap(loader: Any) -> None:

@@ -2,7 +2,8 @@
 
 The step commits at that update, so a survivor cut inside a later reduction rolls forward without
 what the step does after it. Where the script changes state there (a GAN's second optimizer, a
-scheduler stepped after a logging all-reduce), the survivor says so in its pause report and the
+scheduler stepped after a logging all-reduce, a model put back in training mode after a validation
+all-reduce), the survivor says so in its pause report and the
 controller refuses the in-flight recovery: the job restarts from the newest checkpoint, bit-equal
 (these scripts were refused at their first step before, exit 97). Where nothing follows (a logged
 loss), the recovery stays in flight, bit-equal. tests/integration/scripts/tail_script.py, 2 ranks.
@@ -55,7 +56,7 @@ def test_a_scheduler_stepped_after_a_logging_reduction_cut_by_a_fault_restarts_e
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode,in_flight", [("gan", False), ("logonly", True)])
+@pytest.mark.parametrize("mode,in_flight", [("gan", False), ("evalreduce", False), ("logonly", True)])
 def test_a_fault_inside_a_reduction_after_the_update(tmp_path, mode, in_flight):
     run_dir = _check(tmp_path, mode)
     assert _refused_in_flight(run_dir) != in_flight

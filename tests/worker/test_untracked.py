@@ -130,3 +130,16 @@ def test_a_generator_a_tracked_source_keeps_in_its_state_is_covered_one_it_does_
     after = g.get_state()
     assert watch.changed() == ([] if keeps else ["g (Generator)"])
     assert torch.equal(g.get_state(), after) and source.position == 1  # the coverage test left both as they were
+
+
+def test_a_tracked_modules_train_or_eval_mode_is_part_of_its_fingerprint_after_a_reduction():
+    """model.eval(), a validation all-reduce after the update, model.train(): a step cut inside that reduction
+    would leave the model in eval mode, so the change after it must be seen (worker/step_boundary.py)."""
+    from unbroken.worker.untracked import TrackedWatch
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    tracked = TrackedState()
+    tracked.add("model", model, HOOKS)
+    model.eval()
+    watch = TrackedWatch(tracked.objects)  # armed as the reduction begins
+    model.train()
+    assert watch.changed() == ["model (Sequential)"]

@@ -144,11 +144,19 @@ def _plain_print(obj: Any) -> Fingerprint | None:
 
 
 class TrackedWatch(_Watch):
-    """The tracked objects' fingerprints now (a reduction after the step's update began)."""
+    """The tracked objects' fingerprints now (a reduction after the step's update began). A module's
+    include its layers' train/eval modes: ``model.eval()`` before a validation all-reduce and
+    ``model.train()`` after it is a change a step cut inside that reduction would miss."""
 
     def __init__(self, tracked: dict[str, Any]) -> None:
-        super().__init__((name, obj, fingerprint(getattr(obj, "generator", obj), set()) or _plain_print(obj))
-                         for name, obj in tracked.items())
+        super().__init__((name, obj, _with_modes(obj, fingerprint(getattr(obj, "generator", obj), set())
+                                                 or _plain_print(obj))) for name, obj in tracked.items())
+
+
+def _with_modes(obj: Any, read: Fingerprint | None) -> Fingerprint | None:
+    if not isinstance(obj, torch.nn.Module):
+        return read
+    return lambda: (read() if read is not None else None, [m.training for m in obj.modules()])
 
 
 def refuse_changed(changed: list[str], rank: int) -> None:

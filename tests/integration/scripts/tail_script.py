@@ -6,6 +6,8 @@
   optimizer updates from them (a GAN's generator after its discriminator);
 * ``logreduce``: the loss is all-reduced for logging after the optimizer step, then the tracked
   scheduler steps;
+* ``evalreduce``: after the optimizer step, ``model.eval()``, a validation loss all-reduced across
+  the ranks, then ``model.train()`` (the model has dropout: its mode matters to the next steps);
 * ``logonly``: the loss is all-reduced for logging after the optimizer step, and nothing follows.
 
 ``--die-step K``: rank 1 kills itself (SIGKILL) in step K right after the first optimizer step,
@@ -28,7 +30,7 @@ import unbroken
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("gan", "logreduce", "logonly"), required=True)
+    p.add_argument("--mode", choices=("gan", "logreduce", "evalreduce", "logonly"), required=True)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--die-step", type=int, default=-1)
     p.add_argument("--marker", default="")
@@ -37,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(1)
     job = unbroken.init()
     torch.manual_seed(0)
-    model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    model, other = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.3)), torch.nn.Linear(4, 1)
     opt_a = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(other.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.9)
@@ -62,6 +64,12 @@ def main() -> None:
                     job.all_reduce(param.grad)  # a reduction after the commit ...
                 opt_b.step()  # ... that an update depends on
                 opt_b.zero_grad()
+            elif args.mode == "evalreduce":
+                model.eval()
+                with torch.no_grad():
+                    val = model(torch.ones(2, 4)).square().mean()
+                job.all_reduce(val)  # a validation loss, reduced after the update ...
+                model.train()  # ... then the model back in training mode
             else:
                 job.all_reduce(loss.detach().clone())  # a logged loss, reduced after the update ...
                 if args.mode == "logreduce":

@@ -5,6 +5,7 @@ restart make, called as the session calls them)."""
 from __future__ import annotations
 
 import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -237,3 +238,23 @@ def test_draws_inside_a_stateless_iterable_datasets_workers_replay_exactly():
     finally:
         del made, it, it2, tracked, other
         gc.collect()
+
+
+@pytest.mark.parametrize("held", [False, True])
+@pytest.mark.parametrize("make_sampler", [
+    lambda ds: torch.utils.data.RandomSampler(ds),
+    lambda ds: torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(1)),
+    lambda ds: torch.utils.data.BatchSampler(torch.utils.data.SubsetRandomSampler(range(8)), 4, False),
+], ids=["random", "random-generator", "batch-of-subset"])
+def test_a_loader_on_torchs_stateless_random_sampler_is_refused_at_track(make_sampler, held):
+    """torchdata resumes such a sampler by iterating it again: a new order (a probe of unseen scripts:
+    exit 0 with other weights). shuffle=True (torchdata's stateful sampler) is the fix."""
+    dataset = TensorDataset(torch.arange(SAMPLES))
+    sampler = make_sampler(dataset)
+    is_batch = isinstance(sampler, torch.utils.data.BatchSampler)
+    loader = StatefulDataLoader(dataset, **({"batch_sampler": sampler} if is_batch else {"sampler": sampler}))
+    obj = SimpleNamespace(loader=loader, state_dict=lambda: {}, load_state_dict=lambda s: None) if held else loader
+    with pytest.raises(ConfigError, match=r"samples with torch's (RandomSampler|BatchSampler|SubsetRandomSampler)"
+                                          r".*Use shuffle=True"):
+        TrackedState().add("data", obj, HOOKS)
+    TrackedState().add("data", StatefulDataLoader(dataset, shuffle=True, generator=torch.Generator()), HOOKS)

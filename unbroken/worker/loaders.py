@@ -81,6 +81,7 @@ def epoch_sampler(loader: Any) -> Any | None:
 def watch(loader: Any, fail: Callable[[Exception], None]) -> None:
     """At ``job.track``: the loader starts each new pass at the next epoch, and its sampler refuses
     ``set_epoch`` (``fail``, the session's :attr:`~unbroken.worker.api.SessionHooks.fail`, first)."""
+    refuse_unresumable_sampler(loader, "a StatefulDataLoader given to job.track")
     if getattr(loader, "num_workers", 0) > 0:
         loader_streams.wrap(loader)  # the workers' random streams are their state
         if getattr(loader, "_iterator", None) is not None:
@@ -99,9 +100,30 @@ def watch_held(obj: Any) -> None:
     """At ``job.track`` of an object that is not a loader: a loader it holds in an attribute (a script's
     data wrapper whose ``state_dict`` holds ``loader.state_dict()``) keeps its workers' random streams
     too (:mod:`unbroken.worker.loader_streams`); its position and epoch stay the wrapper's business."""
-    for value in getattr(obj, "__dict__", {}).values():
-        if is_loader(value) and getattr(value, "num_workers", 0) > 0:
-            loader_streams.wrap(value)
+    for name, value in getattr(obj, "__dict__", {}).items():
+        if is_loader(value):
+            refuse_unresumable_sampler(value, f"the StatefulDataLoader in .{name} of a {type(obj).__name__} "
+                                              f"given to job.track")
+            if getattr(value, "num_workers", 0) > 0:
+                loader_streams.wrap(value)
+
+
+def refuse_unresumable_sampler(loader: Any, what: str) -> None:
+    """ConfigError if ``loader`` samples with one of torch's random samplers: each ``iter()`` of one
+    draws a new order (from its generator, or the global stream), and torchdata resumes a sampler
+    without state by iterating it again, so a rank resuming mid-epoch would read other samples."""
+    from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for sampler in (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        if isinstance(sampler, (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)) and not (
+                callable(getattr(sampler, "state_dict", None)) and callable(getattr(sampler, "load_state_dict", None))):
+            raise ConfigError(
+                f"{what} samples with torch's {type(sampler).__name__}, which draws a new order at each iter() and "
+                "keeps no state: torchdata resumes it by iterating it again, so after a fault a rank would read "
+                "other samples than the fault-free run (exit 0, other weights). Use shuffle=True (torchdata's "
+                "stateful RandomSampler; generator= as you like), a DistributedSampler, or a sampler with "
+                "state_dict/load_state_dict")
 
 
 def state_of(loader: Any) -> dict[str, Any]:

@@ -143,3 +143,40 @@ def test_a_tracked_modules_train_or_eval_mode_is_part_of_its_fingerprint_after_a
     watch = TrackedWatch(tracked.objects)  # armed as the reduction begins
     model.train()
     assert watch.changed() == ["model (Sequential)"]
+
+
+def test_an_iterator_of_a_loader_nobody_tracks_is_named_a_tracked_loaders_is_not():
+    """A second loader the script forgot (its position lost after a fault: a probe found exit 0 with other
+    weights); the iterators of a tracked loader, and of one a tracked object holds, are covered."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+    tracked_loader, held_loader = StatefulDataLoader(dataset, batch_size=2), StatefulDataLoader(dataset, batch_size=2)
+    holder = SimpleNamespace(loader=held_loader, state_dict=lambda: {}, load_state_dict=lambda s: None)
+    names = dict(it=iter(tracked_loader), held_it=iter(held_loader),
+                 aux=iter(torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True)))
+    tracked = TrackedState()
+    tracked.add("loader", tracked_loader, HOOKS)
+    tracked.add("data", holder, HOOKS)
+    watch = FirstStepWatch(SimpleNamespace(f_globals={}, f_locals=names), tracked.covered_ids(), not_state=())
+    for it in names.values():
+        next(it)
+    assert watch.changed() == ["aux (_SingleProcessDataLoaderIter)"]
+
+
+def test_a_loader_iterator_the_first_step_made_and_left_part_way_is_named():
+    """`it = iter(loader)` inside the loop (a hand-written resume: skip k batches), then next(it) each step:
+    no fingerprint at the loop's start, a position all the same. Not: a tracked loader's new iterator, nor an
+    evaluation's iterator read to its end."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+    tracked_loader = StatefulDataLoader(dataset, batch_size=2)
+    tracked = TrackedState()
+    tracked.add("loader", tracked_loader, HOOKS)
+    scope: dict = {}
+    watch = FirstStepWatch(SimpleNamespace(f_globals={}, f_locals=scope), tracked.covered_ids(), not_state=(),
+                           tracked=tracked.objects, covered_now=tracked.covered_ids)
+    scope["it"] = iter(torch.utils.data.DataLoader(dataset, batch_size=2))  # the first step makes them
+    scope["tracked_it"] = iter(tracked_loader)
+    scope["val_it"] = iter(torch.utils.data.DataLoader(dataset, batch_size=8))
+    next(scope["it"]), next(scope["tracked_it"]), list(scope["val_it"])
+    assert watch.changed() == ["it (_SingleProcessDataLoaderIter)"]

@@ -108,6 +108,18 @@ def watch_held(obj: Any) -> None:
                 loader_streams.wrap(value)
 
 
+def iterators_of(obj: Any) -> list[Any]:
+    """The live iterator of ``obj`` if it is a loader, else those of the loaders it holds in attributes,
+    and the loader iterators it holds itself (a data wrapper's ``self.it``): their state is tracked."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    if is_loader(obj):
+        return [it] if (it := getattr(obj, "_iterator", None)) is not None else []
+    held = getattr(obj, "__dict__", {}).values()
+    return [x for v in held if is_loader(v) for x in iterators_of(v)] + [
+        v for v in held if isinstance(v, _BaseDataLoaderIter)]
+
+
 def refuse_unresumable_sampler(loader: Any, what: str) -> None:
     """ConfigError if ``loader`` samples with one of torch's random samplers: each ``iter()`` of one
     draws a new order (from its generator, or the global stream), and torchdata resumes a sampler

@@ -164,7 +164,8 @@ class Job:
         self._restored = self._tracked.frozen = True
         self._ckpt.check_capacity(boundary.step)
         watch = (untracked.FirstStepWatch(loop_frame, self._tracked.covered_ids(), self._not_state,
-                                          self._tracked.objects) if self._control is not None else None)  # only where a fault is recovered from
+                                          self._tracked.objects, self._tracked.covered_ids)
+                 if self._control is not None else None)  # only where a fault is recovered from
         del loop_frame
         while boundary.step < total:
             if self._control is not None and self._inflight.pending:

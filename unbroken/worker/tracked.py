@@ -111,7 +111,8 @@ class TrackedState:
 
     def covered_ids(self) -> set[int]:
         """``id()`` of every object tracking covers: the tracked objects, a tracked generator, and the
-        submodules, parameters and buffers of tracked modules (for unbroken.worker.untracked)."""
+        submodules, parameters and buffers of tracked modules, the live iterators of tracked loaders
+        (for unbroken.worker.untracked)."""
         out = set()
         for obj in self.objects.values():
             out.add(id(obj))
@@ -121,6 +122,8 @@ class TrackedState:
                 out.update(id(m) for m in obj.modules())
                 out.update(id(t) for t in obj.parameters())
                 out.update(id(t) for t in obj.buffers())
+            else:  # a tracked loader's live iterator, or one a tracked object of the script's holds
+                out.update(id(x) for x in loaders.iterators_of(obj))
         return out
 
     # -- what recovers itself, and what is plain ------------------------------------------

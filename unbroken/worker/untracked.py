@@ -13,7 +13,8 @@ declares a variable whose changes do not matter to training (a metric for loggin
 
 Fingerprints are cheap and read no tensor data: a tensor's identity and version counter (every
 in-place change moves it), an optimizer's per-parameter state, a scheduler's or a scaler's
-``state_dict()``, a generator's state. Objects inside containers (a list of modules) are not
+``state_dict()``, a generator's state, a data loader iterator's count of batches (one the script
+made of a loader it did not track: torch's ``DataLoader`` or torchdata's). Objects inside containers (a list of modules) are not
 seen: the check catches the common omissions, it does not prove there are none.
 """
 
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from unbroken.errors import ConfigError
 from unbroken.worker import loaders, rollback
@@ -73,6 +75,8 @@ def fingerprint(obj: Any, tracked_ids: set[int]) -> Fingerprint | None:
         return lambda: repr(obj.state_dict())
     if isinstance(obj, torch.Generator):
         return lambda: bytes(obj.get_state().numpy())
+    if isinstance(obj, _BaseDataLoaderIter):  # an iterator of a loader nobody tracks: its position
+        return lambda: obj._num_yielded
     if isinstance(obj, random.Random) and obj is not random._inst:  # (the global one: tracked for you)
         return obj.getstate
     return _numpy_print(obj)
@@ -98,12 +102,18 @@ class FirstStepWatch(_Watch):
 
     One that a tracked object of the script's own holds in an attribute (a data source keeping its
     ``torch.Generator``) is covered when loading that object's state from when the loop began puts
-    it back there too (its ``state_dict`` holds it): tried only for what changed, then undone."""
+    it back there too (its ``state_dict`` holds it): tried only for what changed, then undone.
+
+    And a data loader iterator the first step made and left part-way (``it = iter(loader)`` inside
+    the loop, then ``next(it)`` each step) of a loader tracking does not cover is named too: it had no
+    fingerprint when the loop began, but its position is state all the same."""
 
     def __init__(self, frame: FrameType | None, tracked_ids: set[int], not_state: Iterable[str],
-                 tracked: dict[str, Any] | None = None) -> None:
-        """``tracked_ids``: what tracking covers (TrackedState.covered_ids); ``tracked``: the tracked objects."""
+                 tracked: dict[str, Any] | None = None, covered_now: Callable[[], set[int]] | None = None) -> None:
+        """``tracked_ids``: what tracking covers (TrackedState.covered_ids); ``tracked``: the tracked objects;
+        ``covered_now``: what it covers when the first step ended (a tracked loader's new iterator)."""
         skip = set(not_state)
+        self._frame, self._skip, self._covered_now = frame, skip, covered_now
         names: dict[int, tuple[str, Any]] = {}
         if frame is not None:
             for scope in (frame.f_globals, frame.f_locals):
@@ -122,6 +132,20 @@ class FirstStepWatch(_Watch):
                 for key in held:
                     self._holders.setdefault(key, []).append((holder, start))
 
+    def changed(self) -> list[str]:
+        frame, self._frame = self._frame, None
+        out = super().changed()
+        if frame is None or self._covered_now is None:
+            return out
+        covered, watched = self._covered_now(), {id(obj) for _, obj, _, _ in self._prints}
+        for scope in (frame.f_globals, frame.f_locals):
+            for name, obj in scope.items():
+                if (isinstance(obj, _BaseDataLoaderIter) and name not in self._skip and id(obj) not in covered
+                        and id(obj) not in watched and _part_way(obj)):
+                    watched.add(id(obj))
+                    out.append(f"{name} ({type(obj).__name__})")
+        return out
+
     def _covered(self, obj: Any, read: Fingerprint, before: Any) -> bool:
         for holder, start in self._holders.get(id(obj), ()):
             now = rollback.snapshot(holder.state_dict())
@@ -131,6 +155,15 @@ class FirstStepWatch(_Watch):
             if back:
                 return True
         return False
+
+
+def _part_way(it: _BaseDataLoaderIter) -> bool:
+    """Whether a loader iterator yielded some batches and is not through its pass (one an evaluation
+    made and read to its end holds no position that matters)."""
+    try:
+        return 0 < it._num_yielded < len(it)
+    except TypeError:  # an iterable dataset: no length
+        return it._num_yielded > 0
 
 
 def _plain_print(obj: Any) -> Fingerprint | None:

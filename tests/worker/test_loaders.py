@@ -258,3 +258,58 @@ def test_a_loader_on_torchs_stateless_random_sampler_is_refused_at_track(make_sa
                                           r".*Use shuffle=True"):
         TrackedState().add("data", obj, HOOKS)
     TrackedState().add("data", StatefulDataLoader(dataset, shuffle=True, generator=torch.Generator()), HOOKS)
+
+
+class Wrapped:
+    """A script's own data object around a StatefulDataLoader, its state the loader's. ``remakes``: its
+    load_state_dict drops its iterator (torchdata's way); else it keeps the one it made (right for a
+    load before the first batch, the only load plain torchdata makes)."""
+
+    def __init__(self, num_workers: int, remakes: bool) -> None:
+        self.loader, self.sampler = _loader(num_workers)
+        self.remakes, self.it = remakes, None
+
+    def batch(self) -> list[int]:
+        if self.it is None:
+            self.it = iter(self.loader)
+        try:
+            (x,) = next(self.it)
+        except StopIteration:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self.it = iter(self.loader)
+            (x,) = next(self.it)
+        return x.tolist()
+
+    def state_dict(self) -> dict:
+        return {"loader": self.loader.state_dict(), "epoch": self.sampler.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.set_epoch(state["epoch"])
+        self.loader.load_state_dict(state["loader"])
+        if self.remakes:
+            self.it = None
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("remakes", [False, True])
+def test_a_survivors_rollback_moves_the_iterator_a_tracked_wrapper_keeps(num_workers, remakes):
+    """A probe of unseen scripts: a wrapper that keeps its iterator across its load_state_dict went on from
+    the dropped step's position after a rollback (exit 0, other weights)."""
+    data = Wrapped(num_workers, remakes)
+    tracked = TrackedState()
+    tracked.add("data", data, HOOKS)
+    try:
+        plain = Wrapped(0, True)  # untracked: the plain sequence
+        want = [plain.batch() for _ in range(8)]
+        assert [data.batch() for _ in range(4)] == want[:4]
+        local, per_rank = tracked.step_start()
+        assert [data.batch() for _ in range(2)] == want[4:6]  # the dropped step's batches (across a rollover)
+        tracked.load_rollback(local, per_rank)
+        tracked.step_start()  # the redo's own step-start read, before its first batch
+        stream = torch.get_rng_state()
+        first = data.batch()
+        assert torch.equal(torch.get_rng_state(), stream), "the redo drew from torch's stream where the run did not"
+        assert [first] + [data.batch() for _ in range(3)] == want[4:8]
+    finally:
+        del data, tracked
+        gc.collect()

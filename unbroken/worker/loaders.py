@@ -106,6 +106,8 @@ def watch_held(obj: Any) -> None:
                                               f"given to job.track")
             if getattr(value, "num_workers", 0) > 0:
                 loader_streams.wrap(value)
+            if not getattr(type(value), "_unbroken_load_follows", False):
+                value.__class__ = _load_following(type(value))
 
 
 def iterators_of(obj: Any) -> list[Any]:
@@ -188,6 +190,68 @@ def _epoch_advancing(cls: type) -> type:
     advancing = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
                                             "__qualname__": cls.__qualname__})
     return advancing
+
+
+@functools.cache
+def _load_following(cls: type) -> type:
+    """``cls`` whose ``load_state_dict`` also moves the live iterator (for a loader a tracked object holds).
+
+    torchdata's ``load_state_dict`` only affects the next ``iter(loader)``; a wrapper that keeps the
+    iterator it made (``self.it``) across its own ``load_state_dict`` was right for a load before the
+    first batch, but unbroken loads mid-run (a survivor's rollback): its iterator would go on from the
+    old position. So the live iterator takes the state too, at its next ``next()`` (the wrapper may set
+    the sampler's epoch after loading), unless ``iter(loader)`` is called first (a wrapper that makes a
+    new iterator: torchdata's own way)."""
+
+    def load_state_dict(self, state):
+        live = getattr(self, "_iterator", None)
+        super(following, self).load_state_dict(state)
+        if live is not None and state:
+            live.__class__ = _repositioning(type(live))
+            live._unbroken_pending = (self, state)
+
+    following = type(cls.__name__, (cls,), {"load_state_dict": load_state_dict, "_unbroken_load_follows": True,
+                                            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return following
+
+
+@functools.cache
+def _repositioning(cls: type) -> type:
+    """A loader iterator class that takes a state loaded into its loader at its next ``next()``."""
+
+    def __next__(self):  # noqa: N807 (the protocol's name)
+        pending = self.__dict__.pop("_unbroken_pending", None)
+        if pending is not None:
+            loader, state = pending
+            made = getattr(loader, "_iterator", None)  # by loader.state_dict() since the load (unbroken's reads)
+            by_read = made is not None and made is not self and getattr(loader, "_initial_iter_for_state_dict", False)
+            if getattr(loader, "next_iter_state", None) is state or by_read:  # no iter(loader) took the state
+                for it in (self, made) if by_read else (self,):
+                    shutdown = getattr(it, "_shutdown_workers", None)
+                    if shutdown is not None:
+                        shutdown()
+                _without_draws(loader, lambda: cls.__init__(self, loader, state))
+                loader._iterator, loader.next_iter_state, loader._initial_iter_for_state_dict = self, None, False
+        return super(repositioning, self).__next__()
+
+    repositioning = type(cls.__name__, (cls,), {"__next__": __next__, "__module__": cls.__module__,
+                                                "__qualname__": cls.__qualname__})
+    return repositioning
+
+
+def _without_draws(loader: Any, fn: Callable[[], None]) -> None:
+    """``fn()`` with torch's stream and the loader's generator put back after it: making an iterator draws
+    its base seed there (the state it loads then replaces it), which the fault-free run never drew."""
+    import torch
+
+    generator = getattr(loader, "generator", None)
+    saved = torch.get_rng_state(), generator.get_state() if generator is not None else None
+    try:
+        fn()
+    finally:
+        torch.set_rng_state(saved[0])
+        if generator is not None:
+            generator.set_state(saved[1])
 
 
 class _RefuseSetEpoch:

@@ -137,5 +137,7 @@ def test_a_pipeline_without_replicas_falls_to_the_memory_tier_bit_exact(tmp_path
     result, out, run_dir = _train(tmp_path, "pp4", script=pp4, flags=["--save", str(tmp_path / "ckpt"), *CKPT,
                                   "--inject", "kill:rank=2:step=5"])
     recovered = _check_restarted_from_memory(result, run_dir, "no live replica of the state of pp=2, tp=0 of rank 2")
-    assert (recovered["step"], recovered["restored_step"]) == (5, 4)
+    # The newest memory-tier step when the kill hit: 4, or 2 while step 4's snapshot was still being committed
+    # on a loaded machine (the commit thread runs at nice 19); either way the weights are the fault-free run's.
+    assert recovered["step"] == 5 and recovered["restored_step"] in (2, 4), recovered
     assert_same_stages(reference, out)

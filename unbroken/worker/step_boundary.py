@@ -171,7 +171,7 @@ class StepBoundary:
         capture = self._states.capture
         if self.in_step and capture is not None and not self._committed:
             self._tracked.load_rollback(capture.local(), capture.per_rank_tree())
-        self.in_step = False
+        self.in_step, self._after_reduction = False, None  # (a watch of this step's tail: it never ended)
         return pause_phase
 
     def end(self, index: int) -> None:

@@ -296,21 +296,21 @@ class Executor:
             if mine is None:
                 return
             found.update(mine)
-        hub.events.emit("dump", gen=action.gen, step=action.step, assign=assign)
+        states: dict[int, dict[str, bytes]] = {}  # per writer: the own states of the lost ranks it writes
+        for rank, writer in sorted(writer_of.items()):
+            own, mine = found[rank], states.setdefault(writer, {})
+            if own is not None and sum(map(len, mine.values())) + len(own.state) > DUMP_STATES_BYTES:
+                hub.apply(sm.RegroupRefused(action.gen, (
+                    f"no exact dump at step {action.step}: the own states of the lost ranks rank {writer} "
+                    f"writes are over {DUMP_STATES_BYTES} bytes together")))
+                return
+            if own is not None:
+                mine[str(rank)] = own.state
+        hub.events.emit("dump", gen=action.gen, step=action.step, assign=assign, voted=action.voted)
         order = m.Dump(gen=action.gen, step=action.step, assign=assign)
         self.send_to_workers(order, hub.board.ranks() - set(writer_of.values()) - lost)
-        for writer in sorted(set(writer_of.values())):  # each gets the states it writes
-            states = {}
-            for rank in sorted(r for r, w in writer_of.items() if w == writer):
-                own = found[rank]
-                if own is not None and sum(map(len, states.values())) + len(own.state) > DUMP_STATES_BYTES:
-                    hub.apply(sm.RegroupRefused(action.gen, (
-                        f"no exact dump at step {action.step}: the own states of the lost ranks rank {writer} "
-                        f"writes are over {DUMP_STATES_BYTES} bytes together")))
-                    return
-                if own is not None:
-                    states[str(rank)] = own.state
-            self.send_to_workers(dataclasses.replace(order, states=states), {writer})
+        for writer, mine in sorted(states.items()):  # each gets the states it writes
+            self.send_to_workers(dataclasses.replace(order, states=mine), {writer})
 
     def _commit_dump(self, action: sm.CommitDump) -> None:
         hub = self._hub

@@ -436,7 +436,10 @@ class Agent:
                 self._relay.flush_due()
             for p in exited:
                 if p.reader is not None:
-                    p.reader.join(timeout=0.5)  # the last lines matter for the root cause
+                    # The last lines matter for the root cause; a dead process's are in the pipe at once. No longer:
+                    # its children (a loader's workers) may hold the pipe open, and a rank seen a zombie for
+                    # 0.25 s is taken for hung (controller/watchdog.py) before its exit would be reported.
+                    p.reader.join(timeout=0.1)
                 if self._relay is not None:
                     self._relay.rank_gone(p.rank)  # its last step reports go before its exit
                 code = p.popen.returncode

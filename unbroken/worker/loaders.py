@@ -158,10 +158,27 @@ def load(loader: Any, state: dict[str, Any]) -> None:
     if live is None or not state:
         loader.load_state_dict(state)
         return
+    _reposition(live, loader, state)  # the iterator the script holds, now at the state's position
+
+
+def _reposition(live: Any, loader: Any, state: dict[str, Any]) -> None:
+    """Re-initialise the iterator ``live`` of ``loader`` in place at ``state``. A multi-process one's
+    workers prefetched from the old position: shut down first. Making an iterator draws its base seed
+    from torch's stream (or the loader's generator), which the state then replaces and the fault-free
+    run never drew: both are put back."""
+    import torch
+
     shutdown = getattr(live, "_shutdown_workers", None)
-    if shutdown is not None:  # a multi-process iterator: its workers prefetched from the old position
+    if shutdown is not None:
         shutdown()
-    type(live).__init__(live, loader, state)  # the iterator the script holds, now at the state's position
+    generator = getattr(loader, "generator", None)
+    saved = torch.get_rng_state(), generator.get_state() if generator is not None else None
+    try:
+        type(live).__init__(live, loader, state)
+    finally:
+        torch.set_rng_state(saved[0])
+        if generator is not None:
+            generator.set_state(saved[1])
 
 
 def _set_epoch(sampler: Any, epoch: int) -> None:
@@ -226,32 +243,16 @@ def _repositioning(cls: type) -> type:
             made = getattr(loader, "_iterator", None)  # by loader.state_dict() since the load (unbroken's reads)
             by_read = made is not None and made is not self and getattr(loader, "_initial_iter_for_state_dict", False)
             if getattr(loader, "next_iter_state", None) is state or by_read:  # no iter(loader) took the state
-                for it in (self, made) if by_read else (self,):
-                    shutdown = getattr(it, "_shutdown_workers", None)
-                    if shutdown is not None:
-                        shutdown()
-                _without_draws(loader, lambda: cls.__init__(self, loader, state))
+                shutdown = getattr(made, "_shutdown_workers", None) if by_read else None
+                if shutdown is not None:  # the one the read made goes unused
+                    shutdown()
+                _reposition(self, loader, state)
                 loader._iterator, loader.next_iter_state, loader._initial_iter_for_state_dict = self, None, False
         return super(repositioning, self).__next__()
 
     repositioning = type(cls.__name__, (cls,), {"__next__": __next__, "__module__": cls.__module__,
                                                 "__qualname__": cls.__qualname__})
     return repositioning
-
-
-def _without_draws(loader: Any, fn: Callable[[], None]) -> None:
-    """``fn()`` with torch's stream and the loader's generator put back after it: making an iterator draws
-    its base seed there (the state it loads then replaces it), which the fault-free run never drew."""
-    import torch
-
-    generator = getattr(loader, "generator", None)
-    saved = torch.get_rng_state(), generator.get_state() if generator is not None else None
-    try:
-        fn()
-    finally:
-        torch.set_rng_state(saved[0])
-        if generator is not None:
-            generator.set_state(saved[1])
 
 
 class _RefuseSetEpoch:

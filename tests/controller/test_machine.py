@@ -152,6 +152,45 @@ def test_a_split_vote_rolls_forward_past_the_record_and_says_so():
     assert actions == [sm.Recovered(1, 6, frozenset({1}))]
 
 
+def test_a_survivor_cut_inside_a_reduction_a_peer_completed_is_behind():
+    """A step committed without a vote (worker/commit.py): rank 1 died as it began its update of 5;
+    rank 0 made the update (it is in step 6), rank 2 was cut inside the reduction of 5 (its gradients
+    not whole): step 5 committed, rank 2 takes the update from a peer; rank 3, cut inside the
+    reduction of 6 (not committed), rolls back as any survivor does."""
+    state, _ = commit(start(), 4)
+    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
+    state, actions = run(state, sm.RankPaused(0, 0, 6, "sync", cut=""), sm.RankPaused(2, 0, 5, "sync", cut=""),
+                         sm.RankPaused(3, 0, 6, "sync", cut=""), sm.ReplacementJoined(1, 0, 1))
+    (regroup,) = actions
+    assert (regroup.resume_step, regroup.behind, regroup.replaced) == (6, frozenset({2}), frozenset({1}))
+    state, actions = run(state, *(sm.RankResumed(r, 0, 1) for r in range(4)))
+    assert actions == [sm.Recovered(1, 6, frozenset({1}))]
+
+
+def test_a_later_pause_of_a_survivor_replaces_its_cut():
+    state, _ = commit(start(), 4)
+    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
+    state, actions = run(state, sm.RankPaused(2, 0, 5, "sync", cut=""), sm.RankPaused(2, 0, 5, "update"),
+                         sm.RankPaused(0, 0, 6, "compute"), sm.RankPaused(3, 0, 6, "compute"),
+                         sm.ReplacementJoined(1, 0, 1))
+    assert actions[0].behind == frozenset()
+
+
+def test_a_survivor_behind_whose_state_at_the_cut_is_unsure_is_refused():
+    state, _ = commit(start(), 4)
+    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
+    state, actions = run(state, sm.RankPaused(0, 0, 5, "update"), sm.RankPaused(2, 0, 5, "sync", cut="a draw"),
+                         sm.RankPaused(3, 0, 5, "done"), sm.ReplacementJoined(1, 0, 1))
+    assert kinds(actions) == ["Decide", "Decide", "StopAttempt"]  # the job restarts from its snapshot
+    assert "rank 2 was cut inside the reduction of step 5" in actions[0].reason and "a draw" in actions[0].reason
+    # not committed (nobody passed 5): a cut with an unsure state just rolls back
+    state, _ = commit(start(), 4)
+    state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))
+    state, (regroup,) = run(state, sm.RankPaused(0, 0, 5, "sync", cut="a draw"), sm.RankPaused(2, 0, 5, "sync", cut=""),
+                            sm.RankPaused(3, 0, 5, "compute"), sm.ReplacementJoined(1, 0, 1))
+    assert (regroup.resume_step, regroup.behind, regroup.direction) == (5, frozenset(), "roll-back")
+
+
 def test_a_recorded_commit_rolls_forward_without_a_vote_seen():
     state, _ = commit(start(), 5)
     state, _ = run(state, sm.RankExited(1, 0, None, 9, step=5))

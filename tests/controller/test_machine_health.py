@@ -105,3 +105,12 @@ def test_a_lost_ranks_dump_is_written_by_a_survivor_holding_its_replica():
     assert isinstance(order, sm.DumpOrder) and order.step == 5 and order.assign == ((2, 0),)
     state, actions = run(state, *(sm.StepDumped(r, 0, 5, (r, 2) if r == 0 else (r,), "") for r in (0, 1, 3)))
     assert kinds(actions)[0] == "CommitDump" and actions[0].step == 5
+
+
+def test_a_dump_with_a_survivor_behind_is_refused():
+    """A rank cut inside the reduction of a step a peer updated holds no copy of that step to write."""
+    state, _ = commit(start(can_dump=True, sub_health_policy="grace-exit"), 4)
+    state, _ = run(state, sm.RankDegraded(2, 0, "ecc warnings", step=5))
+    state, actions = run(state, sm.RankPaused(0, 0, 5, "update"), sm.RankPaused(1, 0, 5, "sync", cut=""),
+                         sm.RankPaused(2, 0, 6, "compute"), sm.RankPaused(3, 0, 5, "done"))
+    assert kinds(actions)[:2] == ["Decide", "Decide"] and "hold no copy of its result" in actions[0].reason

@@ -51,12 +51,26 @@ def test_ddp_rank_killed_mid_all_reduce_recovers_in_flight_bit_exact(tmp_path, r
 
 
 @pytest.mark.timeout(600)
+def test_ddp_rank_killed_before_its_commit_report_resumes_from_the_state_its_agent_read(tmp_path, reference):
+    """Killed with its reduction of step 5 done, before its commit report (with its own state after
+    compute) left. Step 5 needs no vote (worker/commit.py): the survivors update and go on, so step 5
+    committed; the lost rank's own state comes from the file it kept in node memory, which its agent
+    read when it died (checkpoint/own_state.py): in flight, resumed at step 6, bit-exact."""
+    trained = _train(tmp_path, "faulty", flags=["--inject", "kill:rank=1:step=5:at=vote"])
+    done = check_trained_in_flight(trained, reference, {1})
+    assert done["resume_step"] == 6
+    (exited,) = [e for e in events(trained[2], "rank_exited") if e["rank"] == 1 and e["signal"]]
+    assert exited["own_state_of_step"] == 5
+
+
+@pytest.mark.timeout(600)
 def test_ddp_rank_killed_before_the_commit_vote_leaves_the_survivors_paused_in_it(tmp_path, reference):
-    """Killed with its reduction of step 5 done, just before it joined the commit vote: every survivor
-    waits in the vote, pauses there with its gradients whole and learns the decision (nobody passed
-    the vote: step 5 is redone); every rank ends on the fault-free weights."""
-    done = _kill_case(tmp_path, reference, "kill:rank=1:step=5:at=vote", {1})
-    assert done["resume_step"] == 5
+    """A generation's first step votes: rank 2 killed inside the reduction of step 3 (redone in
+    generation 1), then rank 1 killed with its reduction of that step done, just before it joined the
+    commit vote: every survivor waits in the vote, pauses there with its gradients whole and learns
+    the decision (nobody passed the vote: step 3 is redone); every rank ends on the fault-free weights."""
+    done = _kill_case(tmp_path, reference, "kill:rank=2:step=3:at=sync,kill:rank=1:step=3:at=vote", {1, 2})
+    assert done["resume_step"] == 3
 
 
 @pytest.mark.slow
@@ -64,7 +78,7 @@ def test_ddp_rank_killed_before_the_commit_vote_leaves_the_survivors_paused_in_i
 @pytest.mark.parametrize("inject,replaced,resume_step", [
     pytest.param("kill:rank=1:step=4", {1}, 4, id="compute"),
     pytest.param("kill:rank=3:step=6:at=update", {3}, 7, id="update"),  # committed: rolls forward
-    pytest.param("hang:rank=2:step=6:at=vote", {2}, 6, id="hung-before-vote"),  # behind the voters: blamed
+    pytest.param("hang:rank=2:step=6:at=vote", {2}, 7, id="hung-before-vote"),  # behind the others: blamed
     pytest.param("kill:rank=0:step=3:at=vote,kill:rank=3:step=7:at=vote", {0, 3}, None, id="two-votes"),
     pytest.param("kill:rank=0:step=5:at=sync", {0}, 5, id="rank0"),
     pytest.param("kill:rank=1:step=5:at=sync,kill:rank=2:step=5:at=sync", {1, 2}, 5, id="two-at-once"),

@@ -31,7 +31,7 @@ from unbroken.agent.placement import Placement
 from unbroken.agent.processes import die_with_parent, process_state, signal_group
 from unbroken.agent.relay import NodeRelay
 from unbroken.agent.spares import Spares
-from unbroken.checkpoint import shm_files
+from unbroken.checkpoint import own_state, shm_files
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConnectionClosed, ProtocolError
@@ -286,6 +286,13 @@ class Agent:
             log.info("agent %d: removed the shared-memory snapshots of dead job %s", self.node_rank, job)
         shm_files.claim_job(shm, self.cfg.job_id, os.getpid())
 
+    def _own_state(self, rank: int) -> tuple[int, bytes] | None:
+        """A rank's own state from the file its process left (checkpoint/own_state.py), which is removed."""
+        shm = self.cfg.checkpoint.shm_dir
+        if not self.cfg.job_id or not os.path.isdir(shm):
+            return None
+        return own_state.take(shm_files.own_state_path(shm, self.cfg.job_id, rank))
+
     def _release_shared_memory(self) -> None:
         shm = self.cfg.checkpoint.shm_dir
         if self.cfg.job_id and os.path.isdir(shm):
@@ -443,9 +450,11 @@ class Agent:
                 if self._relay is not None:
                     self._relay.rank_gone(p.rank)  # its last step reports go before its exit
                 code = p.popen.returncode
+                own_step, own = self._own_state(p.rank) or (-1, b"")
                 self._send(m.RankExited(rank=p.rank, pid=p.popen.pid, attempt=p.attempt,
                                           exit_code=code if code >= 0 else None,
-                                          signal=-code if code < 0 else None, last_lines=list(p.tail)))
+                                          signal=-code if code < 0 else None, last_lines=list(p.tail),
+                                          own_step=own_step, own_state=own))
 
     def _report_process_states(self) -> None:
         """Tell the controller when a running worker's process is stopped or a zombie (or runs

@@ -5,6 +5,8 @@ One job's files on a node (``shm_dir``, /dev/shm by default)::
     unbroken-{job}-r{rank:05d}-s{0,1}   the two snapshot slots of a rank (unbroken.checkpoint.memory)
     unbroken-{job}-r{rank:05d}.persisted  the newest step of that rank the agent has in storage
     unbroken-{job}-r{rank:05d}.peer       the seq and step of a slot fetched from a peer node at a restore
+    unbroken-{job}-r{rank:05d}.own        the rank's own state as its step's reduction began, for its agent
+                                          to send on if it dies (unbroken.checkpoint.own_state)
     unbroken-{job}-p{rank:05d}-s{0,1}   the two slots of another node's rank kept here (its peer copy,
                                           unbroken.checkpoint.peer_copy)
     unbroken-{job}.owner                  JSON {pid, create_time} of the agent that owns them
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR = "/dev/shm"
 _JOB_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_SLOT_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})-(r\d{5,}(-s[01]|\.persisted(\.tmp)?|\.peer(\.tmp)?)"
+_SLOT_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})-(r\d{5,}(-s[01]|\.persisted(\.tmp)?|\.peer(\.tmp)?|\.own)"
                       r"|(?P<peer>p\d{5,}-s[01]))$")
 _OWNER_RE = re.compile(r"^unbroken-(?P<job>[A-Za-z0-9_.-]{1,64})\.owner$")
 
@@ -52,6 +54,11 @@ def slot_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int, slot: i
     if type(rank) is not int or rank < 0 or slot not in (0, 1):
         raise ConfigError(f"rank must be an int >= 0 and slot 0 or 1, got {rank!r}, {slot!r}")
     return Path(shm_dir or DEFAULT_SHM_DIR) / f"unbroken-{job_id}-r{rank:05d}-s{slot}"
+
+
+def own_state_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int) -> Path:
+    """The file of `rank`'s own state for its agent (unbroken.checkpoint.own_state)."""
+    return slot_path(shm_dir, job_id, rank, 0).with_name(f"unbroken-{job_id}-r{rank:05d}.own")
 
 
 def peer_slot_path(shm_dir: str | os.PathLike | None, job_id: str, rank: int, slot: int) -> Path:

@@ -151,6 +151,9 @@ class OrderRegroup:
     # The decision rests on a commit vote the controller's record had not seen (a survivor passed it);
     # said in the event log. (Either way a replaced rank needs its own state, or a copy known to equal it.)
     voted: bool = False
+    # Survivors cut inside the reduction of step resume_step - 1, which a peer updated (worker/commit.py):
+    # they take the replicated state as ``replaced`` ranks do, and keep their own state from the cut.
+    behind: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,8 @@ class Recovery:
     replaced: frozenset[int]
     tries: int = 1
     paused: RankSet = RankSet()
-    positions: Chain[tuple[int, int, str]] = Chain()  # (rank, step, phase) of each pause, newest first
+    # (rank, step, phase, cut) of each pause, newest first (cut: as events.RankPaused.cut)
+    positions: Chain[tuple[int, int, str, str | None]] = Chain()
     joined: RankSet = RankSet()
     resumed: RankSet = RankSet()
     regrouped: bool = False

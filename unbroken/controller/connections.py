@@ -171,8 +171,10 @@ def _rank_exited(self: Connections, agent: int, msg: m.RankExited) -> None:
     w = hub.board.view(msg.rank)
     if msg.exit_code != 0 and not after_loop:
         hub.timing.fault_began(time.monotonic(), hub.board.views())
+    kept = bool(msg.own_state) and hub.rank_states.note_left(msg.rank, msg.attempt, msg.own_step, msg.own_state)
     hub.events.emit("rank_exited", rank=msg.rank, pid=msg.pid, attempt=msg.attempt,
-                    exit_code=msg.exit_code, signal=msg.signal, step=w.step, after_loop=after_loop)
+                    exit_code=msg.exit_code, signal=msg.signal, step=w.step, after_loop=after_loop,
+                    **({"own_state_of_step": msg.own_step} if kept else {}))
     hub.apply(sm.RankExited(msg.rank, msg.attempt, msg.exit_code, msg.signal, w.step, tuple(msg.last_lines)))
 
 
@@ -311,10 +313,12 @@ def _damaged(self: Connections, rank: int, attempt: int, conn: Connection, msg: 
 
 
 def _paused(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RankPaused) -> None:
+    cut = msg.cut_unsure if msg.cut_in_reduction else None
     self._hub.events.emit("rank_paused", rank=rank, gen=msg.gen, step=msg.step, phase=msg.phase,
-                          **({"cut_in_tail": True} if msg.cut_in_tail else {}))
+                          **({"cut_in_tail": True} if msg.cut_in_tail else {}),
+                          **({"cut_in_reduction": cut or "exact"} if cut is not None else {}))
     phase = msg.phase if msg.phase in STEP_PHASES else Phase.COMPUTE
-    self._hub.apply(sm.RankPaused(rank, attempt, msg.step, phase, bool(msg.cut_in_tail)))
+    self._hub.apply(sm.RankPaused(rank, attempt, msg.step, phase, bool(msg.cut_in_tail), cut))
 
 
 def _resumed(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.RankResumed) -> None:

@@ -83,6 +83,7 @@ class RankPaused:
     step: int
     phase: str = Phase.COMPUTE
     cut_in_tail: bool = False  # as messages.RankPaused.cut_in_tail
+    cut: str | None = None  # cut inside the reduction of a vote-less step: "" exact, or why it is unsure; None: not
 
 
 @dataclass(frozen=True)

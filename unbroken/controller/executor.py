@@ -239,8 +239,19 @@ class Executor:
         found = self._own_states(replaced, action.resume_step, src, "in-flight recovery", action.gen)
         if found is None:
             return
+        moved = hub.rank_states.moved_after_update
+        if action.behind and moved is not None:  # their state at the cut is not what they would start with
+            hub.apply(sm.RegroupRefused(action.gen, (
+                f"no exact in-flight recovery at step {action.resume_step}: ranks {sorted(action.behind)} were cut "
+                f"inside the reduction of step {action.resume_step - 1}, which a peer updated, and rank {moved[0]}'s "
+                f"own state moved after its update of step {moved[1]}, so their state after compute need not be "
+                f"what they start step {action.resume_step} with")))
+            return
+        if action.behind:
+            hub.events.emit("behind", gen=action.gen, ranks=sorted(action.behind), step=action.resume_step - 1)
         missing = [r for r in replaced if found[r] is None]
-        order = m.Regroup(gen=action.gen, resume_step=action.resume_step, replaced=replaced, fallback=missing)
+        order = m.Regroup(gen=action.gen, resume_step=action.resume_step, replaced=replaced, fallback=missing,
+                          behind=sorted(action.behind))
         self.send_to_workers(order, hub.board.ranks() - set(replaced))
         for r in replaced:  # each replaced rank's order carries its own per-rank state
             own = found[r]

@@ -382,7 +382,7 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
             "miss that"))
     if isinstance(event, RankPaused) and event.rank not in rec.replaced:
         rec = replace(rec, paused=rec.paused.with_rank(event.rank),
-                      positions=rec.positions.push((event.rank, event.step, event.phase)))
+                      positions=rec.positions.push((event.rank, event.step, event.phase, event.cut)))
     elif isinstance(event, ReplacementJoined) and event.rank in rec.replaced:
         rec = replace(rec, joined=rec.joined.with_rank(event.rank))
     elif isinstance(event, RankResumed) and event.gen == rec.gen and rec.regrouped:
@@ -398,14 +398,19 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
     needed = state.ranks - rec.replaced if rec.rung == Rung.DUMP else state.ranks  # a dump has no replacements
     if not rec.regrouped and (rec.paused | rec.joined) >= needed:
         survivors: dict[int, Position] = {}
-        for rank, step, phase in rec.positions:  # newest first: a rank's latest pause counts
-            if rank in rec.paused:
-                survivors.setdefault(rank, Position(step, phase))
+        cuts: dict[int, str | None] = {}
+        for rank, step, phase, cut in rec.positions:  # newest first: a rank's latest pause counts
+            if rank in rec.paused and rank not in survivors:
+                survivors[rank], cuts[rank] = Position(step, phase), cut
         try:
             decision = decide(state.committed_step, survivors)
         except (InconsistentReports, ValueError) as exc:  # a bug, never a normal fault: restart the job
             return _refuse_in_flight(state, rec, f"inconsistent survivor reports: {exc}")
         voted = decision.resume_step - 1 > state.committed_step  # a survivor passed a vote the record lacks
+        behind = {r: cuts[r] for r, pos in survivors.items()
+                  if cuts[r] is not None and pos.step == decision.resume_step - 1}
+        if behind and (rec.rung == Rung.DUMP or any(behind.values())):
+            return _refuse_in_flight(state, rec, _why_not_behind(behind, decision.resume_step - 1, rec.rung))
         state = _replace(state, committed_step=decision.resume_step - 1)
         rec = replace(rec, regrouped=True)
         if rec.rung == Rung.DUMP:
@@ -413,8 +418,20 @@ def _on_recovery_event(state: JobState, event: Event) -> tuple[JobState, list[Ac
             dump = DumpOrder(rec.gen, decision.resume_step, _writers(state, rec), voted)
             return _replace(state, recovery=rec), [dump]
         return _replace(state, recovery=rec), [OrderRegroup(rec.gen, decision.resume_step, rec.replaced,
-                                                       decision.direction.value, decision.reason, voted)]
+                                                       decision.direction.value, decision.reason, voted,
+                                                       frozenset(behind))]
     return _replace(state, recovery=rec), []
+
+
+def _why_not_behind(behind: dict[int, str | None], step: int, rung: str) -> str:
+    """Why survivors cut inside the reduction of step ``step``, which a peer updated, cannot resume in flight."""
+    ranks = sorted(behind)
+    if rung == Rung.DUMP:
+        return (f"ranks {ranks} were cut inside the reduction of step {step}, which a peer updated: they hold no "
+                "copy of its result to dump")
+    return "; ".join(f"rank {r} was cut inside the reduction of step {step}, which a peer updated, and its own "
+                     f"state at the cut need not be its state after the step's compute: {why}"
+                     for r, why in sorted(behind.items()) if why)
 
 
 def _refuse_in_flight(state: JobState, rec: Recovery, why: str) -> tuple[JobState, list[Action]]:

@@ -2,7 +2,9 @@
 
 A worker reports its encoded per-rank state (RNG streams and per-rank objects, see
 :mod:`unbroken.worker.rollback`) twice a step: with its ``compute`` report (the state at the
-start of step k) and with its commit report (the state after the compute of step k); a report
+start of step k) and with its commit report (the state after the compute of step k); where the
+commit report never left a process that died, its agent may send the state the process kept
+in node memory as its reduction began (:meth:`RankStates.note_left`); a report
 marked ``same`` stands for the state that rank's process last sent (kept here as the rank's
 ``last``: its reports arrive in order on one connection), so it is not sent again. A
 replacement of rank r resuming at step s gets r's own state: the start of s if kept, else the
@@ -105,6 +107,20 @@ class RankStates:
         for key in [k for k in captures if k[0] <= newest - self.KEEP_STEPS]:
             del captures[key]
         self._by_rank[rank] = (attempt, captures)
+
+    def note_left(self, rank: int, attempt: int, step: int, state: bytes) -> bool:
+        """A dead process's own state as the reduction of ``step`` began, which its agent read from the file
+        the process left (checkpoint/own_state.py; the process wrote it only where it stands for its state
+        after compute): kept as that unless the process's commit report of ``step`` came first. It follows
+        nothing and nothing follows it (a process that left sends no more). True if kept."""
+        held_attempt, captures = self._by_rank.get(rank, (attempt, {}))
+        newest = max(captures)[0] if captures else step
+        if (attempt != held_attempt or (step, Point.AFTER_COMPUTE) in captures or len(state) > self._limit_bytes
+                or step <= newest - self.KEEP_STEPS):
+            return False
+        captures[(step, Point.AFTER_COMPUTE)] = state
+        self._by_rank[rank] = (attempt, captures)
+        return True
 
     def for_resume(self, rank: int, attempt: int, step: int) -> Found | None:
         """Rank ``rank``'s own state to resume at ``step`` in ``attempt``, or None if none is kept

@@ -42,6 +42,9 @@ from unbroken.parallel.ddp import DdpRegistry
 from unbroken.parallel.group import AbortSignal, SurvivingGroup
 
 WORLD_PREFIX = "unbroken-world/"
+#: Collectives after which every member holds the same result (on the world group: every rank).
+_REPLICATING_OPS = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "barrier", "allgather",
+                              "_allgather_base", "allgather_coalesced"})
 
 
 def reconfigure_available() -> bool:
@@ -71,6 +74,10 @@ class Fabric:
         self.ddps = DdpRegistry()  # every DDP built on one of the groups, in construction order
         self.before_reduce: Callable[[], None] | None = None  # called before each reduction is issued
         self.on_collective: Callable[[Any], None] | None = None  # given each other collective's work once issued
+        #: The first op issued that may leave ranks holding different state (a send or recv, an all-to-all, a
+        #: reduce-scatter, a reduction to one rank, any op on a sub-group), e.g. "send on group 'g1'"; None:
+        #: none yet. Where none is ever seen, a step's update made on one rank is every rank's (worker/commit.py).
+        self.partial_op: str | None = None
         self._gen = -1
         self._prepared: tuple[int, list[Any]] | None = None  # (generation, backends built ahead: prepare())
         self._held = False
@@ -97,6 +104,7 @@ class Fabric:
                                self.signal, self.graveyard, before_reduce=self._reducing, ddps=self.ddps,
                                on_collective=self._collective)
         group.held = self._held
+        group.on_op = self._note_op
         self.groups.append(group)
         if self._gen >= 0:  # created after the job joined a generation: every member builds it now
             group._attach(self._gen, self._backend_for(group, self._gen))
@@ -105,6 +113,10 @@ class Fabric:
     def _reducing(self) -> None:
         if self.before_reduce is not None:
             self.before_reduce()
+
+    def _note_op(self, group: SurvivingGroup, op: str) -> None:
+        if self.partial_op is None and (op not in _REPLICATING_OPS or group is not self.groups[0]):
+            self.partial_op = f"{op} on group {group.key!r}"
 
     def _collective(self, work: Any) -> None:
         if self.on_collective is not None:

@@ -77,6 +77,7 @@ class SurvivingGroup(dist.ProcessGroup):
         self._before_reduce = before_reduce
         self._on_collective = on_collective  # given each other collective's work once issued (hang evidence)
         self._backend: Any = None  # a ProcessGroupGloo (torch Backend) or None
+        self.on_op: Callable[[SurvivingGroup, str], None] | None = None  # told each op issued to a backend
         self._gen = -1  # -1: detached, no generation joined yet
         self.held = False
         self._group_name = ""
@@ -126,6 +127,8 @@ class SurvivingGroup(dist.ProcessGroup):
             return AbortableWork(None, self._signal, self._graveyard, what, result=local())
         if local is None and self._before_reduce is not None:
             self._before_reduce()
+        if self.on_op is not None:
+            self.on_op(self, op)
         inner = self._issued(what, lambda: getattr(self._backend, op)(*args))
         work = AbortableWork(inner, self._signal, self._graveyard, what, finish=finish)
         if local is not None and self._on_collective is not None:
@@ -158,6 +161,8 @@ class SurvivingGroup(dist.ProcessGroup):
         abortable (polling) wait on them never ends: FSDP2's backward hung there. Twice the
         traffic of a real reduce-scatter; the same sums on every run.
         """
+        if self.on_op is not None and self._backend is not None and not self.held:
+            self.on_op(self, "reduce_scatter")  # (an all-reduce here, but each rank keeps its own chunk)
         buf = flat.clone()
         ar_opts = dist.AllreduceOptions()
         ar_opts.reduceOp = opts.reduceOp
@@ -268,6 +273,8 @@ class SurvivingGroup(dist.ProcessGroup):
             raise DetachedCollective(
                 f"{what}: this rank has not joined the survivors yet (a replacement building its wrappers); "
                 "point-to-point ops have no local result: issue them in the training loop")
+        if self.on_op is not None:
+            self.on_op(self, op)
         inner = ThreadWaitedWork(self._issued(what, lambda: getattr(self._backend, op)(tensors, peer, tag)), tensors)
         return AbortableWork(inner, self._signal, self._graveyard, what)
 

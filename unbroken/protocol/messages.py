@@ -73,6 +73,9 @@ class RankExited(Message):
     exit_code: int | None
     signal: int | None
     last_lines: list[str]
+    # the rank's own state as the reduction of step ``own_step`` began, from its file (checkpoint/own_state.py)
+    own_step: int = -1
+    own_state: bytes = b""
 
 
 @message("rank_status")
@@ -287,6 +290,11 @@ class RankPaused(Message):
     # Cut inside a reduction after the step's update, which the script changes state after (a GAN's
     # second update, a scheduler stepped after a logging all-reduce): no exact roll forward.
     cut_in_tail: bool = False
+    # Cut inside the reduction of a step committed without a vote (worker/commit.py): its gradients are not
+    # whole; if a peer updated, it takes the updated state from one and its own state from the cut, unless
+    # ``cut_unsure`` says why its state at the cut need not be its state after the step's compute.
+    cut_in_reduction: bool = False
+    cut_unsure: str = ""
 
 
 @message("regroup")
@@ -300,6 +308,9 @@ class Regroup(Message):
     replaced: list[int]
     rank_state: bytes = b""
     fallback: list[int] = dataclasses.field(default_factory=list)
+    # Survivors cut inside the reduction of the step the job resumes after, which a peer updated: they
+    # receive the replicated state as a replaced rank does, and keep their own state from the cut.
+    behind: list[int] = dataclasses.field(default_factory=list)
 
 
 @message("rank_resumed")

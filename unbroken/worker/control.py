@@ -185,9 +185,11 @@ class ControlClient:
     def damaged(self, what: str, kind: str = "memory-fault") -> None:
         self._send(m.RankDamaged(rank=self.rank, attempt=self.attempt, what=what, kind=kind))
 
-    def paused(self, gen: int, step: int, phase: str, *, cut_in_tail: bool = False) -> None:
+    def paused(self, gen: int, step: int, phase: str, *, cut_in_tail: bool = False, cut_in_reduction: bool = False,
+               cut_unsure: str = "") -> None:
         self.reports.send_now(m.RankPaused(rank=self.rank, attempt=self.attempt, gen=gen, step=step, phase=phase,
-                                           cut_in_tail=cut_in_tail))
+                                           cut_in_tail=cut_in_tail, cut_in_reduction=cut_in_reduction,
+                                           cut_unsure=cut_unsure))
 
     def joined(self, gen: int) -> None:
         self._send(m.RankRegister(rank=self.rank, pid=0, attempt=self.attempt, gen=gen, replacement=True,

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from unbroken.comm import generation_group, movers, wait_all
 from unbroken.comm.wait import AbortWatch
 from unbroken.comm.p2p import exchange_states
-from unbroken.errors import CheckpointError, CollectiveAborted, FatalError, JobFailed, StateDamaged
+from unbroken.errors import CheckpointError, CollectiveAborted, JobFailed, StateDamaged
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import Phase
 from unbroken.parallel import ddp as ddp_generations
@@ -54,6 +54,7 @@ from unbroken.protocol.messages import Dump, Regroup
 from unbroken.recovery.mesh_map import MeshReplicaMap, object_moves
 from unbroken.recovery.transfer_plan import Move, involved, movers as movers_in, plan_moves
 from unbroken.worker import wrappers
+from unbroken.worker.commit import CommitVotes, ReductionCut
 from unbroken.worker.control import ControlClient
 from unbroken.state.blob import decode_tree
 from unbroken.worker.tracked import TrackedState
@@ -93,12 +94,15 @@ class InFlight:
         self.damaged: StateDamaged | None = None  # this rank's state is damaged: repair from replicas
         self.pause_phase: str = Phase.COMPUTE
         self._cut_in_tail = False  # paused inside a reduction after the update (StepBoundary.cut_in_tail)
+        self._cut: ReductionCut | None = None  # paused inside the reduction of a vote-less step (worker/commit.py)
         self.fault_noted = False  # a fault inside a step: recover before the next one
         self._paused_step = 0
         self._order: Regroup | None = None
         self._held: Regroup | Dump | None = None  # an order received while paused in a commit vote
         self._joined_t: float | None = None  # a replacement: when it joined its generation (in init())
         self.replica_map: MeshReplicaMap | None = None  # the job's mesh (job.mesh): who holds whose objects
+        self.votes = CommitVotes(cfg.rank, device=device, injector=injector, tracked=tracked, fabric=fabric,
+                                 mesh=lambda: self.replica_map is not None)
         self.after_transfer: list[Callable[[], None]] = []  # run by every rank last in each transfer
         # True once the controller ordered this generation's collectives abandoned; the waits
         # blocked on it (comm/wait.py) are woken by the control reader thread's abort (_fire_abort).
@@ -155,31 +159,18 @@ class InFlight:
         return self.commit_vote(step, joined) or self.pause_in_vote(step)
 
     def commit_vote(self, step: int, joined: Callable[[], None]) -> bool:
-        """Step ``step``'s commit vote: an all-reduce (MAX of ``step`` and ``-step``) on the generation's
-        group that completes once every rank finished its reduction; ``joined()`` runs once this rank
-        joined it (it reports the reduction done: the controller then sees it waiting in the vote,
-        controller/hangs.py). True: passed here, the update may begin. False: an abort order or a
-        peer's loss came first (it may have passed elsewhere: see :meth:`pause_in_vote`). Ranks voting
-        on different steps are a desynchronised job: fatal."""
-        if self.group is None or self._cfg.world_size == 1:
-            joined()
-            return True
-        votes = torch.tensor([step, -step], dtype=torch.int64, device=self._device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        self._injector.at(step, Phase.VOTE)  # a fault planned for the vote: its reduction done, not joined yet
-        work = self.group.allreduce([votes], opts)
+        """Step ``step``'s commit (worker/commit.py): its vote, or none where the step needs none.
+        ``joined()`` runs once this rank joined the vote (it reports the reduction done). True: the
+        update may begin. False: an abort order or a peer's loss came first (see :meth:`pause_in_vote`)."""
+        if not self.voteless(step) and self.group is not None and self._cfg.world_size > 1:
+            return self.votes.vote(step, self.gen, self.group, joined, self.should_abort, self.graveyard)
+        self._injector.at(step, Phase.VOTE)  # (where the vote would be: the reduction done, not reported yet)
         joined()
-        try:
-            wait_all([work], self.should_abort, self.graveyard, f"commit vote of step {step}")
-        except (CollectiveAborted, RuntimeError):  # the abort order, or the backend's error on a lost peer
-            return False
-        newest, minus_oldest = votes.tolist()
-        oldest = -minus_oldest
-        if newest != step or oldest != step:
-            raise FatalError(f"rank {self._cfg.rank}: the commit vote of step {step} saw steps {oldest}..{newest}: "
-                             "the ranks' training loops are not in step (a rank ran more or fewer steps)")
         return True
+
+    def voteless(self, step: int) -> bool:
+        """Whether step ``step`` commits without a vote (worker/commit.py)."""
+        return self.group is not None and self._cfg.world_size > 1 and not self.votes.needed(step, self.gen)
 
     def pause_in_vote(self, step: int) -> bool:
         """The vote of ``step`` did not pass here: report this rank paused in it (its gradients whole)
@@ -220,14 +211,16 @@ class InFlight:
         return self._fabric.release_graveyard(self._cfg.worker.pg_timeout_s)
 
     # -- the two sides ----------------------------------------------------------------------
-    def survive(self, step: int, phase: str, *, cut_in_tail: bool = False) -> int:
+    def survive(self, step: int, phase: str, *, cut_in_tail: bool = False, cut: ReductionCut | None = None) -> int:
         """A survivor's side, at ``step`` in ``phase`` (its step already dropped; ``cut_in_tail``: cut
-        inside a reduction after the step's update, which the script changes state after); returns
-        the step to resume at."""
+        inside a reduction after the step's update, which the script changes state after; ``cut``: cut
+        inside the reduction of a vote-less step, with its own state there); returns the step to resume at."""
         started = time.monotonic()
         self.fault_noted = False
         wrappers.reset_after_abort(self._tracked.objects.values())  # e.g. FSDP2 cut mid-forward: reshard
-        self._paused_step, self.pause_phase, self._cut_in_tail = step, phase, cut_in_tail
+        if cut is not None and cut.state is not None and (why := self.votes.why_voting()) is not None:
+            cut = ReductionCut(None, why)  # (seen since the generation's last vote)
+        self._paused_step, self.pause_phase, self._cut_in_tail, self._cut = step, phase, cut_in_tail, cut
         control = self._control
         reported = control.abort_gen
         if self.damaged is not None and self._held is None:  # rung `retry`: its state comes from replicas
@@ -288,7 +281,9 @@ class InFlight:
         if self.needs_state:
             self._control.joined(gen)
         else:
-            self._control.paused(gen, self._paused_step, self.pause_phase, cut_in_tail=self._cut_in_tail)
+            cut = self._cut
+            self._control.paused(gen, self._paused_step, self.pause_phase, cut_in_tail=self._cut_in_tail,
+                                 cut_in_reduction=cut is not None, cut_unsure=cut.why_unsure if cut else "")
             self._prepare_group(gen)
 
     def _await_order(self, reported: int, *, adopt: bool = True) -> Regroup:  # a Dump order is carried out inside
@@ -358,8 +353,10 @@ class InFlight:
                 order = self._await_order(reported, adopt=False)
                 continue
             restore_s = time.monotonic() - regroup_t
-            role = "repaired" if self._keeps_own else "replacement" if self.needs_state else "survivor"
+            role = "repaired" if self._keeps_own else "replacement" if self.needs_state else \
+                "behind" if self._cfg.rank in order.behind else "survivor"
             self.needs_state = self._keeps_own = False
+            self._cut = None
             self._control.resumed(order.gen, order.resume_step, restore_s,
                                   _restore_phases(order.gen, role, restore_s, script_s, laps))
             log.info("rank %d: resumed at step %d in generation %d after %.3f s (restore %.3f s)",
@@ -386,14 +383,15 @@ class InFlight:
         the survivors, in parallel) to the replaced ranks; a survivor in no move does nothing, and
         with lazily connected groups it builds its group only once the movers are done (comm/movers.py)."""
         rank, replaced = self._cfg.rank, set(order.replaced)
-        alive = [r for r in range(self._cfg.world_size) if r not in replaced]
+        receivers = replaced | set(order.behind)  # the survivors behind take the replicated state too
+        alive = [r for r in range(self._cfg.world_size) if r not in receivers]
         receiving = rank in replaced and not self._keeps_own
         if self.replica_map is None:  # every rank holds each object, or FSDP2's shard classes
-            plain, holders, needs = self._plain_pieces(replaced, alive)
+            plain, holders, needs = self._plain_pieces(receivers, alive)
             moves, names = plan_moves(list(plain), holders, needs, alive), {key: key for key in plain}
         else:  # a mesh (job.mesh): a replaced rank gets its own stage's / shard's copy
             plain = dict(self._tracked.plain())
-            moves, names = object_moves(list(plain), self.replica_map, replaced, alive)
+            moves, names = object_moves(list(plain), self.replica_map, receivers, alive)
         # The controller kept no per-rank state for the ranks in `fallback`: the lowest survivor's copy.
         moves += [Move(_PER_RANK, alive[0], r) for r in sorted(set(order.fallback) & replaced)]
         moving = involved(moves, rank)
@@ -430,6 +428,11 @@ class InFlight:
         elif receiving:
             self._tracked.load_per_rank(decode_tree(order.rank_state, f"rank {rank}'s per-rank state of step "
                                                                       f"{order.resume_step} from the controller"))
+        elif rank in order.behind:  # its own state at the cut: its state after the compute of the step
+            if self._cut is None or self._cut.state is None:
+                raise JobFailed(f"rank {rank}: ordered to resume at step {order.resume_step} from its own state "
+                                "inside the reduction, which it did not report exact")
+            self._tracked.load_per_rank(decode_tree(self._cut.state, f"rank {rank}'s own state at its cut"))
         laps["load_s"] = time.monotonic() - t
         if moving:
             movers.mark_done(self._store, order.gen, rank)

@@ -21,6 +21,7 @@ Pure functions and small classes; lives in the training thread of one rank.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from collections import OrderedDict
@@ -32,6 +33,8 @@ import torch
 from unbroken.errors import CheckpointError, ConfigError
 from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES
 from unbroken.state.blob import TreeEncoder, decode_tree, encode_tree, raw_bytes
+
+log = logging.getLogger(__name__)
 
 # -- copies and comparisons of state trees ---------------------------------------------------
 _IMMUTABLE_LEAVES = frozenset({type(None), bool, int, float, str, bytes, torch.Size})
@@ -172,16 +175,51 @@ class StepStates:
         self._checked = False  # the per-rank tree was checked once to hold only what checkpoints take
         self.capture: StepCapture | None = None  # the start of the step in flight
         self.start_report = NO_REPORT  # ... its per-rank part, for the 'compute' report
+        self._at_sync: bytes | None = None  # ... its per-rank part as its reduction began (a vote-less step)
+        #: Why this rank's state at a cut inside a reduction need not be its state after compute (sticky):
+        #: once its state moved between a step's reduction and its update (a draw there, GradScaler.unscale_).
+        self._sync_moved = ""
 
     def begin(self, step: int, local: dict[str, Any], per_rank: dict[str, Any]) -> None:
         """Capture the start of ``step`` (trees from TrackedState.step_start) and its report."""
         blob = self._encode(per_rank)
         self.start_report = self._report(blob)
         self.capture = StepCapture(step, self._keep_local(local), blob)
+        self._at_sync = None
+
+    def at_sync(self, per_rank: dict[str, Any]) -> bytes | None:
+        """The state as the step's reduction begins, in a step committed without a vote (worker/commit.py);
+        returns its encoding where it stands for the state after compute (as :meth:`at_cut` tells)."""
+        self._at_sync = self._encode(per_rank)
+        return None if self._sync_moved else self._at_sync
+
+    @property
+    def in_sync(self) -> bool:
+        """Whether the step in flight took :meth:`at_sync`."""
+        return self._at_sync is not None
+
+    def at_cut(self, per_rank: dict[str, Any]) -> tuple[bytes | None, str]:
+        """Cut inside the reduction: ``(state, "")`` with this rank's state if it is its state after the
+        step's compute (the same at the reduction's start and now, and never seen to move between a
+        reduction and the update before), else ``(None, why not)``."""
+        if self._at_sync is None:
+            return None, "its state at the start of the reduction was not taken"
+        if self._sync_moved:
+            return None, self._sync_moved
+        if self._encode(per_rank) != self._at_sync:
+            return None, "its own state moved inside the reduction"
+        return self._at_sync, ""
 
     def after_compute(self, per_rank: dict[str, Any]) -> Report:
         """The report of the state after the step's compute (a tree from TrackedState.per_rank_tree)."""
-        return self._report(self._encode(per_rank))
+        blob = self._encode(per_rank)
+        if self._at_sync is not None and blob != self._at_sync and not self._sync_moved:
+            step = self.capture.step if self.capture is not None else -1
+            self._sync_moved = (f"its own state moved between the start of step {step}'s reduction and its update "
+                                "(a draw there, GradScaler.unscale_, a forward)")
+            log.warning("rank %d: %s; a fault that cuts its reduction while a peer updates is recovered by a "
+                        "restart from the newest checkpoint, not in flight", self._rank, self._sync_moved)
+        return self._report(blob)
 
     def _keep_local(self, local: dict[str, Any]) -> dict[str, Any] | bytes:
         """The replicated part's copy: its encoding (C code, several times faster than a snapshot's

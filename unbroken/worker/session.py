@@ -28,8 +28,10 @@ from typing import Any, Iterable, Iterator, NoReturn
 import torch
 import torch.distributed as dist
 
+from unbroken.checkpoint.own_state import OwnStateWriter
+from unbroken.checkpoint.shm_files import own_state_path
 from unbroken.comm import wait_all
-from unbroken.errors import EXIT_FATAL, ConfigError, FatalError
+from unbroken.errors import EXIT_FATAL, CheckpointError, ConfigError, FatalError
 from unbroken.faults.inject import FaultInjector, file_claim
 from unbroken.faults.plan import parse_plan, validate_plan
 from unbroken.names import Phase
@@ -70,14 +72,16 @@ class Job:
         self._control = self._build_control()
         script_imports.report(self._control, cfg)  # for the warm spares: what the script imported
         self._injector = self._build_injector()
+        self._own_state = self._build_own_state()
         self._ckpt = Checkpointer(cfg, managed=self._control is not None, tracked=self._tracked,
                                   injector=self._injector, all_min=self._all_min, event=self._event,
                                   metrics=self._metrics)
         self._boundary = StepBoundary(
             self.rank, finite_check=cfg.worker.finite_check, control=lambda: self._control,
             generation=lambda: self._inflight.gen, commit=lambda step, joined: self._inflight.commit(step, joined),
+            voteless=lambda step: self._inflight.voteless(step),
             tracked=self._tracked, injector=self._injector, ckpt=self._ckpt, ready_fields=self._ready_fields,
-            metrics=self._metrics)
+            metrics=self._metrics, own_state=self._own_state)
         self._data_share = DataShare(cfg)
         backend = backend or _default_backend(self.device)
         start = first_group.build(cfg, backend, self.device,  # DDP's all-reduce marks 'sync':
@@ -93,6 +97,19 @@ class Job:
             self._inflight.await_group()
 
     # -- construction -----------------------------------------------------------------
+    def _build_own_state(self) -> OwnStateWriter | None:
+        """Under `unbroken run`, where the node has a memory directory: the file of this rank's own state
+        that its agent sends on if the process dies (checkpoint/own_state.py)."""
+        shm = self.cfg.checkpoint.shm_dir
+        if self._control is None or not self.cfg.job_id or not os.path.isdir(shm):
+            return None
+        try:
+            return OwnStateWriter(own_state_path(shm, self.cfg.job_id, self.rank))
+        except (OSError, CheckpointError) as exc:
+            log.warning("rank %d: no file for its own state in %s (%s): a fault between a peer's update and this "
+                        "rank's commit report is then recovered by a restart", self.rank, shm, exc)
+            return None
+
     def _build_device(self) -> torch.device:
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)
@@ -331,9 +348,10 @@ class Job:
     # -- the step in flight ---------------------------------------------------------------
     def _survive(self) -> int:
         """Drop the step in flight (gradients, what it changed before its commit), recover; the step to resume at."""
-        cut_in_tail = self._boundary.cut_in_tail  # (before the drop: it ends the step in flight)
-        pause_phase = self._boundary.drop()
-        return self._inflight.survive(self._boundary.step, pause_phase, cut_in_tail=cut_in_tail)
+        boundary = self._boundary
+        cut_in_tail, cut = boundary.cut_in_tail, boundary.reduction_cut()  # (before the drop: it ends the step)
+        pause_phase = boundary.drop()
+        return self._inflight.survive(boundary.step, pause_phase, cut_in_tail=cut_in_tail, cut=cut)
 
     # -- reports, checkpoints, the end ---------------------------------------------------
     def report_degraded(self, reason: str) -> None:
@@ -376,6 +394,8 @@ class Job:
     def close(self) -> None:
         """Leave the job: closes the controller link and the process group. Safe to call twice."""
         self._ckpt.close()  # waits for the last snapshot's commit
+        if self._own_state is not None:
+            self._own_state.close()
         if self._control is not None:
             self._control.close()
             self._control = None

@@ -7,8 +7,10 @@ steps), its phase, whether it committed and whether it completed. In order, it c
   dropped step is redone from (:class:`~unbroken.worker.rollback.StepStates`);
 * at each phase (:meth:`StepBoundary.enter`): the progress report (``compute`` carries this
   rank's own step-start state), the NaN/Inf check entering ``sync``, the injected faults
-  planned for it; entering ``update``, first the step's commit vote among the ranks, before
-  anything changes (the report sent before it carries the state after compute);
+  planned for it; entering ``update``, first the step's commit (worker/commit.py), before
+  anything changes (the report sent with it carries the state after compute); entering ``sync``
+  in a step that commits without a vote, this rank's own state, which it keeps if it is cut
+  inside the reduction (:meth:`StepBoundary.reduction_cut`);
 * at the end (:meth:`StepBoundary.end`): ``done``, the ready announcement after the first
   committed step, the step's time; then (:meth:`StepBoundary.report_progress`) the step report
   with its metrics;
@@ -25,11 +27,13 @@ import logging
 import time
 from typing import Any, Callable
 
+from unbroken.checkpoint.own_state import OwnStateWriter
 from unbroken.errors import CollectiveAborted, ConfigError
 from unbroken.faults.inject import FaultInjector
 from unbroken.names import STEP_PHASES, Phase
 from unbroken.worker import integrity, rollback, untracked
 from unbroken.worker.checkpointing import Checkpointer
+from unbroken.worker.commit import ReductionCut
 from unbroken.worker.control import ControlClient
 from unbroken.worker.tracked import TrackedState
 
@@ -46,12 +50,15 @@ class StepBoundary:
 
     def __init__(self, rank: int, *, finite_check: bool, control: Callable[[], ControlClient | None],
                  generation: Callable[[], int], commit: Callable[[int, Callable[[], None]], bool],
+                 voteless: Callable[[int], bool],
                  ready_fields: Callable[[], dict[str, Any]],
                  tracked: TrackedState, injector: FaultInjector, ckpt: Checkpointer,
-                 metrics: dict[str, Any]) -> None:
+                 metrics: dict[str, Any], own_state: OwnStateWriter | None = None) -> None:
         self.rank, self._finite_check = rank, finite_check
         self._control, self._generation, self._ready_fields = control, generation, ready_fields
         self._commit_step = commit  # the step's commit vote (InFlight.commit)
+        self._voteless = voteless  # whether a step commits without a vote (InFlight.voteless)
+        self._own_state = own_state  # this rank's own state for its agent (checkpoint/own_state.py)
         self._tracked, self._injector, self._ckpt, self._metrics = tracked, injector, ckpt, metrics
         self.step, self.phase = 0, Phase.DONE  # the step in flight (== number of completed steps), its phase
         self.in_step = False
@@ -88,6 +95,10 @@ class StepBoundary:
             control.progress(self.step, name, state=own.state, state_same=own.same)
         if name == Phase.SYNC and control is not None and self._finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self.step)  # before the reduction spreads it
+        if name == Phase.SYNC and control is not None and self.in_step and self._voteless(self.step):
+            blob = self._states.at_sync(self._tracked.per_rank_tree())  # kept if the reduction is cut (reduction_cut)
+            if blob is not None and self._own_state is not None:  # and by the agent, if this process dies
+                self._own_state.write(self.step, blob)
         self._injector.at(self.step if step is None else step, name)
 
     def advance(self, name: str, *_hook_args: Any) -> None:
@@ -162,6 +173,15 @@ class StepBoundary:
         self._committed = True
         self.phase = Phase.UPDATE  # past the vote: a pause from here on reports update (consistency.voted_step)
         self._metrics["snapshot_wait_s"] = self._ckpt.settle()  # the update may change what it still copies
+
+    def reduction_cut(self) -> ReductionCut | None:
+        """Before a drop: whether the step in flight was cut inside the reduction of a step that commits
+        without a vote (worker/commit.py), and this rank's own state at the cut if it is its state after the
+        step's compute (StepStates.at_cut); None if it was not cut there."""
+        if not (self.in_step and self.phase == Phase.SYNC and not self._committed and self._states.in_sync):
+            return None
+        state, why = self._states.at_cut(self._tracked.per_rank_tree())
+        return ReductionCut(state, why)
 
     def drop(self) -> str:
         """Drop the step in flight (gradients, what it changed before its commit); the phase it paused in."""

@@ -56,6 +56,7 @@ class _Layout(NamedTuple):
     per_rank: list[str]
     buffer_layers: list[tuple[str, str, torch.nn.Module]]
     sharded: frozenset[str]  # the names of objects holding DTensors (their state: local shards only)
+    partial: str | None  # a replicated object some rank holds only part of (see TrackedState.partial_object)
 
 
 class TrackedState:
@@ -159,10 +160,19 @@ class TrackedState:
         buffer_layers = [(name, prefix, layer) for name, obj in self.objects.items() if isinstance(obj, torch.nn.Module)
                          for prefix, layer in obj.named_modules() if layer._buffers]
         sharded = frozenset(n for n in local + per_rank if dtensor_state.has_dtensors(self.objects[n]))
-        layout = _Layout(local, per_rank, buffer_layers, sharded)
+        partial = next((f"{n!r} ({type(o).__name__})" for n, o in self.objects.items() if n not in self.per_rank
+                        and (isinstance(o, RecoverableState) or dtensor_state.has_dtensors(o))), None)
+        layout = _Layout(local, per_rank, buffer_layers, sharded, partial)
         if self.frozen:
             self._kept_layout = layout
         return layout
+
+    def partial_object(self) -> str | None:
+        """A tracked object that is not per-rank and that some rank holds only part of (a recoverable
+        one such as the sharded optimizer, or one holding DTensors: FSDP2, tensor parallel), named; None
+        when every rank holds each of them whole, so that a step's update made on one rank is every
+        rank's (worker/commit.py)."""
+        return self._layout().partial
 
     def _with_buffers(self, tree: dict[str, Any]) -> dict[str, Any]:
         """``tree`` with the tracked modules' buffers (see the module docstring)."""

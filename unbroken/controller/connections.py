@@ -268,12 +268,16 @@ def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg:
     hub = self._hub
     in_loop = msg.phase in STEP_PHASES or msg.done
     if msg.phase == Phase.DONE or msg.done:  # a completed step (folded into the next one's compute report)
+        if msg.synced:  # it committed without its commit report (worker/commit.py): this stands for it
+            hub.apply(m.StepSynced(rank=rank, attempt=attempt, gen=hub.state.gen, step=msg.step - 1))
         hub.board.reported(rank, Phase.DONE, in_loop=in_loop)
         hub.step_completed(rank, attempt, msg.step, msg.metrics)  # the progress the watchdog watches
         if msg.phase == Phase.DONE:
             return
     if msg.phase == Phase.COMPUTE:
         hub.rank_states.note_report(rank, attempt, msg.step, Point.START, msg.state, same=msg.state_same)
+        if msg.moved:
+            hub.rank_states.note_moved(rank, msg.step - 1)
     hub.board.reported(rank, msg.phase, in_loop=in_loop)
     if msg.phase == Phase.FINISHED:
         hub.board.finishing(rank)

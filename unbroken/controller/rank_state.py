@@ -96,17 +96,24 @@ class RankStates:
         follows = self._last_at.get(rank) == (step - 1, Point.AFTER_COMPUTE) and point is Point.START
         before = captures.get((step - 1, Point.AFTER_COMPUTE)) if follows else None  # this process's, just before
         self._last_at[rank] = (step, point)
-        if before is not None and before != state and self.moved_after_update is None:
-            self.moved_after_update = (rank, step - 1)
-            log.warning("controller: rank %d's own state at the start of step %d differs from its state after "
-                        "computing step %d: it moved during the update or after the step's block; from now on a "
-                        "rank lost between its update and its next step is not recovered in flight (restarted "
-                        "from a checkpoint instead)", rank, step, step - 1)
+        if before is not None and before != state:
+            self.note_moved(rank, step - 1)
         captures[(step, point)] = self._last[rank] = state
         newest = max(captures)[0]  # (the keys sort by step first)
         for key in [k for k in captures if k[0] <= newest - self.KEEP_STEPS]:
             del captures[key]
         self._by_rank[rank] = (attempt, captures)
+
+    def note_moved(self, rank: int, step: int) -> None:
+        """Rank ``rank``'s own state moved after its update of ``step`` (seen here from its reports, or by the
+        rank itself where its state after compute did not travel: Progress.moved)."""
+        if self.moved_after_update is not None:
+            return
+        self.moved_after_update = (rank, step)
+        log.warning("controller: rank %d's own state at the start of step %d differs from its state after "
+                    "computing step %d: it moved during the update or after the step's block; from now on a "
+                    "rank lost between its update and its next step is not recovered in flight (restarted "
+                    "from a checkpoint instead)", rank, step + 1, step)
 
     def note_left(self, rank: int, attempt: int, step: int, state: bytes) -> bool:
         """A dead process's own state as the reduction of ``step`` began, which its agent read from the file

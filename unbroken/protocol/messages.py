@@ -175,6 +175,12 @@ class Progress(Message):
     # With phase 'compute': this report is also the previous step's 'done' (the rank completed `step`
     # steps; `metrics` are that step's), folded in to save a message per step (worker/progress.py).
     done: bool = False
+    # With a 'done': step `step` - 1 committed here without its commit report (worker/commit.py), which
+    # this stands for; the rank's state after its compute is in node memory (checkpoint/own_state.py).
+    synced: bool = False
+    # With phase 'compute': the rank's own state at the start of `step` differs from its state after
+    # computing `step` - 1 (it moved during the update or after the step's block: controller/rank_state.py).
+    moved: bool = False
 
 
 @message("heartbeat")

@@ -151,13 +151,14 @@ class ControlClient:
         except (OSError, ProtocolError):
             return False  # the relay's reader sees the end and acts on it
 
-    def progress(self, step: int, phase: str, state: bytes = b"", state_same: bool = False) -> None:
+    def progress(self, step: int, phase: str, state: bytes = b"", state_same: bool = False, moved: bool = False) -> None:
         """The rank entered ``phase`` of ``step``: reported as :class:`StepReports` says (in-step marks late)."""
-        self.reports.phase(step, phase, state=state, state_same=state_same)
+        self.reports.phase(step, phase, state=state, state_same=state_same, moved=moved)
 
-    def step_done(self, step: int, metrics: dict) -> None:
-        """The rank completed ``step`` steps; the report rides on the next step's compute report."""
-        self.reports.done(step, metrics)
+    def step_done(self, step: int, metrics: dict, synced: bool = False) -> None:
+        """The rank completed ``step`` steps (``synced``: it committed the last one without its commit
+        report, Progress.synced); the report rides on the next step's compute report."""
+        self.reports.done(step, metrics, synced=synced)
 
     def event(self, name: str, fields: dict) -> None:
         """Ask the controller to record an event of this worker's in the job's event log."""

@@ -48,6 +48,7 @@ class _Pending:
     since_t: float
     metrics: dict[str, Any] = field(default_factory=dict)
     work: Any = None  # a collective mark's work: the mark goes only while it has not completed
+    synced: bool = False  # a completed step that committed without its commit report (Progress.synced)
 
 
 class StepReports:
@@ -63,8 +64,9 @@ class StepReports:
         self._compute_s: float | None = None  # its compute time, up to its first collective
         self.sent = 0  # step reports sent (for tests and benchmarks)
 
-    def phase(self, step: int, phase: str, state: bytes = b"", state_same: bool = False) -> None:
-        """The rank entered ``phase`` of step ``step`` (``state``: its own state, with ``compute``)."""
+    def phase(self, step: int, phase: str, state: bytes = b"", state_same: bool = False, moved: bool = False) -> None:
+        """The rank entered ``phase`` of step ``step`` (``state``: its own state, with ``compute``; ``moved``:
+        as Progress.moved)."""
         now = time.monotonic()
         with self._lock:
             if phase in DEFERRED_PHASES:
@@ -74,12 +76,13 @@ class StepReports:
                 self._mark = _Pending(step, phase, now)
                 return
             self._mark = None
-            done, metrics = False, {}
+            done, metrics, synced = False, {}, False
             if phase == Phase.COMPUTE and self._done is not None and self._done.step == step:
-                done, metrics, self._done = True, self._done.metrics, None
+                done, metrics, synced, self._done = True, self._done.metrics, self._done.synced, None
             self._flush_done_locked()
             self._compute_t = now if phase == Phase.COMPUTE else None
-            self._progress(step, phase, metrics, state=state, state_same=state_same, done=done)
+            self._progress(step, phase, metrics, state=state, state_same=state_same, done=done, synced=synced,
+                           moved=moved)
 
     def collective(self, step: int, work: Any) -> None:
         """The rank issued a collective other than a reduction in its step's compute (``work``): marked
@@ -88,15 +91,16 @@ class StepReports:
             if self._mark is None or self._mark.phase == Phase.COLLECTIVE:
                 self._mark = _Pending(step, Phase.COLLECTIVE, time.monotonic(), work=work)
 
-    def done(self, step: int, metrics: dict[str, Any]) -> None:
-        """The rank completed ``step`` steps; the report rides on the next compute report."""
+    def done(self, step: int, metrics: dict[str, Any], synced: bool = False) -> None:
+        """The rank completed ``step`` steps (``synced``: as Progress.synced); the report rides on the next
+        compute report."""
         metrics = dict(metrics)
         with self._lock:
             if self._compute_s is not None:
                 metrics["compute_s"], self._compute_s = self._compute_s, None
             self._mark = None
             self._flush_done_locked()
-            self._done = _Pending(step, Phase.DONE, time.monotonic(), metrics)
+            self._done = _Pending(step, Phase.DONE, time.monotonic(), metrics, synced=synced)
 
     def send_now(self, msg: m.Message) -> bool:
         """Send ``msg`` after any pending completed step; a pending mark is dropped (``msg`` supersedes it)."""
@@ -126,7 +130,7 @@ class StepReports:
     def _flush_done_locked(self) -> None:
         done, self._done = self._done, None
         if done is not None:
-            self._progress(done.step, Phase.DONE, done.metrics)
+            self._progress(done.step, Phase.DONE, done.metrics, synced=done.synced)
 
     def _progress(self, step: int, phase: str, metrics: dict, **fields: Any) -> None:
         self.sent += 1

@@ -176,6 +176,9 @@ class StepStates:
         self.capture: StepCapture | None = None  # the start of the step in flight
         self.start_report = NO_REPORT  # ... its per-rank part, for the 'compute' report
         self._at_sync: bytes | None = None  # ... its per-rank part as its reduction began (a vote-less step)
+        self._after: bytes | None = None  # the state after the previous step's compute, until this one begins
+        #: The first step after whose update this rank's own state moved (its next start differed), or None
+        self.moved_after_update: int | None = None
         #: Why this rank's state at a cut inside a reduction need not be its state after compute (sticky):
         #: once its state moved between a step's reduction and its update (a draw there, GradScaler.unscale_).
         self._sync_moved = ""
@@ -186,6 +189,9 @@ class StepStates:
         self.start_report = self._report(blob)
         self.capture = StepCapture(step, self._keep_local(local), blob)
         self._at_sync = None
+        if self._after is not None and blob != self._after and self.moved_after_update is None:
+            self.moved_after_update = step - 1  # (the controller sees it in consecutive reports, where both travel)
+        self._after = None
 
     def at_sync(self, per_rank: dict[str, Any]) -> bytes | None:
         """The state as the step's reduction begins, in a step committed without a vote (worker/commit.py);
@@ -210,15 +216,19 @@ class StepStates:
             return None, "its own state moved inside the reduction"
         return self._at_sync, ""
 
-    def after_compute(self, per_rank: dict[str, Any]) -> Report:
-        """The report of the state after the step's compute (a tree from TrackedState.per_rank_tree)."""
-        blob = self._encode(per_rank)
+    def after_compute(self, per_rank: dict[str, Any], *, report: bool = True) -> Report | None:
+        """The report of the state after the step's compute (a tree from TrackedState.per_rank_tree); with
+        ``report=False`` none, where the state stands as :meth:`at_sync` took it: the step's commit report
+        is then not sent (worker/step_boundary.py), and None is returned if it does not stand."""
+        blob = self._after = self._encode(per_rank)
         if self._at_sync is not None and blob != self._at_sync and not self._sync_moved:
             step = self.capture.step if self.capture is not None else -1
             self._sync_moved = (f"its own state moved between the start of step {step}'s reduction and its update "
                                 "(a draw there, GradScaler.unscale_, a forward)")
             log.warning("rank %d: %s; a fault that cuts its reduction while a peer updates is recovered by a "
                         "restart from the newest checkpoint, not in flight", self._rank, self._sync_moved)
+        if not report and blob == self._at_sync:
+            return None
         return self._report(blob)
 
     def _keep_local(self, local: dict[str, Any]) -> dict[str, Any] | bytes:

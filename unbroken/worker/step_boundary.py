@@ -71,12 +71,16 @@ class StepBoundary:
         #: None until a step with such a reduction completed here (watched), then sticky once True.
         self._tail_changes: bool | None = None
         self._after_reduction: untracked.TrackedWatch | None = None
+        self._own_kept = False  # the step's state as its reduction began is in node memory (checkpoint/own_state.py)
+        self._synced_later = False  # the step committed without its commit report (Progress.synced)
+        self._moved_told = False  # the controller was told this rank's state moved after an update
 
     def begin(self) -> None:
         self._started_t = time.monotonic()
         if self._control() is not None:  # to redo this step exactly if it is dropped
             self._states.begin(self.step, *self._tracked.step_start())
         self.in_step, self._committed = True, False
+        self._own_kept = self._synced_later = False  # see _commit
         self._reduced_after_update = False  # see _check_order
         self.completed = False
 
@@ -92,13 +96,16 @@ class StepBoundary:
         control = self._control()
         if control is not None:  # where each rank is (and, at 'compute', its own step-start state)
             own = self._states.start_report if name == Phase.COMPUTE else rollback.NO_REPORT
-            control.progress(self.step, name, state=own.state, state_same=own.same)
+            moved = name == Phase.COMPUTE and self._states.moved_after_update is not None and not self._moved_told
+            self._moved_told = self._moved_told or moved
+            control.progress(self.step, name, state=own.state, state_same=own.same, moved=moved)
         if name == Phase.SYNC and control is not None and self._finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self.step)  # before the reduction spreads it
         if name == Phase.SYNC and control is not None and self.in_step and self._voteless(self.step):
             blob = self._states.at_sync(self._tracked.per_rank_tree())  # kept if the reduction is cut (reduction_cut)
             if blob is not None and self._own_state is not None:  # and by the agent, if this process dies
                 self._own_state.write(self.step, blob)
+                self._own_kept = True
         self._injector.at(self.step if step is None else step, name)
 
     def advance(self, name: str, *_hook_args: Any) -> None:
@@ -164,9 +171,15 @@ class StepBoundary:
         control = self._control()
         if control is None or self._committed:
             return
-        own = self._states.after_compute(self._tracked.per_rank_tree())  # a roll forward resumes here
         gen, step = self._generation(), self.step
-        joined = lambda: control.synced(gen, step, state=own.state, state_same=own.same)  # noqa: E731
+        # A roll forward resumes from the state after compute. Where the step commits without a vote and that
+        # state is in node memory (written as the reduction began, unchanged since), the commit report is not
+        # sent: the step's end tells the controller (Progress.synced), its agent the state if this process dies.
+        kept = self._own_kept and self._voteless(step)
+        own = self._states.after_compute(self._tracked.per_rank_tree(), report=not kept)
+        self._synced_later = own is None
+        joined = (lambda: None) if own is None else \
+            (lambda: control.synced(gen, step, state=own.state, state_same=own.same))  # noqa: E731
         if not self._commit_step(step, joined):
             raise CollectiveAborted(f"rank {self.rank}: step {self.step} was not committed (abort order for "
                                     f"generation {control.abort_gen}: {control.abort_reason})")
@@ -215,4 +228,4 @@ class StepBoundary:
     def report_progress(self) -> None:
         control = self._control()
         if control is not None:
-            control.step_done(self.step, dict(self._metrics, step_s=self._last_step_s))
+            control.step_done(self.step, dict(self._metrics, step_s=self._last_step_s), synced=self._synced_later)

@@ -154,7 +154,17 @@ def run_one(kind: str, nproc: int, steps: int, timeout_s: float, ranks_per_node:
         out = {k: statistics.median(r[k] for r in ranks) for k in ("opt_step_s", "step_s")} | {"job_s": res.job_s}
         if kind != "torchrun":
             out["msgs_per_step"] = messages_per_step(Path(tmp, "run"), steps)
+            decisions = recoveries(Path(tmp, "run"))
+            if decisions:  # not a steady step: a rank was taken for hung or lost (left out of the figures)
+                out["error"] = f"{len(decisions)} recoveries in a fault-free run, the first: {decisions[0]}"
         return out
+
+
+def recoveries(run_dir: Path) -> list[str]:
+    """The reasons of the recovery decisions of a run (none in a steady, fault-free one)."""
+    from runlib import read_events
+
+    return [ev.get("reason", "") for ev in read_events(run_dir) if ev.get("event") == "decision"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,12 +217,15 @@ def main(argv: list[str] | None = None) -> int:
           f"(first quarter of steps left out), ranks per agent: {args.ranks_per_node or 'all'}; load "
           f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus: N ranks share the cores, "
           "figures at N >> cpus are mostly scheduling")
-    print(f"{'N':>4} {'row':>9} {'opt.step':>10} {'commit_s':>10} {'step':>10} {'ctl msgs/step':>14}")
+    print(f"{'N':>4} {'row':>9} {'opt.step':>10} {'commit_s':>10} {'step':>10} {'vs torchrun':>12} {'ctl msgs/step':>14}")
     fmt = lambda v: "-" if v is None else f"{v * 1e3:.2f} ms"  # noqa: E731
     for row in rows:
         msgs = "-" if row["msgs_per_step"] is None else f"{row['msgs_per_step']:.1f}"
+        base = next(r for r in rows if r["nproc"] == row["nproc"] and r["row"] == "torchrun")
+        ratio = row["step_s"] / base["step_s"] if row["step_s"] and base["step_s"] else None
+        row["vs_torchrun"] = ratio
         print(f"{row['nproc']:>4} {row['row']:>9} {fmt(row['opt_step_s']):>10} {fmt(row.get('commit_s')):>10} "
-              f"{fmt(row['step_s']):>10} {msgs:>14}")
+              f"{fmt(row['step_s']):>10} {'-' if ratio is None else f'{ratio:.3f}x':>12} {msgs:>14}")
     if args.json:
         Path(args.json).write_text(json.dumps({"benchmark": "commit", "params": vars(args), "rows": rows}, indent=2))
     return 0

@@ -164,15 +164,19 @@ def _wait_briefly(works: Sequence[Work], watch: AbortWatch, graveyard: list[Work
             try:
                 work.wait(BRIEF_SLICE)
                 break
-            except Exception as err:  # noqa: BLE001 - the slice ran out, or the op failed
-                if work.is_completed():  # it failed: its error, as the other waits raise it
-                    graveyard.extend(w for w in works[index + 1:] if not w.is_completed())
-                    if watch():
-                        raise CollectiveAborted(f"{what} aborted on the abort order; it had failed: {err}") from err
-                    err.add_note(f"unbroken: during the {what}")
-                    raise
+            except Exception:  # noqa: BLE001 - the slice ran out (perhaps just as the op ended), or the op failed
+                if work.is_completed():
+                    break  # its outcome, success or the op's own error, is taken below
             if time.monotonic() >= deadline:
                 return list(works[index:])
+        try:
+            work.wait()  # it ended: returns at once, or raises the op's error
+        except Exception as err:  # noqa: BLE001 - any backend error ends the op
+            graveyard.extend(w for w in works[index + 1:] if not w.is_completed())
+            if watch():
+                raise CollectiveAborted(f"{what} aborted on the abort order; it had failed: {err}") from err
+            err.add_note(f"unbroken: during the {what}")
+            raise
     return []
 
 

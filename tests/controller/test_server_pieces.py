@@ -520,6 +520,24 @@ def test_a_run_of_relayed_step_synced_is_one_transition_in_the_batch_order():
     assert hub.board.counts.relayed["StepSynced"] == 3
 
 
+def test_a_commit_told_by_compute_reports_is_recorded_in_one_transition_per_step():
+    """A step committed without a vote and without commit reports (worker/commit.py): each rank's next
+    compute report says so (Progress.synced), directly or in its node's batch (one RanksSynced per step,
+    before any other report of the batch); the ranks' own state after compute did not travel."""
+    hub, conns, agent = _relayed_hub()
+
+    def told(r):
+        return m.Progress(rank=r, attempt=0, step=4, phase="compute", metrics={}, state=b"s%d" % r, done=True,
+                          synced=True)
+    worker_msg(hub, 0, told(0))
+    _node_reports(hub, [told(1), told(2), m.RankPaused(rank=1, attempt=0, gen=0, step=4, phase="sync"), told(3)])
+    assert [type(e).__name__ for e in hub.applied] == ["StepSynced", "RanksSynced", "RankPaused", "RanksSynced"]
+    assert (hub.applied[1].ranks, hub.applied[1].step, hub.applied[3].ranks) == ({1, 2}, 3, {3})
+    assert hub.state.committed_step == 3 and agent.sent == []
+    assert [hub.board.view(r).phase for r in range(4)] == [Phase.COMPUTE] * 4  # in step 4, not waiting in a vote
+    assert hub.rank_states.for_resume(2, 0, 4).state == b"s2"
+
+
 def test_relayed_reports_of_another_process_attempt_or_node_are_fenced():
     hub, conns, agent = _relayed_hub(2)
     _node_reports(hub, [m.StepSynced(rank=1, attempt=0, gen=0, step=1)], pids=[999])  # an old process of rank 1

@@ -120,3 +120,19 @@ def test_a_mark_due_while_its_step_moves_on_never_lands_after_the_report_that_su
     synced.join(5)
     kinds = [(type(x).__name__, getattr(x, "phase", "")) for x in wire]
     assert kinds[-1] == ("StepSynced", "")
+
+
+def test_a_step_committed_without_its_commit_report_costs_one_message_and_says_so_with_its_done():
+    """A vote-less step whose state after compute is in node memory (worker/commit.py): no StepSynced;
+    its done, on the next compute report or alone after the delay, carries ``synced``."""
+    reports, wire = _reports()
+    for step in range(2):
+        reports.phase(step, Phase.COMPUTE, state=b"own", moved=step == 1)
+        reports.phase(step, Phase.SYNC)
+        reports.phase(step, Phase.UPDATE)
+        reports.done(step + 1, {"loss": 1.0}, synced=True)
+    assert [(type(x).__name__, x.step, x.done, x.synced, x.moved) for x in wire] == \
+        [("Progress", 0, False, False, False), ("Progress", 1, True, True, True)]
+    time.sleep(DELAY_S * 1.5)
+    reports.flush_due()  # the last step's done, alone
+    assert (wire[-1].phase, wire[-1].step, wire[-1].synced) == (Phase.DONE, 2, True)

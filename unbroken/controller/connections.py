@@ -217,6 +217,7 @@ def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
     hub = self._hub
     hub.board.count_received("NodeReports")
     run: list[m.StepSynced] = []  # consecutive StepSynced of one (attempt, gen, step), not applied yet
+    commits: dict[tuple[int, int], list[int]] = {}  # the commits told by compute reports (Progress.synced)
     for pid, obj in zip(msg.pids, msg.entries):
         try:
             inner = m.decode(obj)
@@ -231,6 +232,12 @@ def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
         if inner.attempt != hub.state.attempt or pid != hub.board.view(rank).pid or hub.state.agent_of(rank) != agent:
             continue  # an older attempt's, or a process this rank no longer is (fencing, as for a direct report)
         hub.board.count_received(type(inner).__name__, relayed=True)
+        if type(inner) is m.Progress:
+            _progress(self, rank, inner.attempt, None, inner, commits)
+            continue
+        if commits:  # before a pause or a commit report: the commits told ahead of it
+            _ranks_committed(self, commits)
+            commits = {}
         if run and not (type(inner) is m.StepSynced and _same_step(run[0], inner)):
             _steps_synced(self, run)
             run = []
@@ -240,6 +247,14 @@ def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
             RANK_HANDLERS[type(inner)](self, rank, inner.attempt, None, inner)
     if run:
         _steps_synced(self, run)
+    if commits:
+        _ranks_committed(self, commits)
+
+
+def _ranks_committed(self: Connections, commits: dict[tuple[int, int], list[int]]) -> None:
+    """The commits a node's compute reports told (Progress.synced): one transition per step."""
+    for (attempt, step), ranks in commits.items():
+        self._hub.apply(sm.RanksSynced(RankSet(ranks), attempt, self._hub.state.gen, step))
 
 
 def _same_step(a: m.StepSynced, b: m.StepSynced) -> bool:
@@ -264,11 +279,16 @@ AGENT_HANDLERS: dict[type, AgentHandler] = {
 
 
 # -- worker messages -----------------------------------------------------------------------
-def _progress(self: Connections, rank: int, attempt: int, conn: Connection, msg: m.Progress) -> None:
+def _progress(self: Connections, rank: int, attempt: int, conn: Connection | None, msg: m.Progress,
+              commits: dict[tuple[int, int], list[int]] | None = None) -> None:
+    """A step report; ``commits``: where a node's batch collects the commits its reports tell
+    ((attempt, step) -> ranks), applied as one transition per step (:func:`_node_reports`)."""
     hub = self._hub
     in_loop = msg.phase in STEP_PHASES or msg.done
     if msg.phase == Phase.DONE or msg.done:  # a completed step (folded into the next one's compute report)
-        if msg.synced:  # it committed without its commit report (worker/commit.py): this stands for it
+        if msg.synced and commits is not None:
+            commits.setdefault((attempt, msg.step - 1), []).append(rank)
+        elif msg.synced:  # it committed without its commit report (worker/commit.py): this stands for it
             hub.apply(m.StepSynced(rank=rank, attempt=attempt, gen=hub.state.gen, step=msg.step - 1))
         hub.board.reported(rank, Phase.DONE, in_loop=in_loop)
         hub.step_completed(rank, attempt, msg.step, msg.metrics)  # the progress the watchdog watches

@@ -236,7 +236,9 @@ class Executor:
                         direction=action.direction, reason=action.reason, voted=action.voted)
         replaced = sorted(action.replaced)
         src = min(hub.board.ranks() - set(replaced), default=-1)  # the survivor whose copy a fallback rank takes
-        found = self._own_states(replaced, action.resume_step, src, "in-flight recovery", action.gen)
+        rec = hub.state.recovery  # rung retry: the replaced ranks are alive and keep their own state
+        lost = [r for r in replaced if rec is None or rec.rung != Rung.RETRY]
+        found = self._own_states(lost, action.resume_step, src, "in-flight recovery", action.gen)
         if found is None:
             return
         moved = hub.rank_states.moved_after_update
@@ -249,12 +251,12 @@ class Executor:
             return
         if action.behind:
             hub.events.emit("behind", gen=action.gen, ranks=sorted(action.behind), step=action.resume_step - 1)
-        missing = [r for r in replaced if found[r] is None]
+        missing = [r for r in lost if found[r] is None]
         order = m.Regroup(gen=action.gen, resume_step=action.resume_step, replaced=replaced, fallback=missing,
                           behind=sorted(action.behind))
         self.send_to_workers(order, hub.board.ranks() - set(replaced))
         for r in replaced:  # each replaced rank's order carries its own per-rank state
-            own = found[r]
+            own = found.get(r)
             self.send_to_workers(dataclasses.replace(order, rank_state=own.state) if own else order, {r})
 
     def _own_states(self, lost: list[int], resume_step: int, src: int, what: str,

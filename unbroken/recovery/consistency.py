@@ -26,6 +26,15 @@ reporting, or its node was lost with the report), the recovery refuses in flight
 hand it another rank's copy. No shard is
 ever left half-updated.
 
+Most steps need no vote (worker/commit.py): where every rank holds the whole state and the job's
+collectives replicate, a rank updates once its own reduction completed, and the step commits as
+soon as any rank updates. A survivor cut inside that reduction reports (k, ``sync``) *cut*: when a
+peer passed k (``voted_step`` reads the same positions) it is *behind*: it takes the updated state
+from a peer in the regroup and keeps its own state from the cut (controller/machine.py refuses where
+that state is not known to be its state after compute). A lost rank's state after compute comes
+from its commit report or, where that never left, from the file its agent read
+(checkpoint/own_state.py).
+
 Hence the rule: the job resumes at the first uncommitted step. A survivor in step
 ``committed + 1`` rolls back to its start (drops gradients, restores its step-start RNG);
 a survivor still finishing step ``committed`` (its parameter gather was cut) completes it

@@ -8,7 +8,10 @@ StepSynced). Two carry what the controller needs every step:
   runs between one step's end and the next one's start, so the fold delays it by microseconds;
 * **StepSynced** (worker/control.py), sent as the rank joins the step's commit vote, tells the
   controller the rank finished its reduction and waits in the vote (phase ``vote``), with its
-  state after compute; the controller records the step committed once every rank sent it.
+  state after compute; the controller records the step committed once every rank sent it. A step
+  committed without a vote whose state after compute is in node memory (worker/commit.py,
+  checkpoint/own_state.py) sends none: its ``done``, folded into the next compute report, says
+  ``synced`` instead, so such a step costs one report.
 
 The in-step marks (``sync`` when a collective starts, ``update``) travel only when a rank
 *stays* in that phase for ``MARK_DELAY_S`` (0.5 s): what the hang rule needs is who waits inside the

@@ -101,10 +101,10 @@ class StepBoundary:
             control.progress(self.step, name, state=own.state, state_same=own.same, moved=moved)
         if name == Phase.SYNC and control is not None and self._finite_check:
             integrity.check_finite(self._tracked.objects, self.rank, self.step)  # before the reduction spreads it
-        if name == Phase.SYNC and control is not None and self.in_step and self._voteless(self.step):
-            blob = self._states.at_sync(self._tracked.per_rank_tree())  # kept if the reduction is cut (reduction_cut)
-            if blob is not None and self._own_state is not None:  # and by the agent, if this process dies
-                self._own_state.write(self.step, blob)
+        if name == Phase.SYNC and control is not None and self.in_step:  # (voting steps too: it learns sooner
+            blob = self._states.at_sync(self._tracked.per_rank_tree())  # whether the state moves in the reduction)
+            if blob is not None and self._own_state is not None and self._voteless(self.step):
+                self._own_state.write(self.step, blob)  # kept by the agent, if this process dies
                 self._own_kept = True
         self._injector.at(self.step if step is None else step, name)
 
@@ -191,7 +191,8 @@ class StepBoundary:
         """Before a drop: whether the step in flight was cut inside the reduction of a step that commits
         without a vote (worker/commit.py), and this rank's own state at the cut if it is its state after the
         step's compute (StepStates.at_cut); None if it was not cut there."""
-        if not (self.in_step and self.phase == Phase.SYNC and not self._committed and self._states.in_sync):
+        if not (self.in_step and self.phase == Phase.SYNC and not self._committed and self._states.in_sync
+                and self._voteless(self.step)):
             return None
         state, why = self._states.at_cut(self._tracked.per_rank_tree())
         return ReductionCut(state, why)

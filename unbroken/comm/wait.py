@@ -125,20 +125,26 @@ def wait_all(works: Sequence[Work], should_abort: AbortCheck | None, graveyard: 
             if not work.is_completed():
                 still.append(work)
                 continue
-            try:
-                work.wait()  # completed: returns at once, or raises the op's error
-            except Exception as err:  # noqa: BLE001 - any backend error ends the op
-                graveyard.extend(w for w in pending[index + 1:] if not w.is_completed())
-                graveyard.extend(still)
-                if should_abort():
-                    raise CollectiveAborted(
-                        f"{what} aborted on the abort order; it had failed: {err}") from err
-                err.add_note(f"unbroken: during the {what}")
-                raise
+            _take_outcome(work, [*pending[index + 1:], *still], should_abort, graveyard, what)
         pending = still
         if pending:
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)
+
+
+def _take_outcome(work: Work, rest: Sequence[Work], should_abort: AbortCheck, graveyard: list[Work],
+                  what: str) -> None:
+    """The outcome of ``work``, which ended: nothing if it succeeded; if it failed, the works in ``rest``
+    still pending go to ``graveyard`` and its error is raised with a note naming ``what``, or as
+    CollectiveAborted when the abort order came too (the order being the root cause)."""
+    try:
+        work.wait()  # it ended: returns at once, or raises the op's error
+    except Exception as err:  # noqa: BLE001 - any backend error ends the op
+        graveyard.extend(w for w in rest if not w.is_completed())
+        if should_abort():
+            raise CollectiveAborted(f"{what} aborted on the abort order; it had failed: {err}") from err
+        err.add_note(f"unbroken: during the {what}")
+        raise
 
 
 def _aborted(what: str, pending: int, total: int) -> CollectiveAborted:
@@ -169,14 +175,7 @@ def _wait_briefly(works: Sequence[Work], watch: AbortWatch, graveyard: list[Work
                     break  # its outcome, success or the op's own error, is taken below
             if time.monotonic() >= deadline:
                 return list(works[index:])
-        try:
-            work.wait()  # it ended: returns at once, or raises the op's error
-        except Exception as err:  # noqa: BLE001 - any backend error ends the op
-            graveyard.extend(w for w in works[index + 1:] if not w.is_completed())
-            if watch():
-                raise CollectiveAborted(f"{what} aborted on the abort order; it had failed: {err}") from err
-            err.add_note(f"unbroken: during the {what}")
-            raise
+        _take_outcome(work, works[index + 1:], watch, graveyard, what)
     return []
 
 
@@ -204,14 +203,7 @@ def _wait_woken(works: Sequence[Work], watch: AbortWatch, graveyard: list[Work],
                 if not ended[i].is_set():
                     still.append(i)
                     continue
-                try:
-                    works[i].wait()  # it ended: returns at once, or raises the op's error
-                except Exception as err:  # noqa: BLE001 - any backend error ends the op
-                    graveyard.extend(works[j] for j in [*still, *pending[n + 1:]] if not works[j].is_completed())
-                    if watch():
-                        raise CollectiveAborted(f"{what} aborted on the abort order; it had failed: {err}") from err
-                    err.add_note(f"unbroken: during the {what}")
-                    raise
+                _take_outcome(works[i], [works[j] for j in [*still, *pending[n + 1:]]], watch, graveyard, what)
             pending = still
             if pending:
                 wake.wait(BACKSTOP_S)

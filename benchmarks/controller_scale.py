@@ -25,8 +25,12 @@ real code and no sockets (the per-message wire cost, ~10-50 us, comes on top; do
              sockets' own cost is left out
   handlers_relayed  the same step with --node-reports: each node's 8 ranks' reports in one
              NodeReports (agent/relay.py)
-  step       the controller's CPU for one steady step, the cheapest way it runs today (handlers_relayed);
-             its JSON record carries ``controller_cpu_per_step_s`` (issue 30's target: 5 ms at 16,384 ranks)
+  step       the controller's CPU for one steady step, the cheapest way it runs today: with node summaries
+             (setting node_summaries, agent/held_reports.py) one NodeSummary per node (8 ranks a node) and
+             the watchdog tick that takes them in (the commit record, the job step, the straggler rule);
+             that is one step's share where steps take at least the summaries' interval (1 s), less for
+             shorter steps. A tree without summaries: handlers_relayed. Its JSON record carries
+             ``controller_cpu_per_step_s`` (issue 30's target: 5 ms at 16,384 ranks)
   node_floor the least a design with one message per node per step (8 ranks a node) could cost the controller:
              two msgpack frames per node per step (a node's compute and commit summaries: step, 8 ranks,
              8 pids, nothing per rank handled), unpacked and their ranks checked; no handler, no state
@@ -63,6 +67,7 @@ from unbroken.controller.store_service import StoreService
 from unbroken.protocol import messages as m
 
 row, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+SUMMARIES = hasattr(m, "NodeSummary")  # a tree with node summaries (setting node_summaries)
 
 def started(n):
     state = sm.JobState(sm.JobPolicy(max_restarts=3, allowed=("recover-in-place", "recover", "exit")),
@@ -137,7 +142,7 @@ class WireConn:  # a worker's connection without the socket: what send() costs b
     def send_packed(self, data):  # a broadcast, encoded once by the caller
         self.sent += 1
 
-def handlers(n, relayed=False, watch=False):
+def handlers(n, relayed=False, watch=False, summarized=False):
     """One step through the real controller: each rank's compute report (and, where its tree sends one in a
     steady step of a data-parallel job, its StepSynced) as frames
     (msgpack unpack, decode, the handler, the state machine, the commit record; nothing is sent back:
@@ -182,6 +187,11 @@ def handlers(n, relayed=False, watch=False):
                             done=True) for r in range(n)]
                 + [m.StepSynced(rank=r, attempt=0, gen=0, step=step, state=b"t" * 64) for r in range(n)])
     def frames(step):
+        if summarized:  # a node's summary: its ranks completed `step` steps (agent/held_reports.py)
+            return [(a, pack_frame(encode(m.NodeSummary(attempt=0, nranks=per_node, done=step, age_s=0.05,
+                                                         step_s=0.5, ckpt_s=0.0, compute_s=0.3, slow_rank=a * per_node,
+                                                         slow_s=0.3 + a % 7 * 1e-3))))
+                    for a in agents]
         msgs = reports(step)
         if not relayed:
             return [(msg.rank, pack_frame(encode(msg))) for msg in msgs]
@@ -197,6 +207,9 @@ def handlers(n, relayed=False, watch=False):
                     AGENT_HANDLERS[type(msg)](handling, who, msg)
                 else:
                     RANK_HANDLERS[type(msg)](handling, who, 0, conns[who], msg)
+        if summarized:
+            with ctl.lock:
+                ctl._take_summaries()  # the watchdog's tick: what the summaries say of the job
     from unbroken.controller.health import WINDOW
     for step in range(1, WINDOW + 2):  # warm: the imports, and every rank's compute times for the straggler rule
         feed(frames(step))
@@ -204,7 +217,8 @@ def handlers(n, relayed=False, watch=False):
     t = time.process_time()
     feed(work)
     dt = time.process_time() - t
-    assert ctl.state.committed_step == WINDOW + 2 - ONE_REPORT, "the controller did not record the step committed"
+    want = WINDOW + 1 if summarized else WINDOW + 2 - ONE_REPORT
+    assert ctl.state.committed_step == want, "the controller did not record the step committed"
     if not watch:
         return dt
     from unbroken.controller.watchdog import WATCH_INTERVAL_S
@@ -247,10 +261,12 @@ def run_once():
         return start(n)
     if row == "handlers":
         return handlers(n)
-    if row in ("handlers_relayed", "step"):
+    if row == "handlers_relayed":
         return handlers(n, relayed=True)
+    if row == "step":
+        return handlers(n, relayed=True, summarized=SUMMARIES)
     if row == "watch":
-        return handlers(n, relayed=True, watch=True)
+        return handlers(n, relayed=True, watch=True, summarized=SUMMARIES)
     if row == "node_floor":
         return node_floor(n)
     if row == "store":

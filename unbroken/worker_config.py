@@ -95,6 +95,10 @@ class WorkerSettings:
                                             "parameters and optimizer state during the next forward/backward)")
     lazy_connect: bool = setting(False, "connect a pair of ranks of unbroken's gloo groups on its first message")
     node_reports: bool = setting(False, "step reports and commits through each node's agent (agent/relay.py)")
+    node_summaries: bool = setting(
+        False, "each node's agent keeps its ranks' steady step reports and sends the controller one summary a "
+               "second (agent/held_reports.py; implies --node-reports; a lost node's ranks then restart from "
+               "the newest snapshot, not in flight)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -160,6 +160,84 @@ def test_a_batch_with_big_states_is_cut_to_fit_the_frame(relay):
         c.close()
 
 
+# -- node summaries (setting node_summaries: agent/held_reports.py) ----------------------------
+@pytest.fixture
+def summarizing():
+    sent = Sent()
+    node = NodeRelay(SECRET, sent, delay_s=DELAY_S, summaries=True)
+    node.held._summary_s = 0.0  # a summary at each look of the watcher, for the test
+    node.start()
+    yield node, sent
+    node.close()
+
+
+def _steady_steps(node: NodeRelay, conns, steps: range) -> None:
+    for step in steps:
+        for r, c in enumerate(conns):
+            c.send(m.Progress(rank=r, attempt=0, step=step, phase="compute", metrics={"step_s": 0.01},
+                              state=b"own%d-%d" % (r, step), done=True, synced=True))
+    deadline = time.monotonic() + 5
+    while not all(node.held._ranks.get(r) is not None and node.held._ranks[r].done == steps[-1]
+                  for r in range(len(conns))):
+        assert time.monotonic() < deadline, "the relay did not take the reports in"
+        time.sleep(0.005)
+    node.flush_due(time.monotonic() + DELAY_S)  # the batches of the reports not held: sent after the delay
+
+
+def _relayed(sent: Sent) -> list[tuple[int, m.Message]]:
+    return [(e.rank, e) for msg in sent.msgs if type(msg) is m.NodeReports
+            for _, e in ((pid, m.decode(x)) for pid, x in zip(msg.pids, msg.entries))]
+
+
+def test_steady_reports_are_held_and_the_node_sends_a_summary_instead(summarizing):
+    node, sent = summarizing
+    with _workers(node, 2) as conns:
+        _steady_steps(node, conns, range(1, 11))
+        relayed = _relayed(sent)
+        assert sorted(e.step for _, e in relayed) == [1, 1, 2, 2, 3, 3]  # the first three of each, then held
+        (summary,) = [msg for msg in sent.msgs if type(msg) is m.NodeSummary]
+        assert (summary.nranks, summary.done, summary.step_s) == (2, 10, 0.01)
+
+
+def test_a_pause_sends_every_held_report_first_with_its_age(summarizing):
+    node, sent = summarizing
+    with _workers(node, 2) as conns:
+        _steady_steps(node, conns, range(1, 8))
+        count = len(sent.msgs)
+        time.sleep(0.05)
+        conns[1].send(m.RankPaused(rank=1, attempt=0, gen=1, step=8, phase="compute"))
+        sent.wait(count + 1)
+        last = sent.msgs[-1]
+        kinds = [(m.decode(x).TYPE, m.decode(x).rank) for x in last.entries]
+        assert kinds[-1] == ("rank_paused", 1) and sorted(kinds[:-1]) == [("progress", 0)] * 3 + [("progress", 1)] * 3
+        assert all(age >= 0.04 for age in last.ages[:-1]) and last.ages[-1] < 0.04  # held ones: sent late, told so
+        states = {(m.decode(x).rank, m.decode(x).step): m.decode(x).state for x in last.entries[:-1]}
+        assert states[(0, 7)] == b"own0-7" and states[(1, 5)] == b"own1-5"
+
+
+def test_a_stalled_rank_makes_the_node_send_what_it_holds(summarizing):
+    node, sent = summarizing
+    with _workers(node, 2) as conns:
+        _steady_steps(node, conns, range(1, 8))
+        before = len(_relayed(sent))
+        node.flush_due(time.monotonic() + 0.1)
+        assert len(_relayed(sent)) == before  # not stalled yet
+        node.flush_due(time.monotonic() + 5.0)  # nobody reported for 5 s: the controller's hang rule needs them
+        assert len(_relayed(sent)) == before + 2 * 3
+
+
+def test_a_dead_ranks_held_reports_go_before_its_exit(summarizing):
+    node, sent = summarizing
+    conns = [_worker(node, r) for r in range(2)]
+    _connected(node, 2)
+    _steady_steps(node, conns, range(1, 8))
+    conns[1].close()
+    node.rank_gone(1)
+    assert (1, 7) in {(r, e.step) for r, e in _relayed(sent)}  # its own state at step 7's start: for its replacement
+    assert 1 not in node.held._ranks
+    conns[0].close()
+
+
 # -- the worker's side ----------------------------------------------------------------------
 class FakeController:
     """Accepts one worker connection; records its messages; can send it orders."""

@@ -128,3 +128,15 @@ def test_a_fixed_hang_timeout_wins_everywhere():
     assert dog.evidence_timeout_s() == dog.steady_timeout_s() == 7.0
     ws = views({0: Phase.SYNC, 1: Phase.COMPUTE}, silent_s=3.0)
     assert dog.find_hung(ws, 0, NOW) is None
+
+
+def test_a_nodes_summary_counts_as_its_ranks_being_heard():
+    """Node summaries (agent/held_reports.py): a rank whose own reports stay on its node is heard when its
+    node says all its ranks reported; a node that stopped saying so leaves its ranks' silence to run."""
+    dog = watchdog(0.1)
+    ws = views({0: Phase.COMPUTE, 1: Phase.COMPUTE}, silent_s=8.0)  # last reports 8 s ago, held since
+    for w in ws:
+        w.agent = w.rank  # one rank a node
+    assert dog.find_hung(ws, 0, NOW, heard={0: NOW - 0.5, 1: NOW - 0.5}) is None
+    assert dog.find_hung(ws, 0, NOW, heard={0: NOW - 0.5, 1: NOW - 6.0}) is not None  # node 1 silent: past 5 s
+    assert dog.find_hung(ws, 0, NOW) is not None  # (without summaries: 8 s of silence)

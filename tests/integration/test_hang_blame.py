@@ -57,18 +57,22 @@ def _check_blamed(tmp_path, reference, name: str, flags: tuple[str, ...] = ()) -
     assert_same_weights(reference, out)
 
 
+FLAGS = ((), ("--node-reports",), ("--node-summaries",))
+
+
 @pytest.mark.timeout(300)
 def test_a_stopped_rank_is_blamed_under_load(tmp_path, reference):
-    """With the step reports batched per node (agent/relay.py): the controller still knows who
-    waits in the collective when the timeout runs out (the direct reports: the slow set)."""
-    _check_blamed(tmp_path, reference, "stopped", ("--node-reports",))
+    """With node summaries (agent/held_reports.py): the steady reports stay on the node, yet the controller
+    knows who waits in the collective when the rank is seen stopped (it asks the agents for what they hold).
+    The direct reports and the per-node batches (agent/relay.py): the slow set."""
+    _check_blamed(tmp_path, reference, "stopped", ("--node-summaries",))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_stopped_rank_is_blamed_under_load_ten_times_in_ten(tmp_path, reference):
-    for run in range(10):  # every other run with the step reports batched per node
-        _check_blamed(tmp_path, reference, f"stopped-{run}", ("--node-reports",) if run % 2 else ())
+    for run in range(10):  # the direct reports, the per-node batches and the node summaries in turn
+        _check_blamed(tmp_path, reference, f"stopped-{run}", FLAGS[run % 3])
 
 
 @pytest.mark.timeout(300)

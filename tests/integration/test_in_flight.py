@@ -123,6 +123,27 @@ def test_replacement_killed_while_restoring_is_recovered(tmp_path, reference):
 
 
 @pytest.mark.timeout(200)
+def test_node_summaries_keep_the_steady_reports_on_the_node_and_a_kill_recovers_in_flight(tmp_path,
+                                                                                         tmp_path_factory):
+    """--node-summaries (agent/held_reports.py): after a rank's first few steps its compute reports stay with
+    its agent, which sends one summary a second; the killed rank's held reports (its own state at the step's
+    start) go before its exit, and its replacement resumes in flight, bit-exact."""
+    steps = 2 * STEPS  # long enough for the steady steps after the recovery to be held too
+    reference = reference_run(tmp_path_factory, steps=steps)
+    result, out, run_dir = train(tmp_path, "summaries", steps=steps,
+                                 flags=["--node-summaries", "--inject", "kill:rank=2:step=9"],
+                                 train_args=["--step-sleep-s", "0.05"])  # a summary or two a run
+    _check_in_flight(result, out, run_dir, reference, {2})
+    (exited,) = events(run_dir, "rank_exited")[:1]
+    assert (exited["rank"], exited["step"]) == (2, 9)  # where it died, though its steps 4-8 were held
+    (counts,) = events(run_dir, "control_messages")
+    assert counts["relayed"]["Progress"] < 3 * steps, counts  # one a rank a step without summaries (4 x steps)
+    assert counts["received"].get("NodeSummary", 0) >= 1, counts
+    assert "Progress" not in counts["received"] and "StepSynced" not in counts["received"]
+    assert events(run_dir, "step")[-1]["step"] == steps
+
+
+@pytest.mark.timeout(200)
 def test_recover_onto_a_standby_agent_bit_exact(tmp_path, reference):
     """Rung `recover`: the lost rank starts again on a spare agent, not on its own node. Both
     agents relay their ranks' step reports (--node-reports, agent/relay.py): the replacement's go

@@ -117,8 +117,9 @@ class Agent:
         if self._zygote is not None and not self._zygote.wait_ready():
             self._zygote.close()
         self._open(*self._first_controller(connect_timeout_s), timeout_s=connect_timeout_s)
-        if self.cfg.worker.node_reports:  # per-node aggregation of step reports and commits (agent/relay.py)
-            self._relay = NodeRelay(self.cfg.secret.encode(), self._send)
+        worker = self.cfg.worker
+        if worker.node_reports or worker.node_summaries:  # per-node aggregation of step reports (agent/relay.py)
+            self._relay = NodeRelay(self.cfg.secret.encode(), self._send, summaries=worker.node_summaries)
             self._relay.start()
         self._watcher.start()
         self._claim_shared_memory()
@@ -181,6 +182,9 @@ class Agent:
                 self._spares.set_imports(msg.modules)
                 if self._zygote is not None:
                     self._zygote.pre_import(msg.modules)
+            elif isinstance(msg, m.FlushReports):
+                if self._relay is not None:
+                    self._relay.flush()
             elif isinstance(msg, m.Shutdown):
                 return msg.exit_code, msg.reason
 
@@ -465,6 +469,8 @@ class Agent:
             status = process_state(p.popen.pid)
             if status != p.process:
                 p.process = status
+                if self._relay is not None and status != "running":
+                    self._relay.flush()  # its peers' places first: the hang rule weighs them (agent/held_reports.py)
                 self._send(m.RankStatus(rank=p.rank, pid=p.popen.pid, attempt=p.attempt, status=status))
 
     def _kill(self, rank: int, pid: int) -> None:

@@ -115,6 +115,7 @@ def _start_controller(cfg: LaunchConfig, events: EventLog, *, host: str = "", po
                     snapshot=controller.snapshot, host=host, metrics_port=cfg.metrics_port)
     events.listeners.append(live.on_record)  # status, metrics and the page follow the log
     controller.add_step_listener(live.on_step)  # and each completed step
+    controller.add_job_step_listener(live.on_job_step)  # (under node summaries: the job's, from the summaries)
     if leadership is not None:
         controller.add_durable_listener(leadership.durable)
         controller.add_commit_listener(leadership.commits)

@@ -26,6 +26,11 @@ What the controller must still know, and why the batching keeps it:
   (the controller refuses it: recovery/consistency.py). A worker whose relay
   connection breaks treats it as a lost controller (worker/control.py).
 
+**Node summaries** (setting ``node_summaries``): the steady compute reports stay here
+(:class:`~unbroken.agent.held_reports.HeldReports`) and one summary a second goes instead; what is held
+goes on, each entry with its age (``NodeReports.ages``), before anything that is not held, when a rank
+stalls, before a worker's exit and when asked (a process seen stopped, ``FlushReports``).
+
 Owned by one :class:`~unbroken.agent.agent.Agent`. Threads: the relay's server runs one thread
 per local worker connection (``_serve``: appends, and flushes a complete batch); the agent's
 watcher thread calls :meth:`flush_due` and :meth:`rank_gone`. One lock guards the buffer and is
@@ -38,8 +43,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from unbroken.agent.held_reports import HeldReports, Report
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.names import Phase
 from unbroken.protocol import messages as m
@@ -57,14 +62,6 @@ ENTRY_OVERHEAD_BYTES = 512  # an entry's fields besides its state, generously
 GONE_WAIT_S = 0.5
 
 
-@dataclass
-class _Entry:
-    rank: int
-    pid: int
-    msg: m.Message
-    batch: tuple[str, int] | None  # (kind, step) of a report that waits for the node's other ranks
-
-
 def _batch_key(msg: m.Message) -> tuple[str, int] | None:
     """The reports every rank sends once per step, which a batch collects: compute, StepSynced."""
     if isinstance(msg, m.StepSynced):
@@ -79,11 +76,13 @@ class NodeRelay:
     on the agent's controller connection (thread-safe); False when it could not."""
 
     def __init__(self, secret: bytes, send: Callable[[m.Message], bool], *, host: str = "127.0.0.1",
-                 delay_s: float = RELAY_DELAY_S) -> None:
+                 delay_s: float = RELAY_DELAY_S, summaries: bool = False) -> None:
         self._send, self._delay_s = send, delay_s
         self._lock = threading.Condition()
         self._conns: dict[int, Connection] = {}  # rank -> its worker's relay connection (the newest)
-        self._buffer: list[_Entry] = []
+        self._buffer: list[Report] = []
+        # Setting node_summaries: the steady reports held here, a summary sent instead (agent/held_reports.py).
+        self.held = HeldReports() if summaries else None
         self._oldest_t: float | None = None
         self.batches_sent = 0  # NodeReports sent (for tests and benchmarks)
         self._server = Server(host, 0, secret, self._serve)
@@ -114,7 +113,7 @@ class NodeRelay:
                     log.warning("relay: rank %d sent %s (relayed: %s of its own rank only); dropped", rank,
                                 msg.TYPE, ", ".join(m.RELAYED_TYPES))
                     continue
-                self._add(_Entry(rank, pid, msg, _batch_key(msg)))
+                self._add(Report(rank, pid, msg, time.monotonic(), _batch_key(msg)))
         except ConnectionClosed:
             pass
         finally:
@@ -125,8 +124,12 @@ class NodeRelay:
                 if self._complete_locked():  # the batch may have waited for this rank only
                     self._flush_locked()
 
-    def _add(self, entry: _Entry) -> None:
+    def _add(self, entry: Report) -> None:
         with self._lock:
+            if self.held is not None:
+                if self.held.take(entry):
+                    return
+                self._buffer += self.held.release(self.held.must_release(entry))  # a rank's reports stay in order
             self._buffer.append(entry)
             if self._oldest_t is None:
                 self._oldest_t = time.monotonic()
@@ -146,11 +149,20 @@ class NodeRelay:
         """Send a batch that waited ``delay_s`` for the node's other ranks (the watcher thread)."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            if self.held is not None and self.held.stalled(now):  # a rank silent: the controller needs them all
+                self._buffer += self.held.release()
+                self._flush_locked()
             if self._oldest_t is not None and now - self._oldest_t >= self._delay_s:
                 self._flush_locked()
+            summary = self.held.summary(now) if self.held is not None else None
+            if summary is not None:
+                self._send(summary)
 
     def flush(self) -> None:
+        """Send every report here now, held ones included (a process seen stopped, the controller asked)."""
         with self._lock:
+            if self.held is not None:
+                self._buffer += self.held.release()
             self._flush_locked()
 
     def rank_gone(self, rank: int, wait_s: float = GONE_WAIT_S) -> None:
@@ -160,19 +172,24 @@ class NodeRelay:
         with self._lock:
             while rank in self._conns and time.monotonic() < deadline:
                 self._lock.wait(0.01)
+            if self.held is not None:  # a fault: every rank's place and the dead one's own state
+                self._buffer += self.held.release()
+                self.held.forget(rank)
             self._flush_locked()
 
     # -- sending -------------------------------------------------------------------------------
     def _flush_locked(self) -> None:
         entries, self._buffer, self._oldest_t = self._buffer, [], None
+        now = time.monotonic()
         while entries:
             chunk, size = [], 0
             while entries and (not chunk or size + _size(entries[0]) <= BATCH_STATE_BYTES):
                 size += _size(entries[0])
                 chunk.append(entries.pop(0))
             self.batches_sent += 1
-            self._send(m.NodeReports(entries=[m.encode(e.msg) for e in chunk], pids=[e.pid for e in chunk]))
+            ages = [round(now - e.t, 6) for e in chunk] if self.held is not None else []
+            self._send(m.NodeReports(entries=[m.encode(e.msg) for e in chunk], pids=[e.pid for e in chunk], ages=ages))
 
 
-def _size(entry: _Entry) -> int:
+def _size(entry: Report) -> int:
     return len(getattr(entry.msg, "state", b"")) + ENTRY_OVERHEAD_BYTES

@@ -118,9 +118,9 @@ class Board:
         return True
 
     # -- workers' processes, as their agents see them (connections.py) ------------------------
-    def process_started(self, rank: int, pid: int, attempt: int, now: float) -> None:
+    def process_started(self, rank: int, pid: int, attempt: int, now: float, agent: int = -1) -> None:
         w = self._workers[rank]
-        w.pid, w.attempt, w.started_t, w.last_progress_t = pid, attempt, now, now
+        w.pid, w.attempt, w.started_t, w.last_progress_t, w.agent = pid, attempt, now, now, agent
         w.step, w.phase, w.state, w.steps_in_generation = None, Phase.STARTING, WorkerState.STARTING, 0
         w.process, w.process_t, w.exited_t = "running", now, None
         w.in_step_loop = w.relayed = False

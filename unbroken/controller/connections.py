@@ -30,6 +30,8 @@ from unbroken.recovery.restore_point import RankOffer
 
 
 log = logging.getLogger(__name__)
+#: The most a relayed report's age can say (agent/held_reports.py: held at most a few stall times).
+MAX_AGE_S = 600.0
 
 AgentHandler = Callable[["Connections", int, Any], None]
 RankHandler = Callable[["Connections", int, int, Connection, Any], None]
@@ -100,6 +102,7 @@ class Connections:
             with hub.lock:
                 if hub.board.agent_left(agent, conn):
                     hub.liveness.forget(agent)
+                    hub.summaries.forget(agent)
                     if not hub.board.is_done():
                         hub.events.emit("agent_lost", node_rank=agent)
                         hub.timing.fault_began(time.monotonic(), hub.board.views())  # ('recovered' times it)
@@ -158,7 +161,7 @@ class Connections:
 
 # -- agent messages ------------------------------------------------------------------------
 def _rank_started(self: Connections, agent: int, msg: m.RankStarted) -> None:
-    self._hub.board.process_started(msg.rank, msg.pid, msg.attempt, time.monotonic())
+    self._hub.board.process_started(msg.rank, msg.pid, msg.attempt, time.monotonic(), agent=agent)
     self._hub.rank_states.process_started(msg.rank)
     self._hub.events.emit("rank_started", rank=msg.rank, pid=msg.pid, attempt=msg.attempt, how=msg.how)
 
@@ -181,8 +184,11 @@ def _rank_exited(self: Connections, agent: int, msg: m.RankExited) -> None:
 def _rank_status(self: Connections, agent: int, msg: m.RankStatus) -> None:
     """The agent saw a worker's process stop (SIGSTOP, a debugger), turn zombie or run again:
     evidence for the watchdog (hangs.py). A report of another process of the rank is stale."""
-    if self._hub.board.process_status(msg.rank, msg.pid, msg.attempt, msg.status, time.monotonic()):
-        self._hub.events.emit("rank_status", rank=msg.rank, pid=msg.pid, status=msg.status)
+    hub = self._hub
+    if hub.board.process_status(msg.rank, msg.pid, msg.attempt, msg.status, time.monotonic()):
+        hub.events.emit("rank_status", rank=msg.rank, pid=msg.pid, status=msg.status)
+        if msg.status != "running" and hub.cfg.worker.node_summaries:  # the stopped-rank rule needs every rank's
+            hub.reply(TellAgents(m.FlushReports()))  # place: the agents send their held reports (held_reports.py)
 
 
 def _ranks_stopped(self: Connections, agent: int, msg: m.RanksStopped) -> None:
@@ -218,7 +224,9 @@ def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
     hub.board.count_received("NodeReports")
     run: list[m.StepSynced] = []  # consecutive StepSynced of one (attempt, gen, step), not applied yet
     commits: dict[tuple[int, int], list[int]] = {}  # the commits told by compute reports (Progress.synced)
-    for pid, obj in zip(msg.pids, msg.entries):
+    now = time.monotonic()
+    ages = msg.ages if len(msg.ages) == len(msg.entries) else [0.0] * len(msg.entries)
+    for pid, obj, age in zip(msg.pids, msg.entries, ages):
         try:
             inner = m.decode(obj)
         except ProtocolError as exc:
@@ -233,7 +241,8 @@ def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
             continue  # an older attempt's, or a process this rank no longer is (fencing, as for a direct report)
         hub.board.count_received(type(inner).__name__, relayed=True)
         if type(inner) is m.Progress:
-            _progress(self, rank, inner.attempt, None, inner, commits)
+            sent_t = now - (age if 0.0 <= age <= MAX_AGE_S else 0.0)  # (a NaN or an absurd age: now)
+            _progress(self, rank, inner.attempt, None, inner, commits, t=sent_t)
             continue
         if commits:  # before a pause or a commit report: the commits told ahead of it
             _ranks_committed(self, commits)
@@ -249,6 +258,14 @@ def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
         _steps_synced(self, run)
     if commits:
         _ranks_committed(self, commits)
+
+
+def _node_summary(self: Connections, agent: int, msg: m.NodeSummary) -> None:
+    """A node's steady steps (setting node_summaries): kept for the watchdog's tick (controller/summaries.py)."""
+    hub = self._hub
+    hub.board.count_received("NodeSummary")
+    if msg.attempt == hub.state.attempt:
+        hub.summaries.note(agent, msg, time.monotonic())
 
 
 def _ranks_committed(self: Connections, commits: dict[tuple[int, int], list[int]]) -> None:
@@ -274,15 +291,16 @@ AGENT_HANDLERS: dict[type, AgentHandler] = {
     m.RankStarted: _rank_started, m.RankExited: _rank_exited, m.RankStatus: _rank_status,
     m.RanksStopped: _ranks_stopped,
     m.Persisted: _persisted, m.Heartbeat: lambda self, agent, msg: None, m.StopRequested: _stop_requested,
-    m.NodeReports: _node_reports,
+    m.NodeReports: _node_reports, m.NodeSummary: _node_summary,
 }
 
 
 # -- worker messages -----------------------------------------------------------------------
 def _progress(self: Connections, rank: int, attempt: int, conn: Connection | None, msg: m.Progress,
-              commits: dict[tuple[int, int], list[int]] | None = None) -> None:
+              commits: dict[tuple[int, int], list[int]] | None = None, t: float | None = None) -> None:
     """A step report; ``commits``: where a node's batch collects the commits its reports tell
-    ((attempt, step) -> ranks), applied as one transition per step (:func:`_node_reports`)."""
+    ((attempt, step) -> ranks), applied as one transition per step (:func:`_node_reports`); ``t``: when the
+    rank sent it (a held report goes on late: agent/held_reports.py), else now."""
     hub = self._hub
     in_loop = msg.phase in STEP_PHASES or msg.done
     if msg.phase == Phase.DONE or msg.done:  # a completed step (folded into the next one's compute report)
@@ -291,7 +309,7 @@ def _progress(self: Connections, rank: int, attempt: int, conn: Connection | Non
         elif msg.synced:  # it committed without its commit report (worker/commit.py): this stands for it
             hub.apply(m.StepSynced(rank=rank, attempt=attempt, gen=hub.state.gen, step=msg.step - 1))
         hub.board.reported(rank, Phase.DONE, in_loop=in_loop)
-        hub.step_completed(rank, attempt, msg.step, msg.metrics)  # the progress the watchdog watches
+        hub.step_completed(rank, attempt, msg.step, msg.metrics, t)  # the progress the watchdog watches
         if msg.phase == Phase.DONE:
             return
     if msg.phase == Phase.COMPUTE:

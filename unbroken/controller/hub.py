@@ -30,6 +30,7 @@ from unbroken.controller.eventlog import EventLog
 from unbroken.controller.liveness import Liveness
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
+from unbroken.controller.summaries import NodeSummaries
 from unbroken.controller.timing import RecoveryTiming
 from unbroken.protocol.messages import Message
 from unbroken.protocol.wire import Connection
@@ -64,6 +65,7 @@ class Hub(Protocol):
     liveness: Liveness
     rank_states: RankStates
     store_service: StoreService
+    summaries: NodeSummaries
 
     @property
     def state(self) -> JobState: ...
@@ -72,7 +74,7 @@ class Hub(Protocol):
 
     def reply(self, action: Reply | TellAgents) -> None: ...
 
-    def step_completed(self, rank: int, attempt: int, step: int, metrics: dict) -> None: ...
+    def step_completed(self, rank: int, attempt: int, step: int, metrics: dict, t: float | None = None) -> None: ...
 
     def step_committed(self, gen: int, step: int) -> None: ...
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.checkpoint.storage import StorageTier
 from unbroken.config import LaunchConfig
-from unbroken.controller import machine as sm
+from unbroken.controller import health, machine as sm
 from unbroken.controller.board import Board
 from unbroken.controller.connections import Connections
 from unbroken.controller.durable_mirror import layout_key
@@ -46,8 +46,10 @@ from unbroken.controller.hub import Reply, TellAgents
 from unbroken.controller.liveness import Liveness
 from unbroken.controller.rank_state import RankStates
 from unbroken.controller.store_service import StoreService
+from unbroken.controller.summaries import NodeSummaries
 from unbroken.controller import takeover as tk
 from unbroken.controller.timing import RecoveryTiming
+from unbroken.controller.values import RankSet
 from unbroken.controller.views import Outcome, RankView
 from unbroken.controller.watchdog import WATCH_INTERVAL_S, Watchdog
 from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES, Heartbeat
@@ -57,6 +59,7 @@ __all__ = ["Controller", "Outcome", "RankView", "WATCH_INTERVAL_S", "StepListene
 
 #: Told of each completed step: (rank, steps completed, the step's metrics as the rank reported them).
 StepListener = Callable[[int, int, dict], None]
+JobStepListener = Callable[[int, dict], None]  # (steps every rank completed, the slowest's step_s and ckpt_s)
 #: Told of each new state whose durable part (attempt, generation, committed step, budget, placement,
 #: the replica layout, an end) changed; called under the lock: it must only hand the state on.
 DurableListener = Callable[[sm.JobState], None]
@@ -104,6 +107,8 @@ class Controller:
         self.board = Board(cfg.world_size, cfg.nnodes)
         self._grace_deadline: float | None = None  # monotonic end of the SIGTERM dump (--sigterm-dump-timeout-s)
         self._step_listeners: list[StepListener] = []
+        self._job_step_listeners: list[JobStepListener] = []
+        self.summaries = NodeSummaries()  # the nodes' summaries of their steady steps (setting node_summaries)
         ckpt = cfg.checkpoint
         self.storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=run_id(cfg.secret, cfg.job_id)) \
             if ckpt.save_dir else None
@@ -128,6 +133,11 @@ class Controller:
         """Tell ``listener`` of each completed step (before :meth:`start`; called under the lock, so it
         must be quick and take no lock that waits for this one)."""
         self._step_listeners.append(listener)
+
+    def add_job_step_listener(self, listener: JobStepListener) -> None:
+        """Tell ``listener`` of each job step the nodes' summaries say every rank completed (setting
+        node_summaries: no rank's own report comes then; called under the lock, like the step listeners)."""
+        self._job_step_listeners.append(listener)
 
     def add_durable_listener(self, listener: DurableListener) -> None:
         """Tell ``listener`` of each state whose durable part changed (before :meth:`start`)."""
@@ -274,10 +284,10 @@ class Controller:
         """A connection's direct answer, sent by the executor."""
         self._executor.execute([action])
 
-    def step_completed(self, rank: int, attempt: int, step: int, metrics: dict) -> None:
-        """``rank`` completed ``step`` steps: the progress the watchdog watches, the listeners' step,
-        a recovery's end, and (on rank 0's report) the straggler rule."""
-        took = self.board.step_done(rank, step, metrics, time.monotonic())
+    def step_completed(self, rank: int, attempt: int, step: int, metrics: dict, t: float | None = None) -> None:
+        """``rank`` completed ``step`` steps (reported at ``t``, else now): the progress the watchdog watches,
+        the listeners' step, a recovery's end, and (on rank 0's report) the straggler rule."""
+        took = self.board.step_done(rank, step, metrics, time.monotonic() if t is None else t)
         if took is not None:
             self._watchdog.note_step_s(took)
         reported = self.board.view(rank).metrics
@@ -324,6 +334,7 @@ class Controller:
                 now = time.monotonic()
                 if self._state.phase is sm.JobPhase.RUNNING:
                     self._check_after_loop(now)
+                self._take_summaries()
                 if self._state.phase is sm.JobPhase.RUNNING and not self._state.hung_ranks:
                     self._check_hangs(now)
                 elif self._state.phase is sm.JobPhase.RECOVERING:
@@ -371,13 +382,34 @@ class Controller:
 
     def _check_hangs(self, now: float) -> None:
         """Some rank is past its hang timeout: blame the one not progressing (hangs.py)."""
-        found = self._watchdog.find_hung(self.board.views(), self._state.attempt, now)
+        found = self._watchdog.find_hung(self.board.views(), self._state.attempt, now,
+                                         heard=self.summaries.heard(self._state.attempt, self._hosting()))
         if found is not None:
             blamed, why = found
             w = self.board.view(blamed.rank)
             # The hang began when its progress stopped, not when we noticed.
             self.timing.fault_began(w.last_progress_t, self.board.views())
             self._hung(w, blamed, why, during="step")
+
+    def _take_summaries(self) -> None:
+        """What the nodes' summaries said since the last tick (setting node_summaries; controller/summaries.py):
+        the commit record, the live view's job step, the step times and the straggler rule."""
+        state = self._state
+        steps = self.summaries.take(state.attempt, self._hosting())
+        if steps is None:
+            return
+        self._watchdog.note_step_s(steps.step_s)
+        if state.phase is sm.JobPhase.RUNNING and steps.done - 1 > state.committed_step:
+            self.apply(sm.RanksSynced(RankSet.full(state.world_size), state.attempt, state.gen, steps.done - 1))
+        for listener in self._job_step_listeners:
+            listener(steps.done, {"step_s": steps.step_s, "ckpt_s": steps.ckpt_s})
+        for rank, median_s, job_s in self.summaries.stragglers(state.attempt, self.cfg.straggler_factor):
+            if self._watchdog.first_straggle(rank):
+                self.degraded(rank, state.attempt, health.describe(median_s, job_s))
+
+    def _hosting(self) -> Mapping[int, int]:
+        state = self._state
+        return self.summaries.hosting(state.placement, state.world_size, state.world_size // max(1, state.nnodes))
 
     def _check_after_loop(self, now: float) -> None:
         """A rank past its loop whose process stays stopped is hung there (hangs.hung_after_loop):

@@ -18,6 +18,7 @@ class RankView:
 
     rank: int
     pid: int = 0
+    agent: int = -1  # the agent that started its process
     attempt: int = -1
     started_t: float = 0.0
     last_progress_t: float = 0.0

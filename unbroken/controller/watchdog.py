@@ -16,7 +16,7 @@ import dataclasses
 
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from unbroken.config import HangConfig
 from unbroken.controller import hangs, health
@@ -25,6 +25,7 @@ from unbroken.controller.views import RankView
 from unbroken.names import LIVE_WORKER_STATES, WorkerState
 
 WATCH_INTERVAL_S = 0.1
+_NONE: Mapping[int, float] = {}
 
 
 class Watchdog:
@@ -87,8 +88,9 @@ class Watchdog:
         self._p99 = None
 
     def progress(self, workers: Iterable[RankView], attempt: int, now: float,
-                 since_t: float | None = None) -> list[hangs.RankProgress]:
-        """Every live rank of ``attempt``, silent since its last step (or since ``since_t``).
+                 since_t: float | None = None, heard: Mapping[int, float] = _NONE) -> list[hangs.RankProgress]:
+        """Every live rank of ``attempt``, silent since its last step (or since ``since_t``); under node
+        summaries, since its node last said all its ranks reported (``heard``: agent -> then), if later.
 
         The timeout of each is :meth:`hang_timeout_s`, shortened to :meth:`evidence_timeout_s` for a
         steady rank with evidence against it (see :class:`~unbroken.config.HangConfig`). A rank whose
@@ -98,7 +100,7 @@ class Watchdog:
         waits in a collective, or is at or past its step and phase: it will wait there) gets
         :meth:`stopped_timeout_s`."""
         live = [w for w in workers if w.attempt == attempt and w.state in LIVE_WORKER_STATES]
-        seen = [hangs.RankProgress(w.rank, w.phase, now - (w.last_progress_t if since_t is None else since_t),
+        seen = [hangs.RankProgress(w.rank, w.phase, now - (_heard_t(w, heard) if since_t is None else since_t),
                                    self.hang_timeout_s(w), w.process, _step(w)) for w in live]
         where = hangs.front(seen)
         waiting = sum(hangs.at_front(r, where) for r in seen)
@@ -121,8 +123,8 @@ class Watchdog:
             ranks.append(rank)
         return ranks
 
-    def find_hung(self, workers: Iterable[RankView], attempt: int,
-                  now: float) -> tuple[hangs.RankProgress, str] | None:
+    def find_hung(self, workers: Iterable[RankView], attempt: int, now: float,
+                  heard: Mapping[int, float] = _NONE) -> tuple[hangs.RankProgress, str] | None:
         """The rank to blame for a hang and the evidence, once some rank of ``attempt`` is past
         its hang timeout. Who is blamed is decided among all live ranks (:mod:`.hangs`): the
         ranks blocked in the collective are usually waiting for the one that is not progressing.
@@ -135,18 +137,18 @@ class Watchdog:
         timeout from when it was seen stopped (see :meth:`progress`).
         """
         workers = [w for w in workers if w.attempt == attempt]
-        if not self._any_due(workers, now):
+        if not self._any_due(workers, now, heard):
             return None
         if not any(w.in_step_loop for w in workers):
             first = self._hang.first_step_timeout_s
             ranks = [_since_seen(w, now, first) for w in workers
                      if w.state in LIVE_WORKER_STATES and w.process in hangs.NOT_RUNNING]
         else:
-            ranks = self.progress(workers, attempt, now)
+            ranks = self.progress(workers, attempt, now, heard=heard)
         blamed = hangs.blame_hang(ranks)
         return None if blamed is None else (blamed, hangs.why(blamed, ranks))
 
-    def _any_due(self, workers: list[RankView], now: float) -> bool:
+    def _any_due(self, workers: list[RankView], now: float, heard: Mapping[int, float]) -> bool:
         """False when no rank can be past its hang timeout now: every live process runs and the longest
         silence is within the shortest timeout any running rank gets (:meth:`progress`). The common case
         of every tick, answered in one pass instead of the rules' several (16k ranks: ms, not 100s of ms)."""
@@ -155,7 +157,7 @@ class Watchdog:
             if w.state in LIVE_WORKER_STATES:
                 if w.process in hangs.NOT_RUNNING:
                     return True
-                oldest_t = min(oldest_t, w.last_progress_t)
+                oldest_t = min(oldest_t, _heard_t(w, heard))
         shortest = min(self._hang.first_step_timeout_s, self.steady_timeout_s(), self.evidence_timeout_s())
         return now - oldest_t > shortest
 
@@ -195,12 +197,21 @@ class Watchdog:
     def new_stragglers(self, workers: Iterable[RankView]) -> list[tuple[int, str]]:
         """(rank, why) of ranks the straggler rule (``--straggler-factor``) finds slow, each once."""
         timings = {w.rank: w.compute_s for w in workers}
-        found = []
-        for rank, median_s, job_s in health.stragglers(timings, self._straggler_factor):
-            if rank not in self._stragglers:
-                self._stragglers.add(rank)
-                found.append((rank, health.describe(median_s, job_s)))
-        return found
+        return [(rank, health.describe(median_s, job_s))
+                for rank, median_s, job_s in health.stragglers(timings, self._straggler_factor)
+                if self.first_straggle(rank)]
+
+    def first_straggle(self, rank: int) -> bool:
+        """True the first time ``rank`` is found a straggler: each is reported once per job."""
+        if rank in self._stragglers:
+            return False
+        self._stragglers.add(rank)
+        return True
+
+
+def _heard_t(w: RankView, heard: Mapping[int, float]) -> float:
+    """When ``w`` was last heard progressing: its own last report, or its node's summary (``heard``) if later."""
+    return max(w.last_progress_t, heard.get(w.agent, w.last_progress_t)) if heard else w.last_progress_t
 
 
 def _since_seen(w: RankView, now: float, timeout_s: float) -> hangs.RankProgress:

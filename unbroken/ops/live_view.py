@@ -141,6 +141,16 @@ class LiveView:
                 fields["shm_bytes"] = sum(int(m.get("shm_bytes") or 0) for m in ms)
         self.events.emit("step", **fields)
 
+    def on_job_step(self, step: int, fields: dict[str, Any]) -> None:
+        """Every rank completed ``step`` steps, as the nodes' summaries say (setting node_summaries: ranks'
+        own reports come only around faults): a ``step`` record, at most one per summary, not one per step."""
+        with self._lock:
+            if step <= self._job_step:
+                return
+            self._job_step = step
+            self._recount()
+        self.events.emit("step", step=step, **{k: round(float(v), 6) for k, v in fields.items()})
+
     def _recount(self) -> None:
         """``_behind`` from scratch (under the lock): after a job step, a roll-back, a new attempt."""
         self._behind = self.world_size - sum(1 for s in self._rank_steps.values() if s > self._job_step)

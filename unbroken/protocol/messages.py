@@ -261,6 +261,34 @@ class NodeReports(Message):
 
     entries: list[Encoded]
     pids: list[int]
+    # Seconds since the agent took each entry in (empty: just now): held reports (setting node_summaries)
+    # go on late, and the controller times a rank's progress by when it reported (agent/held_reports.py).
+    ages: list[float] = dataclasses.field(default_factory=list)
+
+
+@message("node_summary")
+class NodeSummary(Message):
+    """A node's steady steps in one message (setting node_summaries; agent/held_reports.py): its ``nranks``
+    ranks of ``attempt`` completed at least ``done`` steps, and each reported within the last ``age_s``
+    seconds; their slowest step took ``step_s`` (``ckpt_s`` of it in the checkpoint); the median of their
+    compute times' medians is ``compute_s``, the slowest is rank ``slow_rank``'s ``slow_s`` (-1: not yet
+    ``WINDOW`` steps each)."""
+
+    attempt: int
+    nranks: int
+    done: int
+    age_s: float
+    step_s: float
+    ckpt_s: float
+    compute_s: float
+    slow_rank: int
+    slow_s: float
+
+
+@message("flush_reports")
+class FlushReports(Message):
+    """Controller -> agents: send the held step reports now (a rank was seen stopped: the hang rule needs
+    every rank's place; agent/held_reports.py)."""
 
 
 @message("stop_requested")

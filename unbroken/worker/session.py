@@ -103,8 +103,10 @@ class Job:
         shm = self.cfg.checkpoint.shm_dir
         if self._control is None or not self.cfg.job_id or not os.path.isdir(shm):
             return None
-        if self.cfg.local_world_size < self.cfg.world_size:  # a lost node takes the file with it: the commit
-            return None  # reports go on carrying the state (a copy on a peer node would lift this)
+        if self.cfg.local_world_size < self.cfg.world_size and not self.cfg.worker.node_summaries:
+            # A lost node takes the file with it: the commit reports go on carrying the state (a copy on a peer
+            # node would lift this). Under node summaries a lost node's ranks restart anyway (agent/held_reports.py).
+            return None
         try:
             return OwnStateWriter(own_state_path(shm, self.cfg.job_id, self.rank))
         except (OSError, CheckpointError) as exc:

@@ -68,6 +68,7 @@ from unbroken.protocol import messages as m
 
 row, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 SUMMARIES = hasattr(m, "NodeSummary")  # a tree with node summaries (setting node_summaries)
+TREE = hasattr(m, "GroupSummary")  # ... sent through a tree of agents (agent/summary_tree.py)
 
 def started(n):
     state = sm.JobState(sm.JobPolicy(max_restarts=3, allowed=("recover-in-place", "recover", "exit")),
@@ -157,7 +158,10 @@ def handlers(n, relayed=False, watch=False, summarized=False):
     from unbroken.protocol.framing import pack_frame
     from unbroken.protocol.schema import decode, encode
     run_dir = tempfile.mkdtemp(prefix="ctl-bench-")
-    cfg = LaunchConfig(script="train.py", nproc_per_node=n, run_dir=run_dir, secret="bench-secret-" + "x1y2z3w4" * 4)
+    from unbroken.worker_config import WorkerSettings
+    worker = WorkerSettings(node_summaries=True) if summarized else WorkerSettings()
+    cfg = LaunchConfig(script="train.py", nproc_per_node=n, run_dir=run_dir, secret="bench-secret-" + "x1y2z3w4" * 4,
+                       worker=worker)
     events = EventLog(run_dir)
     ctl = Controller(cfg, host="127.0.0.1", port=0, events=events)
     live = LiveView(run_dir=run_dir, job_id="bench", world_size=n, events=events, snapshot=ctl.snapshot)
@@ -187,6 +191,14 @@ def handlers(n, relayed=False, watch=False, summarized=False):
                             done=True) for r in range(n)]
                 + [m.StepSynced(rank=r, attempt=0, gen=0, step=step, state=b"t" * 64) for r in range(n)])
     def frames(step):
+        if summarized and TREE:  # each group's leader: its nodes' summaries as columns (agent/summary_tree.py)
+            from unbroken.agent.summary_tree import FANOUT
+            ids = sorted(agents)
+            return [(g[0], pack_frame(encode(m.GroupSummary(
+                agents=g, attempts=[0] * len(g), nranks=[per_node] * len(g), done=[step] * len(g),
+                age_s=[0.05] * len(g), step_s=0.5, ckpt_s=0.0, compute_s=[0.3] * len(g),
+                slow_rank=[a * per_node for a in g], slow_s=[0.3 + a % 7 * 1e-3 for a in g]))))
+                    for g in (ids[i:i + FANOUT] for i in range(0, len(ids), FANOUT))]
         if summarized:  # a node's summary: its ranks completed `step` steps (agent/held_reports.py)
             return [(a, pack_frame(encode(m.NodeSummary(attempt=0, nranks=per_node, done=step, age_s=0.05,
                                                          step_s=0.5, ckpt_s=0.0, compute_s=0.3, slow_rank=a * per_node,

@@ -165,7 +165,7 @@ def test_a_batch_with_big_states_is_cut_to_fit_the_frame(relay):
 def summarizing():
     sent = Sent()
     node = NodeRelay(SECRET, sent, delay_s=DELAY_S, summaries=True)
-    node.held._summary_s = 0.0  # a summary at each look of the watcher, for the test
+    node.held.summary_s = 0.0  # a summary at each look of the watcher, for the test
     node.start()
     yield node, sent
     node.close()

@@ -126,7 +126,7 @@ def test_replacement_killed_while_restoring_is_recovered(tmp_path, reference):
 def test_node_summaries_keep_the_steady_reports_on_the_node_and_a_kill_recovers_in_flight(tmp_path,
                                                                                          tmp_path_factory):
     """--node-summaries (agent/held_reports.py): after a rank's first few steps its compute reports stay with
-    its agent, which sends one summary a second; the killed rank's held reports (its own state at the step's
+    its agent, which sends one summary a second (a group of one: agent/summary_tree.py); the killed rank's held reports (its own state at the step's
     start) go before its exit, and its replacement resumes in flight, bit-exact."""
     steps = 2 * STEPS  # long enough for the steady steps after the recovery to be held too
     reference = reference_run(tmp_path_factory, steps=steps)
@@ -138,9 +138,39 @@ def test_node_summaries_keep_the_steady_reports_on_the_node_and_a_kill_recovers_
     assert (exited["rank"], exited["step"]) == (2, 9)  # where it died, though its steps 4-8 were held
     (counts,) = events(run_dir, "control_messages")
     assert counts["relayed"]["Progress"] < 3 * steps, counts  # one a rank a step without summaries (4 x steps)
-    assert counts["received"].get("NodeSummary", 0) >= 1, counts
+    assert counts["received"].get("GroupSummary", 0) >= 1, counts  # (a group of one node: its own)
     assert "Progress" not in counts["received"] and "StepSynced" not in counts["received"]
     assert events(run_dir, "step")[-1]["step"] == steps
+
+
+@pytest.mark.timeout(240)
+def test_node_summaries_through_a_leader_agent_and_a_kill_on_the_member_node(tmp_path, tmp_path_factory):
+    """Two agents on loopback, --node-summaries: node 1 sends its summaries to node 0's agent, which leads
+    their group and sends the controller one GroupSummary a second (agent/summary_tree.py). A kill on node 1
+    is recovered in flight, bit-exact: its held reports and its own-state file are on its live node."""
+    steps = 2 * STEPS
+    reference = reference_run(tmp_path_factory, steps=steps)
+    port = free_port()
+    env = dict(os.environ, UNBROKEN_JOB_SECRET="summary-tree-secret-" + "t0123456789" * 2)
+    out = tmp_path / "tree.safetensors"
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-port", str(port), "--run-dir", str(tmp_path / f"node{node}"),
+               "--node-summaries", "--inject", "kill:rank=3:step=9", str(EXAMPLE), "--steps", str(steps),
+               "--out", str(out), *TRAIN_ARGS, "--step-sleep-s", "0.05"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=200)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    run_dir = tmp_path / "node0"
+    assert_same_weights(reference, out)
+    (decision,) = events(run_dir, "decision")
+    assert (decision["rank"], decision["rung"]) == (3, "recover-in-place")
+    assert len(events(run_dir, "attempt_started")) == 1
+    (counts,) = events(run_dir, "control_messages")
+    assert counts["received"].get("GroupSummary", 0) >= 1, counts
+    assert "NodeSummary" not in counts["received"], counts  # node 1's went through node 0's agent
+    assert counts["relayed"]["Progress"] < 3 * steps, counts
 
 
 @pytest.mark.timeout(200)

@@ -122,6 +122,13 @@ BAD = [
     ),
     ({"type": "node_reports", "entries": [{"type": "heartbeat", "rank": 0}, 5], "pids": [1, 2]},
      "field 'entries' must be list[an encoded message (a map)], got int at [1]"),
+    # a list of one scalar kind is checked in whole-list passes; a wrong item still gets its place named
+    ({"type": "node_reports", "entries": [], "pids": [1, 2, True, 4]}, "field 'pids' must be list[int], got bool at [2]"),
+    ({"type": "node_reports", "entries": [], "pids": [1, 2**64]},
+     "field 'pids' must be list[int], got int 18446744073709551616 outside the 64-bit range at [1]"),
+    ({"type": "group_summary", "agents": [1], "attempts": [0], "nranks": [2], "done": [3], "age_s": [0.1, "x"],
+      "step_s": 1.0, "ckpt_s": 0.0, "compute_s": [0.5], "slow_rank": [-1], "slow_s": [-1.0]},
+     "field 'age_s' must be list[float], got str at [1]"),
     ({"type": "no_such_thing"}, "unknown message type 'no_such_thing'"),
     ({"type": 5}, "unknown message type 5"),
     ({"rank": 1}, "message has no 'type' field"),

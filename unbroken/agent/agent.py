@@ -36,7 +36,7 @@ from unbroken.checkpoint.launch_dirs import run_id
 from unbroken.config import LaunchConfig, worker_env
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.protocol import messages as m
-from unbroken.protocol.wire import Connection, connect
+from unbroken.protocol.wire import Connection, connect, local_address
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,14 @@ class Agent:
         # later, in the command thread, would leave the controller's messages unread: this node fences.)
         if self._zygote is not None and not self._zygote.wait_ready():
             self._zygote.close()
-        self._open(*self._first_controller(connect_timeout_s), timeout_s=connect_timeout_s)
         worker = self.cfg.worker
         if worker.node_reports or worker.node_summaries:  # per-node aggregation of step reports (agent/relay.py)
-            self._relay = NodeRelay(self.cfg.secret.encode(), self._send, summaries=worker.node_summaries)
+            # Under summaries the relay also serves its group's other agents (agent/summary_tree.py): it listens
+            # where they reach this node, and its port goes to the controller's address book with the hello.
+            host = local_address(*self._controller_addr) if worker.node_summaries else "127.0.0.1"
+            self._relay = NodeRelay(self.cfg.secret.encode(), self._send, host=host, summaries=worker.node_summaries)
             self._relay.start()
+        self._open(*self._first_controller(connect_timeout_s), timeout_s=connect_timeout_s)
         self._watcher.start()
         self._claim_shared_memory()
         if self._persister is not None:
@@ -204,6 +207,8 @@ class Agent:
         ident: dict = {"node_rank": self.node_rank}
         if self._peer is not None:  # its port reaches the controller's address book (PeerAgents)
             ident["peer_port"] = self._peer.port
+        if self._relay is not None and self._relay.tree is not None:  # the summary tree's (agent/summary_tree.py)
+            ident["relay_port"] = self._relay.port
         conn = connect(host, port, self.cfg.secret.encode(), "agent", ident, timeout_s=timeout_s)
         self._conn, self._controller_addr, self.controller = conn, (host, port), f"{host}:{port}"
         self._conn.send(m.AgentRegister(node_rank=self.node_rank, nproc=self.cfg.nproc_per_node,
@@ -308,7 +313,7 @@ class Agent:
         if not (ckpt.every_steps and ckpt.peer_memory and cfg.job_id and os.path.isdir(ckpt.shm_dir)
                 and (cfg.nnodes > 1 or cfg.standby)):  # one node: no other memory to keep a copy in
             return None
-        from unbroken.agent.peer_memory import PeerMemory, local_address  # (an agent without one never needs it)
+        from unbroken.agent.peer_memory import PeerMemory  # (an agent without one never needs it)
 
         return PeerMemory(cfg.secret.encode(), ckpt.shm_dir, cfg.job_id, self.node_rank, self._running_ranks,
                           host=local_address(*self._controller_addr))
@@ -317,6 +322,9 @@ class Agent:
         if self._peer is not None:
             peers = {a: (h, p) for a, h, p in zip(msg.agents, msg.hosts, msg.ports)}
             self._peer.set_peers(peers, set(msg.hosting), me=msg.you)
+        if self._relay is not None and self._relay.tree is not None and len(msg.relay_ports) == len(msg.agents):
+            relays = {a: (h, p) for a, h, p in zip(msg.agents, msg.hosts, msg.relay_ports)}
+            self._relay.tree.set_book(msg.you, relays, msg.hosting)
 
     def _fetch_peer_copies(self, ranks: list[int]) -> None:
         """Before a job restart's workers start: the ranks with no snapshot in this node's memory get

@@ -92,7 +92,7 @@ class HeldReports:
     """The held reports of one node's ranks and its summaries (see the module docstring)."""
 
     def __init__(self, summary_s: float = SUMMARY_S) -> None:
-        self._summary_s = summary_s
+        self.summary_s = summary_s
         self._ranks: dict[int, _Rank] = {}
         self._changed = False  # a rank completed a step since the last summary
         self._summary_t = float("-inf")
@@ -167,7 +167,7 @@ class HeldReports:
     def summary(self, now: float) -> m.NodeSummary | None:
         """The node's summary, when one is due: some rank completed a step since the last one, at least
         ``summary_s`` ago, and every rank of the newest attempt here completed one."""
-        if not self._changed or now - self._summary_t < self._summary_s or not self._ranks:
+        if not self._changed or now - self._summary_t < self.summary_s or not self._ranks:
             return None
         attempt = max(r.attempt for r in self._ranks.values())
         ranks = [r for r in self._ranks.values() if r.attempt == attempt]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -44,18 +43,6 @@ NICE = 10  # the sender's niceness: the training processes come first
 CONNECT_TIMEOUT_S = 5.0
 STALL_S = 30.0  # a send or an answer that makes no progress this long fails (the peer is gone or frozen)
 RETRY_S = 1.0  # after a failed send, the sender waits this long before it connects again
-
-
-def local_address(host: str, port: int) -> str:
-    """This host's address on the route to ``host`` (the controller's): where the peer-memory server
-    listens, the address the controller sees this agent connect from. No packet is sent."""
-    try:
-        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(addr)
-            return probe.getsockname()[0]
-    except OSError:
-        return host
 
 
 class PeerMemory:

@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 
 from unbroken.agent.held_reports import HeldReports, Report
+from unbroken.agent.summary_tree import ROLE as SUMMARY_ROLE, SummaryTree
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.names import Phase
 from unbroken.protocol import messages as m
@@ -83,6 +84,7 @@ class NodeRelay:
         self._buffer: list[Report] = []
         # Setting node_summaries: the steady reports held here, a summary sent instead (agent/held_reports.py).
         self.held = HeldReports() if summaries else None
+        self.tree = SummaryTree(secret, send, self.held.summary_s) if self.held is not None else None
         self._oldest_t: float | None = None
         self.batches_sent = 0  # NodeReports sent (for tests and benchmarks)
         self._server = Server(host, 0, secret, self._serve)
@@ -91,15 +93,23 @@ class NodeRelay:
     def address(self) -> str:
         return f"{self._server.host}:{self._server.port}"
 
+    @property
+    def port(self) -> int:
+        return self._server.port
+
     def start(self) -> None:
         self._server.start()
 
     def close(self) -> None:
         self.flush()
         self._server.close()
+        if self.tree is not None:
+            self.tree.close()
 
     # -- from the workers (server threads) ------------------------------------------------
     def _serve(self, conn: Connection) -> None:
+        if conn.role == SUMMARY_ROLE and self.tree is not None:
+            return self._serve_member(conn)
         rank, pid = conn.ident.get("rank"), conn.ident.get("pid")
         if conn.role != "relay" or type(rank) is not int or type(pid) is not int or rank < 0:
             raise ProtocolError(f"relay connection from {conn.peer} must be role 'relay' with int rank and pid, "
@@ -123,6 +133,23 @@ class NodeRelay:
                 self._lock.notify_all()
                 if self._complete_locked():  # the batch may have waited for this rank only
                     self._flush_locked()
+
+    def _serve_member(self, conn: Connection) -> None:
+        """Another node's agent sends its summaries here: this node leads its group (agent/summary_tree.py)."""
+        agent = conn.ident.get("agent")
+        if type(agent) is not int or agent < 0:
+            raise ProtocolError(f"summary connection from {conn.peer} must name its agent (int), got {conn.ident!r}")
+        try:
+            while True:
+                msg = conn.recv()
+                if type(msg) is not m.NodeSummary:
+                    log.warning("relay: agent %d sent %s on its summary connection (NodeSummary only); dropped",
+                                agent, msg.TYPE)
+                    continue
+                with self._lock:
+                    self.tree.take_member(agent, msg, time.monotonic())
+        except ConnectionClosed:
+            pass
 
     def _add(self, entry: Report) -> None:
         with self._lock:
@@ -154,9 +181,13 @@ class NodeRelay:
                 self._flush_locked()
             if self._oldest_t is not None and now - self._oldest_t >= self._delay_s:
                 self._flush_locked()
-            summary = self.held.summary(now) if self.held is not None else None
-            if summary is not None:
-                self._send(summary)
+            if self.held is not None:
+                summary = self.held.summary(now)
+                if summary is not None:
+                    self.tree.offer(summary, now)  # to its group's leader, or to the controller
+                group = self.tree.group_due(now)
+                if group is not None:
+                    self._send(group)
 
     def flush(self) -> None:
         """Send every report here now, held ones included (a process seen stopped, the controller asked)."""

@@ -268,6 +268,15 @@ def _node_summary(self: Connections, agent: int, msg: m.NodeSummary) -> None:
         hub.summaries.note(agent, msg, time.monotonic())
 
 
+def _group_summary(self: Connections, agent: int, msg: m.GroupSummary) -> None:
+    """A group of nodes' summaries from its leader (agent/summary_tree.py): kept whole for the watchdog's tick."""
+    hub = self._hub
+    hub.board.count_received("GroupSummary")
+    if not hub.summaries.note_group(msg, time.monotonic()):
+        log.warning("controller: agent %d sent a group summary whose columns differ in length from its %d agents; "
+                    "dropped", agent, len(msg.agents))
+
+
 def _ranks_committed(self: Connections, commits: dict[tuple[int, int], list[int]]) -> None:
     """The commits a node's compute reports told (Progress.synced): one transition per step."""
     for (attempt, step), ranks in commits.items():
@@ -291,7 +300,7 @@ AGENT_HANDLERS: dict[type, AgentHandler] = {
     m.RankStarted: _rank_started, m.RankExited: _rank_exited, m.RankStatus: _rank_status,
     m.RanksStopped: _ranks_stopped,
     m.Persisted: _persisted, m.Heartbeat: lambda self, agent, msg: None, m.StopRequested: _stop_requested,
-    m.NodeReports: _node_reports, m.NodeSummary: _node_summary,
+    m.NodeReports: _node_reports, m.NodeSummary: _node_summary, m.GroupSummary: _group_summary,
 }
 
 

@@ -151,18 +151,21 @@ class Executor:
         """Every agent's peer-memory address and the agents hosting ranks (agent/peer_memory.py): each
         agent sends its snapshots to the next hosting one, and fetches from any at a job restart."""
         hub = self._hub
-        ids, hosts, ports = [], [], []
+        ids, hosts, ports, relays = [], [], [], []
         for agent in sorted(hub.board.agent_ids()):
             conn = hub.board.agent_conn(agent)
             if conn is None:
                 continue
             ids.append(agent)
             hosts.append(str(getattr(conn, "peer", "")).rpartition(":")[0].strip("[]"))
-            port = dict(getattr(conn, "ident", {}) or {}).get("peer_port", 0)
-            ports.append(port if type(port) is int and 0 < port < 65536 else 0)
+            ident = dict(getattr(conn, "ident", {}) or {})
+            ports.append(_port(ident.get("peer_port")))
+            relays.append(_port(ident.get("relay_port")))  # the summary tree's (setting node_summaries)
         hosting = sorted(hub.state.hosts())
-        for agent in [a for a, port in zip(ids, ports) if port]:  # an agent without peer memory needs no book
-            self.send_to_agent(agent, m.PeerAgents(you=agent, agents=ids, hosts=hosts, ports=ports, hosting=hosting))
+        book = {"agents": ids, "hosts": hosts, "ports": ports, "hosting": hosting,
+                "relay_ports": relays if any(relays) else []}
+        for agent in [a for a, port, relay in zip(ids, ports, relays) if port or relay]:  # the others need none
+            self.send_to_agent(agent, m.PeerAgents(you=agent, **book))
 
     def _restart_ranks(self, action: sm.RestartRanks) -> None:
         hub = self._hub
@@ -383,3 +386,8 @@ def _shrunk_rank(state: sm.JobState, rank: int) -> dict:
         return {}
     return dict(data_ranks=",".join(map(str, state.data_ranks[rank])), data_world_size=state.data_world_size,
                 lr_scale=state.lr_scale)
+
+
+def _port(value: object) -> int:
+    """A port an agent said it listens on (its hello's ident), 0 if it said none or nonsense."""
+    return value if type(value) is int and 0 < value < 65536 else 0

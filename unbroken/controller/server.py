@@ -41,7 +41,7 @@ from unbroken.controller.connections import Connections
 from unbroken.controller.durable_mirror import layout_key
 from unbroken.controller.eventlog import EventLog
 from unbroken.controller.executor import Executor
-from unbroken.controller.hangs import RankProgress
+from unbroken.controller.hangs import NOT_RUNNING, RankProgress
 from unbroken.controller.hub import Reply, TellAgents
 from unbroken.controller.liveness import Liveness
 from unbroken.controller.rank_state import RankStates
@@ -52,12 +52,17 @@ from unbroken.controller.timing import RecoveryTiming
 from unbroken.controller.values import RankSet
 from unbroken.controller.views import Outcome, RankView
 from unbroken.controller.watchdog import WATCH_INTERVAL_S, Watchdog
+from unbroken.protocol import messages as m
 from unbroken.protocol.messages import PER_RANK_LIMIT_BYTES, Heartbeat
 from unbroken.protocol.wire import Server
 
 __all__ = ["Controller", "Outcome", "RankView", "WATCH_INTERVAL_S", "StepListener"]
 
 #: Told of each completed step: (rank, steps completed, the step's metrics as the rank reported them).
+#: Under node summaries: how long a suspected hang waits for the agents' held reports, and after how long a
+#: suspicion that outlived them asks again.
+FLUSH_WAIT_S = 0.2
+FLUSH_AGAIN_S = 2.0
 StepListener = Callable[[int, int, dict], None]
 JobStepListener = Callable[[int, dict], None]  # (steps every rank completed, the slowest's step_s and ckpt_s)
 #: Told of each new state whose durable part (attempt, generation, committed step, budget, placement,
@@ -109,6 +114,7 @@ class Controller:
         self._step_listeners: list[StepListener] = []
         self._job_step_listeners: list[JobStepListener] = []
         self.summaries = NodeSummaries()  # the nodes' summaries of their steady steps (setting node_summaries)
+        self._flush_asked_t: float | None = None  # when a suspected hang made it ask the agents for held reports
         ckpt = cfg.checkpoint
         self.storage = StorageTier(ckpt.save_dir, keep=ckpt.keep, run_id=run_id(cfg.secret, cfg.job_id)) \
             if ckpt.save_dir else None
@@ -381,9 +387,19 @@ class Controller:
                     pass  # (ConnectionClosed too) the thread serving it reports the loss
 
     def _check_hangs(self, now: float) -> None:
-        """Some rank is past its hang timeout: blame the one not progressing (hangs.py)."""
-        found = self._watchdog.find_hung(self.board.views(), self._state.attempt, now,
-                                         heard=self.summaries.heard(self._state.attempt, self._hosting()))
+        """Some rank is past its hang timeout: blame the one not progressing (hangs.py). Under node summaries
+        a rank's silence may rest on its node's summaries only: the agents are first asked for the reports
+        they hold, and the rule decides on those a moment later (a stopped process, seen by its agent, at once)."""
+        heard = self.summaries.heard(self._state.attempt, self._hosting()) if self.cfg.worker.node_summaries else {}
+        found = self._watchdog.find_hung(self.board.views(), self._state.attempt, now, heard=heard)
+        if found is None or not self.cfg.worker.node_summaries or found[0].process in NOT_RUNNING:
+            self._flush_asked_t = None
+        elif self._flush_asked_t is None or now - self._flush_asked_t > FLUSH_AGAIN_S:
+            self._flush_asked_t = now
+            self.reply(TellAgents(m.FlushReports()))
+            return
+        elif now - self._flush_asked_t < FLUSH_WAIT_S:
+            return
         if found is not None:
             blamed, why = found
             w = self.board.view(blamed.rank)

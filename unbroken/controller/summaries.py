@@ -25,6 +25,7 @@ import statistics
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from unbroken.controller import health
 from unbroken.protocol import messages as m
@@ -39,27 +40,57 @@ class JobSteps:
     ckpt_s: float
 
 
+class _Row(NamedTuple):
+    """One node's newest summary: its ranks all heard at ``t`` (monotonic, here)."""
+
+    t: float
+    attempt: int
+    nranks: int
+    done: int
+    step_s: float
+    ckpt_s: float
+    compute_s: float
+    slow_rank: int
+    slow_s: float
+
+
 class NodeSummaries:
-    """The newest summary of each node (see the module docstring)."""
+    """The newest summary of each node, straight from it or in its group's (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._newest: dict[int, tuple[float, m.NodeSummary]] = {}  # agent -> (its ranks heard at, summary)
+        self._rows: dict[int, _Row] = {}  # agent -> its newest summary
+        self._groups: list[tuple[float, m.GroupSummary]] = []  # taken in, not yet spread into _rows
         self._new = False  # a summary came since the last take()
         self._hosting: tuple[tuple[int, ...], Counter[int]] | None = None  # (placement, ranks per agent)
 
     def note(self, agent: int, msg: m.NodeSummary, now: float) -> None:
-        self._newest[agent] = (now - max(0.0, msg.age_s), msg)
+        """A node's own summary (O(1): its connection thread, under the controller's lock)."""
+        self._keep(agent, _Row(now - _age(msg.age_s), msg.attempt, msg.nranks, msg.done, msg.step_s, msg.ckpt_s,
+                               msg.compute_s, msg.slow_rank, msg.slow_s))
         self._new = True
+
+    def note_group(self, msg: m.GroupSummary, now: float) -> bool:
+        """A group's summaries (agent/summary_tree.py), kept whole until a look spreads them (O(1) here);
+        False, and nothing kept, when its columns are not all as long as its agents."""
+        n = len(msg.agents)
+        if any(len(col) != n for col in (msg.attempts, msg.nranks, msg.done, msg.age_s, msg.compute_s,
+                                         msg.slow_rank, msg.slow_s)):
+            return False
+        self._groups.append((now, msg))
+        self._new = True
+        return True
 
     def forget(self, agent: int) -> None:
         """The agent left (or its node was lost): its summaries vouch for nothing any more."""
-        self._newest.pop(agent, None)
+        self._spread()
+        self._rows.pop(agent, None)
 
     def heard(self, attempt: int, hosting: Mapping[int, int]) -> dict[int, float]:
         """agent -> when its ranks were all heard, for each agent whose newest summary covers every rank it
         hosts in ``attempt`` (``hosting``: agent -> its number of ranks)."""
-        return {agent: t for agent, (t, msg) in self._newest.items()
-                if msg.attempt == attempt and msg.nranks == hosting.get(agent)}
+        self._spread()
+        return {agent: row.t for agent, row in self._rows.items()
+                if row.attempt == attempt and row.nranks == hosting.get(agent)}
 
     def take(self, attempt: int, hosting: Mapping[int, int]) -> JobSteps | None:
         """The job's steps, when a summary came since the last call and every hosting agent has one of
@@ -67,24 +98,25 @@ class NodeSummaries:
         if not self._new:
             return None
         self._new = False
-        newest = [self._newest.get(agent) for agent in hosting]
-        if any(e is None or e[1].attempt != attempt or e[1].nranks != hosting[a]
-               for a, e in zip(hosting, newest)):
+        self._spread()
+        rows = [self._rows.get(agent) for agent in hosting]
+        if any(row is None or row.attempt != attempt or row.nranks != hosting[agent]
+               for agent, row in zip(hosting, rows)):
             return None
-        msgs = [e[1] for e in newest]  # (every one is there: checked above)
-        return JobSteps(done=min(s.done for s in msgs), step_s=max(s.step_s for s in msgs),
-                        ckpt_s=max(s.ckpt_s for s in msgs))
+        return JobSteps(done=min(row.done for row in rows), step_s=max(row.step_s for row in rows),
+                        ckpt_s=max(row.ckpt_s for row in rows))
 
     def stragglers(self, attempt: int, factor: float,
                    min_excess_s: float = health.MIN_EXCESS_S) -> list[tuple[int, float, float]]:
         """(rank, its median, the job's median) of each node's slowest rank past ``factor`` times the job's
         median compute time (the median of the nodes'), once every node has its ranks' medians."""
-        msgs = [msg for _, msg in self._newest.values() if msg.attempt == attempt]
-        if factor <= 0 or not msgs or any(msg.slow_rank < 0 for msg in msgs):
+        self._spread()
+        rows = [row for row in self._rows.values() if row.attempt == attempt]
+        if factor <= 0 or not rows or any(row.slow_rank < 0 for row in rows):
             return []
-        job = statistics.median(msg.compute_s for msg in msgs)
-        return sorted((msg.slow_rank, msg.slow_s, job) for msg in msgs
-                      if msg.slow_s > factor * job and msg.slow_s - job >= min_excess_s)
+        job = statistics.median(row.compute_s for row in rows)
+        return sorted((row.slow_rank, row.slow_s, job) for row in rows
+                      if row.slow_s > factor * job and row.slow_s - job >= min_excess_s)
 
     def hosting(self, placement: tuple[int, ...], world_size: int, per_agent: int) -> Counter[int]:
         """agent -> how many ranks it hosts (``placement``, else ``per_agent`` ranks each), kept until it changes."""
@@ -92,3 +124,22 @@ class NodeSummaries:
             counts = Counter(placement) if placement else Counter(r // per_agent for r in range(world_size))
             self._hosting = (placement, counts)
         return self._hosting[1]
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _keep(self, agent: int, row: _Row) -> None:
+        old = self._rows.get(agent)
+        if old is None or (row.attempt, row.t) >= (old.attempt, old.t):  # a newer attempt's, or the newer of two
+            self._rows[agent] = row  # (a member's own summary and its group's copy)
+
+    def _spread(self) -> None:
+        """The groups' columns into per-node rows (one pass over their nodes, once per look)."""
+        groups, self._groups = self._groups, []
+        for now, g in groups:
+            for i, agent in enumerate(g.agents):
+                self._keep(agent, _Row(now - _age(g.age_s[i]), g.attempts[i], g.nranks[i], g.done[i], g.step_s,
+                                       g.ckpt_s, g.compute_s[i], g.slow_rank[i], g.slow_s[i]))
+
+
+def _age(age_s: float) -> float:
+    """An age as a summary says it; a negative, a NaN or an absurd one (over a day): 0."""
+    return age_s if 0.0 <= age_s <= 86_400.0 else 0.0

@@ -120,15 +120,18 @@ class StartRanks(Message):
 
 @message("peer_agents")
 class PeerAgents(Message):
-    """The address book of the peer copies (agent/peer_memory.py): each connected agent's id, host and
-    peer-memory port (0: it keeps none), the agents hosting ranks now (the ring), and the receiver's own
-    id (a standby agent learns it here)."""
+    """The address book of the peer copies (agent/peer_memory.py) and of the summary tree
+    (agent/summary_tree.py): each connected agent's id, host and peer-memory port (0: it keeps none), the
+    agents hosting ranks now (the ring), and the receiver's own id (a standby agent learns it here)."""
 
     you: int
     agents: list[int]
     hosts: list[str]
     ports: list[int]
     hosting: list[int]
+    # Each agent's relay port for the tree of node summaries (setting node_summaries; agent/summary_tree.py),
+    # 0: none; empty: no agent has one.
+    relay_ports: list[int] = dataclasses.field(default_factory=list)
 
 
 @message("stop_ranks")
@@ -283,6 +286,24 @@ class NodeSummary(Message):
     compute_s: float
     slow_rank: int
     slow_s: float
+
+
+@message("group_summary")
+class GroupSummary(Message):
+    """A group of nodes' summaries in one message, from the group's leader (agent/summary_tree.py): row ``i``
+    is agent ``agents[i]``'s newest :class:`NodeSummary` (its fields as columns; ``age_s`` grown by how long
+    the leader held it); ``step_s`` and ``ckpt_s`` are the group's slowest."""
+
+    agents: list[int]
+    attempts: list[int]
+    nranks: list[int]
+    done: list[int]
+    age_s: list[float]
+    step_s: float
+    ckpt_s: float
+    compute_s: list[float]
+    slow_rank: list[int]
+    slow_s: list[float]
 
 
 @message("flush_reports")

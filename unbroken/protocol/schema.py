@@ -261,7 +261,12 @@ def _any(value: Any, depth: int) -> Any:
 
 
 def _list(value: list, item: Converter, depth: int) -> list:
-    out = []
+    fast = _SCALAR_LISTS.get(item)
+    if fast is not None and depth < _MAX_NESTING:
+        out = fast(value)
+        if out is not None:
+            return out
+    out = []  # each item checked in turn: the error names the first one that is wrong
     for i, x in enumerate(value):
         if depth >= _MAX_NESTING:
             raise _Mismatch(f"values nested more than {_MAX_NESTING} deep")
@@ -271,6 +276,28 @@ def _list(value: list, item: Converter, depth: int) -> list:
             exc.where = f"[{i}]{exc.where}"  # unwinding goes inside-out: prepend the outer step
             raise
     return out
+
+
+def _ints(value: list) -> list | None:
+    """A list of ints (not bools) in msgpack's range, checked in C passes; None: let the loop say what is wrong."""
+    if value and (not set(map(type, value)) <= {int} or min(value) < _INT_MIN or max(value) >= _INT_END):
+        return None
+    return list(value)
+
+
+def _floats(value: list) -> list | None:
+    kinds = set(map(type, value))
+    if kinds <= {float}:
+        return list(value)
+    return list(map(float, value)) if kinds <= {float, int} else None
+
+
+def _strs(value: list) -> list | None:
+    return list(value) if set(map(type, value)) <= {str} else None
+
+
+#: A list of one scalar kind (a summary's columns, a batch's pids): checked without a call per item.
+_SCALAR_LISTS: dict[Converter, Callable[[list], list | None]] = {_int: _ints, _float: _floats, _str: _strs}
 
 
 def _dict(value: dict, item: Converter, depth: int) -> dict:

@@ -426,3 +426,16 @@ def _listen(host: str, port: int) -> socket.socket:
             "(choose a free port, or 0 for any)"
         ) from None
     return sock
+
+
+def local_address(host: str, port: int) -> str:
+    """This host's address on the route to ``host`` (the controller's): where an agent's servers for its
+    peers listen (peer memory, the summary tree's relay), the address the controller sees this agent connect
+    from. No packet is sent."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(addr)
+            return probe.getsockname()[0]
+    except OSError:
+        return host

@@ -167,6 +167,8 @@ def handlers(n, relayed=False, watch=False, summarized=False):
     live = LiveView(run_dir=run_dir, job_id="bench", world_size=n, events=events, snapshot=ctl.snapshot)
     events.listeners.append(live.on_record)  # as the launcher joins them (agent/launcher.py), not started
     ctl.add_step_listener(live.on_step)
+    if hasattr(ctl, "add_job_step_listener"):  # node summaries: the job step from them (launcher.py joins both)
+        ctl.add_job_step_listener(live.on_job_step)
     ctl._state = started(n)  # mid-job, on n // 8 nodes: set directly (only apply() replaces it in a job)
     handling = Connections(ctl)  # the serving threads' handlers (no state of their own)
     per_node = n // ctl.state.nnodes

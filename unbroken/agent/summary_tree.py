@@ -91,13 +91,13 @@ class SummaryTree:
 
     def set_book(self, me: int, addresses: dict[int, tuple[str, int]], hosting: Sequence[int]) -> None:
         """The agents' relay addresses (port 0: none) and the hosting agents, from the controller."""
-        leader = leader_of(me, hosting)
+        leader, order = leader_of(me, hosting), sorted(hosting)
+        group = set(order[order.index(leader):][:FANOUT]) if leader in order else {me}
         with self._cv:
             self._me, self._leading = me, leader == me and me in hosting
             addr = addresses.get(leader)
             self._leader = (leader, addr) if leader != me and addr is not None and addr[1] else None
-            if not self._leading:
-                self._members.clear()
+            self._members = {a: got for a, got in self._members.items() if self._leading and a in group}
             self._drop_conn_locked()
 
     # -- the relay's calls (under its lock) ---------------------------------------------------

@@ -88,6 +88,23 @@ def test_ddp_kills_recover_in_flight_bit_exact(tmp_path, reference, inject, repl
     assert resume_step is None or done["resume_step"] == resume_step
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("inject,replaced,resume_step", [
+    pytest.param("kill:rank=1:step=7:at=vote", {1}, 8, id="vote"),  # the default run's representative
+    pytest.param("kill:rank=1:step=7", {1}, 7, id="compute", marks=pytest.mark.slow),
+    pytest.param("kill:rank=3:step=7:at=update", {3}, 8, id="update", marks=pytest.mark.slow),
+    pytest.param("hang:rank=2:step=7:at=vote", {2}, 8, id="hung-before-vote", marks=pytest.mark.slow),
+    pytest.param("kill:rank=0:step=7:at=sync", {0}, 7, id="rank0", marks=pytest.mark.slow),
+])
+def test_ddp_with_node_summaries_recovers_in_flight_bit_exact(tmp_path, reference, inject, replaced, resume_step):
+    """--node-summaries (agent/held_reports.py): from step 4 the ranks' compute reports stay with their agent;
+    the faults at step 7 find the lost rank's own state in the held reports (a step's start) or its file (after
+    its reduction), the hang blamed on the reports its agent sends when asked."""
+    trained = _train(tmp_path, "faulty", flags=["--node-summaries", "--inject", inject])
+    done = check_trained_in_flight(trained, reference, replaced)
+    assert done["resume_step"] == resume_step
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ddp_stopped_rank_is_replaced_in_flight_bit_exact(tmp_path, reference):

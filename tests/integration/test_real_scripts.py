@@ -32,6 +32,8 @@ def _flags(scenario: str, tmp) -> list[str]:
         "kill-update": ["--inject", "kill:rank=1:step=5:at=update"],
         "hang": ["--inject", "hang:rank=2:step=5"],
         "kill-rank-0": ["--inject", "kill:rank=0:step=5:at=sync"],
+        "summaries-kill-sync": ["--node-summaries", "--inject", "kill:rank=1:step=7:at=sync"],
+        "summaries-hang": ["--node-summaries", "--inject", "hang:rank=2:step=7"],
         "two-kills": ["--inject", "kill:rank=1:step=5:at=compute,kill:rank=2:step=5:at=compute"],
         "retry": ["--inject", "corrupt:rank=2:step=5"],
         "restart-memory": [*exit_only, "--inject", "kill:rank=1:step=6:at=sync"],
@@ -43,7 +45,7 @@ def _flags(scenario: str, tmp) -> list[str]:
 
 
 SCENARIOS = ["kill-compute", "kill-sync", "kill-update", "hang", "kill-rank-0", "two-kills", "retry",
-             "restart-memory", "restart-storage", "dump", "load"]
+             "restart-memory", "restart-storage", "dump", "load", "summaries-kill-sync", "summaries-hang"]
 #: The default run's representatives (the rest of the matrix is slow): per-rank seeds, and loader
 #: workers drawing augmentation (their streams); the default run's three fault schedules
 #: (test_fault_schedules.py) run a script that uses every data source at once.
@@ -72,7 +74,8 @@ def test_bit_exact_through_the_fault(tmp_path, references, source, scenario):
         assert events(run_dir, "dump_committed") and not events(run_dir, "dump_per_rank_fallback")
         (recovered,) = events(run_dir, "recovered")
         assert recovered["restored_step"] == events(run_dir, "dump_committed")[0]["step"]
-    if scenario in ("kill-compute", "kill-sync", "kill-update", "two-kills", "kill-rank-0", "hang"):
+    if scenario in ("kill-compute", "kill-sync", "kill-update", "two-kills", "kill-rank-0", "hang",
+                    "summaries-kill-sync", "summaries-hang"):
         sources = [e["source"] for e in events(run_dir, "per_rank_state")]
         assert sources and not any(s.startswith("fallback") for s in sources), sources
 

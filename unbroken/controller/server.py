@@ -58,11 +58,11 @@ from unbroken.protocol.wire import Server
 
 __all__ = ["Controller", "Outcome", "RankView", "WATCH_INTERVAL_S", "StepListener"]
 
-#: Told of each completed step: (rank, steps completed, the step's metrics as the rank reported them).
 #: Under node summaries: how long a suspected hang waits for the agents' held reports, and after how long a
 #: suspicion that outlived them asks again.
 FLUSH_WAIT_S = 0.2
 FLUSH_AGAIN_S = 2.0
+#: Told of each completed step: (rank, steps completed, the step's metrics as the rank reported them).
 StepListener = Callable[[int, int, dict], None]
 JobStepListener = Callable[[int, dict], None]  # (steps every rank completed, the slowest's step_s and ckpt_s)
 #: Told of each new state whose durable part (attempt, generation, committed step, budget, placement,
@@ -414,7 +414,8 @@ class Controller:
         steps = self.summaries.take(state.attempt, self._hosting())
         if steps is None:
             return
-        self._watchdog.note_step_s(steps.step_s)
+        if steps.step_s > 0:  # (no rank reported a step time: nothing to calibrate the hang timeouts with)
+            self._watchdog.note_step_s(steps.step_s)
         if state.phase is sm.JobPhase.RUNNING and steps.done - 1 > state.committed_step:
             self.apply(sm.RanksSynced(RankSet.full(state.world_size), state.attempt, state.gen, steps.done - 1))
         for listener in self._job_step_listeners:

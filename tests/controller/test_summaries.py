@@ -56,7 +56,7 @@ def test_a_nodes_slowest_rank_past_the_factor_of_the_nodes_medians_is_a_straggle
 def controller(tmp_path):
     """A 4-rank job on two nodes, mid-job (as benchmarks/controller_scale.py sets it)."""
     cfg = LaunchConfig(script="train.py", nproc_per_node=2, nnodes=2, master_port=29999, run_dir=tmp_path,
-                       secret="summaries-test-" + "0123456789abcdef" * 2)  # (the port: a config check; nothing listens here)
+                       secret="summaries-test-" + "0123456789abcdef" * 2)  # (a port: a config check; unused)
     events = EventLog(tmp_path)
     ctl = Controller(cfg, host="127.0.0.1", port=0, events=events)
     state = sm.JobState(sm.JobPolicy(max_restarts=3, allowed=("recover-in-place", "exit")), world_size=4, nnodes=2)

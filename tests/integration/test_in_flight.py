@@ -8,6 +8,7 @@ equal the fault-free run's bit for bit, and no checkpoint is read.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -126,8 +127,9 @@ def test_replacement_killed_while_restoring_is_recovered(tmp_path, reference):
 def test_node_summaries_keep_the_steady_reports_on_the_node_and_a_kill_recovers_in_flight(tmp_path,
                                                                                          tmp_path_factory):
     """--node-summaries (agent/held_reports.py): after a rank's first few steps its compute reports stay with
-    its agent, which sends one summary a second (a group of one: agent/summary_tree.py); the killed rank's held reports (its own state at the step's
-    start) go before its exit, and its replacement resumes in flight, bit-exact."""
+    its agent, which sends one summary a second (a group of one: agent/summary_tree.py); the killed rank's held
+    reports (its own state at the step's start) go before its exit, and its replacement resumes in flight,
+    bit-exact."""
     steps = 2 * STEPS  # long enough for the steady steps after the recovery to be held too
     reference = reference_run(tmp_path_factory, steps=steps)
     result, out, run_dir = train(tmp_path, "summaries", steps=steps,
@@ -143,6 +145,40 @@ def test_node_summaries_keep_the_steady_reports_on_the_node_and_a_kill_recovers_
     assert events(run_dir, "step")[-1]["step"] == steps
 
 
+def _two_agents(tmp_path, steps: int, flags: list[str], train_args: list[str] = ()) -> Path:
+    """`unbroken run` on two agents on loopback, 2 ranks each, every flag on both; returns node 0's run dir."""
+    port = free_port()
+    env = dict(os.environ, UNBROKEN_JOB_SECRET="two-agents-secret-" + "t0123456789" * 2)
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-port", str(port), "--run-dir", str(tmp_path / f"node{node}"),
+               *flags, str(EXAMPLE), "--steps", str(steps), "--out", str(tmp_path / "out.safetensors"),
+               *TRAIN_ARGS, *train_args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=200)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    return tmp_path / "node0"
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_of_another_node_killed_after_its_reduction_resumes_from_the_state_it_sent_as_it_began(
+        tmp_path, reference):
+    """Two agents: node 1's ranks keep no file of their own state (a lost node takes it along), so in a
+    vote-less step each sends its state as its reduction begins (SyncState), before any rank can update.
+    Rank 3 killed with its reduction of step 5 done, before the step's end: its peers updated step 5, and
+    its replacement resumes at step 6 from that state, in flight, bit-exact (the commit report it used to
+    send after its reduction never left: the in-flight recovery was refused, the job restarted)."""
+    run_dir = _two_agents(tmp_path, STEPS, ["--inject", "kill:rank=3:step=5:at=vote"])
+    assert_same_weights(reference, tmp_path / "out.safetensors")
+    (decision,) = events(run_dir, "decision")
+    assert (decision["rank"], decision["rung"]) == (3, "recover-in-place"), decision
+    assert len(events(run_dir, "attempt_started")) == 1
+    assert events(run_dir, "recovered_in_flight")[0]["resume_step"] == 6
+    (counts,) = events(run_dir, "control_messages")
+    assert counts["received"].get("SyncState", 0) >= 2 * (STEPS - 3), counts  # node 1's ranks, vote-less steps
+
+
 @pytest.mark.timeout(240)
 def test_node_summaries_through_a_leader_agent_and_a_kill_on_the_member_node(tmp_path, tmp_path_factory):
     """Two agents on loopback, --node-summaries: node 1 sends its summaries to node 0's agent, which leads
@@ -150,20 +186,9 @@ def test_node_summaries_through_a_leader_agent_and_a_kill_on_the_member_node(tmp
     is recovered in flight, bit-exact: its held reports and its own-state file are on its live node."""
     steps = 2 * STEPS
     reference = reference_run(tmp_path_factory, steps=steps)
-    port = free_port()
-    env = dict(os.environ, UNBROKEN_JOB_SECRET="summary-tree-secret-" + "t0123456789" * 2)
-    out = tmp_path / "tree.safetensors"
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "unbroken.cli.main", "run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "2", "--master-port", str(port), "--run-dir", str(tmp_path / f"node{node}"),
-               "--node-summaries", "--inject", "kill:rank=3:step=9", str(EXAMPLE), "--steps", str(steps),
-               "--out", str(out), *TRAIN_ARGS, "--step-sleep-s", "0.05"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=200)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    run_dir = tmp_path / "node0"
-    assert_same_weights(reference, out)
+    run_dir = _two_agents(tmp_path, steps, ["--node-summaries", "--inject", "kill:rank=3:step=9"],
+                          ["--step-sleep-s", "0.05"])
+    assert_same_weights(reference, tmp_path / "out.safetensors")
     (decision,) = events(run_dir, "decision")
     assert (decision["rank"], decision["rung"]) == (3, "recover-in-place")
     assert len(events(run_dir, "attempt_started")) == 1

@@ -136,3 +136,15 @@ def test_a_step_committed_without_its_commit_report_costs_one_message_and_says_s
     time.sleep(DELAY_S * 1.5)
     reports.flush_due()  # the last step's done, alone
     assert (wire[-1].phase, wire[-1].step, wire[-1].synced) == (Phase.DONE, 2, True)
+
+
+def test_a_state_sent_beside_the_phases_keeps_the_reduction_mark_pending():
+    """A vote-less step on a node with no file of its state sends it as the reduction begins (SyncState):
+    the rank is still marked waiting in the reduction if it stays there, and the state left first."""
+    reports, wire = _reports()
+    reports.phase(4, Phase.COMPUTE)
+    reports.phase(4, Phase.SYNC)
+    reports.send_beside(m.SyncState(rank=3, attempt=1, gen=0, step=4, state=b"after-compute"))
+    reports.flush_due(time.monotonic() + DELAY_S * 2)
+    assert [(type(x).__name__, getattr(x, "phase", None)) for x in wire] == [
+        ("Progress", Phase.COMPUTE), ("SyncState", None), ("Progress", Phase.SYNC)]

@@ -131,7 +131,7 @@ class HeldReports:
         report or a compute report (a voting step; one not held yet, or whose state moved), every rank's
         before anything else (``None``: every rank's; holding starts over)."""
         msg = report.msg
-        if type(msg) is m.StepSynced or (type(msg) is m.Progress and msg.phase == Phase.COMPUTE):
+        if type(msg) in (m.StepSynced, m.SyncState) or (type(msg) is m.Progress and msg.phase == Phase.COMPUTE):
             return [report.rank]
         return None
 

@@ -21,6 +21,7 @@ from typing import Any
 from unbroken.controller import machine as sm
 from unbroken.controller.hub import Hub, Reply, TellAgents
 from unbroken.controller.rank_state import Point
+from unbroken.controller.summaries import sane_age
 from unbroken.controller.values import RankSet
 from unbroken.errors import ConnectionClosed, ProtocolError
 from unbroken.names import SCRIPT_IMPORTS_EVENT, STEP_PHASES, Phase
@@ -30,8 +31,6 @@ from unbroken.recovery.restore_point import RankOffer
 
 
 log = logging.getLogger(__name__)
-#: The most a relayed report's age can say (agent/held_reports.py: held at most a few stall times).
-MAX_AGE_S = 600.0
 
 AgentHandler = Callable[["Connections", int, Any], None]
 RankHandler = Callable[["Connections", int, int, Connection, Any], None]
@@ -241,7 +240,7 @@ def _node_reports(self: Connections, agent: int, msg: m.NodeReports) -> None:
             continue  # an older attempt's, or a process this rank no longer is (fencing, as for a direct report)
         hub.board.count_received(type(inner).__name__, relayed=True)
         if type(inner) is m.Progress:
-            sent_t = now - (age if 0.0 <= age <= MAX_AGE_S else 0.0)  # (a NaN or an absurd age: now)
+            sent_t = now - sane_age(age)  # (held on its node: agent/held_reports.py)
             _progress(self, rank, inner.attempt, None, inner, commits, t=sent_t)
             continue
         if commits:  # before a pause or a commit report: the commits told ahead of it
@@ -336,6 +335,12 @@ def _step_synced(self: Connections, rank: int, attempt: int, conn: Connection, m
     self._hub.apply(m.StepSynced(rank=rank, attempt=attempt, gen=msg.gen, step=msg.step))  # the state is kept
 
 
+def _sync_state(self: Connections, rank: int, attempt: int, conn: Connection | None, msg: m.SyncState) -> None:
+    """Its own state as its reduction began (a vote-less step on a node with no file of it): the state after
+    compute, should a peer update the step and this rank be lost (its node with it)."""
+    self._hub.rank_states.note_report(rank, attempt, msg.step, Point.AFTER_COMPUTE, msg.state, same=msg.state_same)
+
+
 def _note_synced(hub: Hub, rank: int, attempt: int, msg: m.StepSynced) -> None:
     hub.rank_states.note_report(rank, attempt, msg.step, Point.AFTER_COMPUTE, msg.state, same=msg.state_same)
     hub.board.synced(rank)  # its reduction is done; it waits in the commit vote
@@ -419,7 +424,7 @@ def _relabelled(event_of: Callable[[Any], Any]) -> RankHandler:
 
 
 RANK_HANDLERS: dict[type, RankHandler] = {
-    m.Progress: _progress, m.StepSynced: _step_synced, m.ClaimFault: _claim_fault,
+    m.Progress: _progress, m.StepSynced: _step_synced, m.SyncState: _sync_state, m.ClaimFault: _claim_fault,
     m.Dumped: _dumped, m.RankDamaged: _damaged,
     m.RankDegraded: lambda self, rank, attempt, conn, msg: self._hub.degraded(rank, attempt, msg.reason),
     m.SessionReady: _relabelled(lambda msg: msg), m.RankPaused: _paused, m.RankRegister: _register_again,

@@ -69,7 +69,7 @@ class NodeSummaries:
 
     def note(self, agent: int, msg: m.NodeSummary, now: float) -> None:
         """A node's own summary (O(1): its connection thread, under the controller's lock)."""
-        row = _Row(now - _age(msg.age_s), msg.attempt, msg.nranks, msg.done, msg.step_s, msg.ckpt_s, msg.compute_s,
+        row = _Row(now - sane_age(msg.age_s), msg.attempt, msg.nranks, msg.done, msg.step_s, msg.ckpt_s, msg.compute_s,
                    msg.slow_rank, msg.slow_s)
         old = self._rows.get(agent)
         if old is None or (row.attempt, row.t) >= (old.attempt, old.t):  # (its group's copy may be newer)
@@ -155,10 +155,11 @@ class NodeSummaries:
                     self._rows[agent] = row
 
 
-#: The oldest a summary's age may say (a day); a negative, NaN or larger one counts as 0.
+#: The oldest an agent may say a report or a summary is (a day); a negative, NaN or larger age counts as 0.
 MAX_AGE_S = 86_400.0
 _ROW = functools.partial(tuple.__new__, _Row)  # a _Row from a tuple, without NamedTuple's Python __new__
 
 
-def _age(age_s: float) -> float:
+def sane_age(age_s: float) -> float:
+    """An age as an agent said it (a held report's, a summary's), or 0 where it makes no sense."""
     return age_s if 0.0 <= age_s <= MAX_AGE_S else 0.0

@@ -246,6 +246,22 @@ class StepSynced(Message):
     state_same: bool = False  # instead of `state`: the rank's own state is the one it last sent
 
 
+@message("sync_state")
+class SyncState(Message):
+    """A rank's own state as its reduction of ``step`` begins, in a step that commits without a vote
+    (worker/commit.py) on a node that keeps no file of it (checkpoint/own_state.py: another node's ranks): it
+    stands for the state after compute, and the step's commit report is not sent. Sent before the rank
+    enters the reduction, so it has left before any rank can update the step; a lost node's ranks then
+    resume in flight from it. Nothing else: not a phase, not a commit (Progress.synced says that)."""
+
+    rank: int
+    attempt: int
+    gen: int
+    step: int
+    state: bytes = b""
+    state_same: bool = False  # instead of `state`: the rank's own state is the one it last sent
+
+
 @message("commit_step")
 class CommitStep(Message):
     gen: int
@@ -253,7 +269,7 @@ class CommitStep(Message):
 
 
 #: The worker messages an agent relays to the controller in a :class:`NodeReports` (its ranks' step reports).
-RELAYED_TYPES = ("progress", "step_synced", "rank_paused")
+RELAYED_TYPES = ("progress", "step_synced", "sync_state", "rank_paused")
 
 
 @message("node_reports")

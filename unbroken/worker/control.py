@@ -177,6 +177,12 @@ class ControlClient:
         self.reports.send_now(m.StepSynced(rank=self.rank, attempt=self.attempt, gen=gen, step=step, state=state,
                                            state_same=state_same))
 
+    def sync_state(self, gen: int, step: int, state: bytes = b"", state_same: bool = False) -> None:
+        """This rank's own state as its reduction of ``step`` begins (a vote-less step, no file of it on the
+        node: messages.SyncState); an in-step mark pending stays."""
+        self.reports.send_beside(m.SyncState(rank=self.rank, attempt=self.attempt, gen=gen, step=step, state=state,
+                                             state_same=state_same))
+
     def dumped(self, step: int, ranks: list[int], error: str) -> None:
         self._send(m.Dumped(rank=self.rank, attempt=self.attempt, step=step, ranks=ranks, error=error))
 

@@ -112,6 +112,12 @@ class StepReports:
             self._flush_done_locked()
             return self._send(msg)
 
+    def send_beside(self, msg: m.Message) -> bool:
+        """Send ``msg`` after any pending completed step, keeping a pending mark (``msg`` is not a phase)."""
+        with self._lock:
+            self._flush_done_locked()
+            return self._send(msg)
+
     def flush_due(self, now: float | None = None) -> None:
         """Send a mark (or a completed step) that has stood for the delay; from the heartbeat thread."""
         now = time.monotonic() if now is None else now

@@ -186,7 +186,7 @@ class StepStates:
     def begin(self, step: int, local: dict[str, Any], per_rank: dict[str, Any]) -> None:
         """Capture the start of ``step`` (trees from TrackedState.step_start) and its report."""
         blob = self._encode(per_rank)
-        self.start_report = self._report(blob)
+        self.start_report = self.report_of(blob)
         self.capture = StepCapture(step, self._keep_local(local), blob)
         self._at_sync = None
         if self._after is not None and blob != self._after and self.moved_after_update is None:
@@ -229,7 +229,7 @@ class StepStates:
                         "restart from the newest checkpoint, not in flight", self._rank, self._sync_moved)
         if not report and blob == self._at_sync:
             return None
-        return self._report(blob)
+        return self.report_of(blob)
 
     def _keep_local(self, local: dict[str, Any]) -> dict[str, Any] | bytes:
         """The replicated part's copy: its encoding (C code, several times faster than a snapshot's
@@ -242,7 +242,8 @@ class StepStates:
                 self._local_encoder = None
         return snapshot(local)
 
-    def _report(self, blob: bytes) -> Report:
+    def report_of(self, blob: bytes) -> Report:
+        """``blob`` (an encoding this made) as it travels: itself, or SAME where it is the one last sent."""
         if blob == self._last_sent:
             return SAME
         self._last_sent = blob

@@ -71,7 +71,7 @@ class StepBoundary:
         #: None until a step with such a reduction completed here (watched), then sticky once True.
         self._tail_changes: bool | None = None
         self._after_reduction: untracked.TrackedWatch | None = None
-        self._own_kept = False  # the step's state as its reduction began is in node memory (checkpoint/own_state.py)
+        self._own_kept = False  # the step's state as its reduction began is in node memory or sent (SyncState)
         self._synced_later = False  # the step committed without its commit report (Progress.synced)
         self._moved_told = False  # the controller was told this rank's state moved after an update
 
@@ -103,8 +103,12 @@ class StepBoundary:
             integrity.check_finite(self._tracked.objects, self.rank, self.step)  # before the reduction spreads it
         if name == Phase.SYNC and control is not None and self.in_step:  # (voting steps too: it learns sooner
             blob = self._states.at_sync(self._tracked.per_rank_tree())  # whether the state moves in the reduction)
-            if blob is not None and self._own_state is not None and self._voteless(self.step):
-                self._own_state.write(self.step, blob)  # kept by the agent, if this process dies
+            if blob is not None and self._voteless(self.step):  # its state after compute, before any rank updates:
+                if self._own_state is not None:
+                    self._own_state.write(self.step, blob)  # kept by the agent, if this process dies
+                else:  # (no file of it on this node: another node's ranks, whose loss takes a file along)
+                    own = self._states.report_of(blob)
+                    control.sync_state(self._generation(), self.step, state=own.state, state_same=own.same)
                 self._own_kept = True
         self._injector.at(self.step if step is None else step, name)
 

@@ -106,3 +106,12 @@ def test_the_summary_names_the_slowest_rank_once_each_has_its_window_of_compute_
             held.take(_done(rank, i + 1, i * 0.1, compute_s=compute_s))
     s = held.summary(5.0)
     assert (s.slow_rank, s.slow_s, s.compute_s) == (1, 0.5, 0.12)
+
+
+def test_a_summary_vouches_for_step_progress_not_for_a_mark_of_a_rank_waiting():
+    held = HeldReports(summary_s=0.0)
+    held.take(_done(0, 5, 0.0))
+    held.take(_done(1, 5, 0.0))
+    held.take(Report(1, 1001, m.Progress(rank=1, attempt=0, step=5, phase="sync", metrics={}), 1.5))  # it waits
+    held.take(_done(0, 6, 1.8))
+    assert held.summary(2.0).age_s == 2.0  # rank 1 last progressed at 0.0: its mark says it waits, not that it moves

@@ -179,7 +179,7 @@ class HeldReports:
         slow_rank = max(medians, key=medians.__getitem__) if len(medians) == len(ranks) else -1
         return m.NodeSummary(
             attempt=attempt, nranks=len(ranks), done=min(r.done for r in ranks),
-            age_s=round(now - min(r.heard_t for r in ranks), 6),
+            age_s=round(now - min(r.done_t for r in ranks if r.done_t is not None), 6),  # (step progress: not marks)
             step_s=_max_metric(ranks, "step_s"), ckpt_s=_max_metric(ranks, "ckpt_s"),
             compute_s=statistics.median(medians.values()) if slow_rank >= 0 else -1.0,
             slow_rank=slow_rank, slow_s=medians[slow_rank] if slow_rank >= 0 else -1.0)

@@ -96,7 +96,6 @@ class HeldReports:
         self._ranks: dict[int, _Rank] = {}
         self._changed = False  # a rank completed a step since the last summary
         self._summary_t = float("-inf")
-        self.held_total = 0  # reports held, ever (tests, benchmarks)
 
     # -- the relay's calls ------------------------------------------------------------------------
     def take(self, report: Report) -> bool:
@@ -123,7 +122,6 @@ class HeldReports:
             msg = dataclasses.replace(msg, state=r.last_state, state_same=False)
         r.held.append(dataclasses.replace(report, msg=msg))
         del r.held[:-KEEP]
-        self.held_total += 1
         return True
 
     def must_release(self, report: Report) -> list[int] | None:

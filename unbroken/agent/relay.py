@@ -67,11 +67,10 @@ def _batch_key(msg: m.Message) -> tuple[str, int] | None:
     """The reports every rank sends once per step, which a batch collects: compute, StepSynced."""
     if isinstance(msg, m.StepSynced):
         return ("synced", msg.step)
-    if isinstance(msg, m.SyncState):
-        return ("sync_state", msg.step)
     if isinstance(msg, m.Progress) and msg.phase == Phase.COMPUTE:
         return ("compute", msg.step)
-    return None  # anything else (RankPaused, a mark, a lone completed step, finished) goes at once
+    return None  # anything else (RankPaused, a mark, a lone completed step, finished; SyncState: a peer may update
+    # the step as soon as the rank's reduction is in, and a lost node takes a waiting batch along) goes at once
 
 
 class NodeRelay:

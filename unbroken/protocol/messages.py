@@ -251,8 +251,10 @@ class SyncState(Message):
     """A rank's own state as its reduction of ``step`` begins, in a step that commits without a vote
     (worker/commit.py) on a node that keeps no file of it (checkpoint/own_state.py: another node's ranks): it
     stands for the state after compute, and the step's commit report is not sent. Sent before the rank
-    enters the reduction, so it has left before any rank can update the step; a lost node's ranks then
-    resume in flight from it. Nothing else: not a phase, not a commit (Progress.synced says that)."""
+    enters the reduction (and by a relay at once, not in a batch), so it has left before any rank can update
+    the step; a lost node's ranks then resume in flight from it (unless the node dies with it still on the
+    wire: then the recovery refuses, and the job restarts, exact). Nothing else: not a phase, not a commit
+    (Progress.synced says that)."""
 
     rank: int
     attempt: int

@@ -26,15 +26,26 @@ def test_an_agent_is_silent_only_past_the_timeout():
 
 
 def test_beats_are_due_once_per_interval():
-    live = Liveness(10.0)
-    assert live.beat_due(0.0) and not live.beat_due(1.9) and live.beat_due(2.0)
+    live = Liveness(4.0)  # T / 5
+    assert live.beat_due(0.0) and not live.beat_due(0.7) and live.beat_due(0.8)
+    live = Liveness(30.0)  # at most a second apart
+    assert live.beat_due(0.0) and not live.beat_due(0.9) and live.beat_due(1.0)
 
 
 def test_a_node_fences_itself_well_before_the_controller_can_declare_it_lost():
     # The cut silences both ends at once; the agent's last word from the controller is at most one
-    # beat old. Fence at <= cut + T/2, declared at >= cut - beat + T: a margin of 0.3 T.
+    # beat old. Fence at <= cut + T/2, declared at >= cut - beat + T: a margin of at least 0.3 T.
     for t in (1.0, 5.0, 30.0):
-        assert t - beat_interval_s(t) - fence_after_s(t) == pytest.approx(0.3 * t)
+        assert t - beat_interval_s(t) - fence_after_s(t) >= 0.3 * t - 1e-9
+    assert beat_interval_s(30.0) == 1.0  # (a beat a second at most apart: an overdue agent is seen in 2.5 s)
+
+
+def test_an_agent_silent_for_a_few_beats_is_overdue():
+    live = Liveness(30.0)
+    live.heard(0, 100.0)
+    live.heard(1, 97.0)
+    assert live.overdue(100.0, [0, 1, 2]) == [1]  # (2 never heard: not watched)
+    assert live.overdue(100.0, [0]) == []
 
 
 def test_node_timeout_is_checked_at_the_edge():

@@ -390,6 +390,8 @@ class Controller:
         """Some rank is past its hang timeout: blame the one not progressing (hangs.py). Under node summaries
         a rank's silence may rest on its node's summaries only: the agents are first asked for the reports
         they hold, and the rule decides on those a moment later (a stopped process, seen by its agent, at once)."""
+        if self.liveness.overdue(now, self._state.hosts()):  # a frozen or cut-off node: its loss, not a hang of
+            return  # one of the ranks that wait for it (a rank waiting in an earlier step's collective looks behind)
         heard = self.summaries.heard(self._state.attempt, self._hosting()) if self.cfg.worker.node_summaries else {}
         found = self._watchdog.find_hung(self.board.views(), self._state.attempt, now, heard=heard)
         if found is None or not self.cfg.worker.node_summaries or found[0].process in NOT_RUNNING:

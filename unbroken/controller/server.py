@@ -15,10 +15,13 @@ pieces that each do one job:
 * :class:`~unbroken.controller.watchdog.Watchdog` -- step times, the hang and straggler rules
   (who a hang is blamed on: :mod:`unbroken.controller.hangs`);
 * :class:`~unbroken.controller.timing.RecoveryTiming` -- how long each recovery took;
+* :class:`~unbroken.controller.summaries.NodeSummaries` -- the nodes' summaries of their steady steps
+  (setting node_summaries: the commit record, the job step and the ranks heard, from them);
 * the event log (``events.jsonl``) and the storage tier the persisted steps commit into.
 
-Whoever builds a controller may hand it step listeners (:meth:`Controller.add_step_listener`):
-the launcher gives it the live view of :mod:`unbroken.ops.live_view`, which it knows nothing of.
+Whoever builds a controller may hand it step listeners (:meth:`Controller.add_step_listener`, and
+:meth:`Controller.add_job_step_listener` for the job steps the summaries tell): the launcher gives it
+the live view of :mod:`unbroken.ops.live_view`, which it knows nothing of.
 
 Threads: one per control connection (the protocol server's), one watchdog. All state is
 guarded by :attr:`Controller.lock`; actions are carried out under it (they only send small
